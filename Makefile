@@ -1,0 +1,32 @@
+# kvguard: `make run` starts the local stack, `make test` runs the whole suite; both set up .venv first.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+TORCH_VERSION := 2.13.0
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup run test clean
+
+setup: $(STAMP)
+
+# Idempotent: the stamp is rebuilt only when the project's dependencies change.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# CPU torch first when there is no GPU: a bare `torch` requirement would pull GBs of CUDA wheels.
+	@if $(PY) -c "import torch" 2>/dev/null; then echo "torch already installed"; \
+	elif command -v nvidia-smi >/dev/null 2>&1; then $(PIP) install -q torch==$(TORCH_VERSION); \
+	else $(PIP) install -q torch==$(TORCH_VERSION) --index-url https://download.pytorch.org/whl/cpu \
+	     || $(PIP) install -q torch==$(TORCH_VERSION); fi
+	$(PIP) install -q -e ".[test,dev]"
+	touch $(STAMP)
+
+run: setup
+	$(PY) -m engine --model tiny --port 8100
+
+test: setup
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis
