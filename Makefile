@@ -15,10 +15,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# CPU torch first when there is no GPU: a bare `torch` requirement would pull GBs of CUDA wheels.
-	@if $(PY) -c "import torch" 2>/dev/null; then echo "torch already installed"; \
-	elif command -v nvidia-smi >/dev/null 2>&1; then $(PIP) install -q torch==$(TORCH_VERSION); \
-	else $(PIP) install -q torch==$(TORCH_VERSION) --index-url https://download.pytorch.org/whl/cpu \
-	     || $(PIP) install -q torch==$(TORCH_VERSION); fi
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==$(TORCH_VERSION)
 	$(PIP) install -q -e ".[test,dev]"
 	touch $(STAMP)
 

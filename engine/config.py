@@ -1,0 +1,79 @@
+"""Engine options (the keyword arguments of ``LLM``), validated before anything is loaded."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.validation import is_int, is_number, require
+
+PREEMPTION_MODES = ("recompute", "swap")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """``num_blocks=None`` sizes the pool from memory: ``gpu_memory_utilization`` of the GPU, or
+    ``cpu_kv_cache_bytes`` on CPU (never more than ``max_num_seqs`` full-context sequences need).
+    ``swap_blocks=None`` gives swap mode as many host blocks as device blocks, and recompute mode none.
+    ``max_model_len=None`` takes the model's context length.
+    """
+
+    model: str = "tiny"
+    device: str = "auto"
+    dtype: str = "auto"
+    block_size: int = 16
+    num_blocks: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    preemption_mode: str = "recompute"
+    swap_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_bytes: int = 1 << 30
+
+    def __post_init__(self) -> None:
+        cuda = isinstance(self.device, str) and (self.device == "cuda" or self.device.startswith("cuda:"))
+        checks = [
+            ("model", isinstance(self.model, str) and self.model != "", "a model name or a local Hugging Face directory"),
+            ("device", self.device in ("auto", "cpu") or cuda, "'auto', 'cpu' or 'cuda[:N]'"),
+            ("device", not cuda or torch.cuda.is_available(), "'cpu' or 'auto' on a machine without CUDA"),
+            ("dtype", self.dtype in DTYPES, f"one of {sorted(DTYPES)}"),
+            ("block_size", _positive(self.block_size) and self.block_size & (self.block_size - 1) == 0
+             and self.block_size <= 256, "a power of two in [1, 256]"),
+            ("num_blocks", self.num_blocks is None or _positive(self.num_blocks), "a positive integer or None"),
+            ("max_num_seqs", _positive(self.max_num_seqs), "a positive integer"),
+            ("max_num_batched_tokens", _positive(self.max_num_batched_tokens), "a positive integer"),
+            ("preemption_mode", self.preemption_mode in PREEMPTION_MODES, f"one of {PREEMPTION_MODES}"),
+            ("swap_blocks", self.swap_blocks is None or (is_int(self.swap_blocks) and self.swap_blocks >= 0),
+             "an integer >= 0 or None"),
+            ("enable_prefix_caching", isinstance(self.enable_prefix_caching, bool), "a boolean"),
+            ("attention_backend", self.attention_backend in ATTENTION_BACKENDS, f"one of {ATTENTION_BACKENDS}"),
+            ("max_model_len", self.max_model_len is None or _positive(self.max_model_len),
+             "a positive integer or None"),
+            ("gpu_memory_utilization", is_number(self.gpu_memory_utilization)
+             and 0.0 < self.gpu_memory_utilization <= 1.0, "a number in (0, 1]"),
+            ("cpu_kv_cache_bytes", _positive(self.cpu_kv_cache_bytes), "a positive integer"),
+        ]
+        for name, ok, expected in checks:
+            require(ok, name, expected, getattr(self, name))
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        chosen = DTYPES[self.dtype]
+        if chosen is not None:
+            return chosen
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+
+def _positive(value: object) -> bool:
+    return is_int(value) and value > 0

@@ -1,0 +1,251 @@
+"""The engine's step loop: requests in, one scheduled step at a time, outputs out.
+
+``EngineCore`` is synchronous and single-threaded; ``LLM`` drives it to completion and the server's
+``AsyncEngine`` drives it from a background thread. Every input is validated before any state changes, and
+every sequence that ends (finished, stopped or aborted) releases its blocks in the same call.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import torch
+
+from engine.bandwidth import peak_bandwidth
+from engine.config import EngineConfig
+from engine.kernels import get_attention_backend
+from engine.kv.block_pool import BlockPool
+from engine.kv.manager import KVCacheManager
+from engine.kv.swap import SwapSpace
+from engine.model import IncrementalDetokenizer, load_model
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.protocol import TelemetrySnapshot
+from engine.runner import ModelRunner
+from engine.sampler import sample
+from engine.sampling_params import SamplingParams
+from engine.sched.request import Request, Sequence, SeqStatus
+from engine.sched.scheduler import Scheduler, SchedulerOutput
+from engine.telemetry import EngineStats
+from engine.validation import is_int, require
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = config.torch_device()
+        self.dtype = config.torch_dtype(self.device)
+        backend = get_attention_backend(config.attention_backend, self.device)
+        self.loaded = load_model(config.model, self.device, self.dtype, backend)
+        self.tokenizer = self.loaded.tokenizer
+        model_len = self.loaded.config.max_position_embeddings
+        require(config.max_model_len is None or config.max_model_len <= model_len, "max_model_len",
+                f"at most the model's context length {model_len}", config.max_model_len)
+        self.max_model_len = config.max_model_len or model_len
+        self.block_size = config.block_size
+        num_blocks = config.num_blocks or self._derive_num_blocks()
+        swap_blocks = config.swap_blocks
+        if swap_blocks is None:
+            swap_blocks = num_blocks if config.preemption_mode == "swap" else 0
+        block_bytes = self.loaded.config.kv_bytes_per_token(self.dtype) * self.block_size
+        self.stats = EngineStats(block_bytes)
+        self.kv = KVCacheManager(BlockPool(num_blocks, config.enable_prefix_caching), SwapSpace(swap_blocks),
+                                 self.block_size)
+        self.scheduler = Scheduler(self.kv, self.stats, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.preemption_mode)
+        self.runner = ModelRunner(self.loaded, self.kv, self.kv.swap, self.device, self.dtype)
+        self.stats.peak_bandwidth_bytes_per_s = peak_bandwidth(self.device)
+        self.requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+        self._request_ids = itertools.count()
+
+    @property
+    def model_name(self) -> str:
+        return self.loaded.name
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def make_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        tenant: str | None = None,
+        cache_salt: str | None = None,
+        priority: int = 0,
+    ) -> Request:
+        """Validate one prompt and build its request; nothing is queued yet (see ``add``)."""
+        require(isinstance(params, SamplingParams), "sampling_params", "a SamplingParams", params)
+        text, ids = self._tokenize(prompt)
+        limit = self.max_model_len
+        require(len(ids) < limit, "prompt", f"shorter than the context window of {limit} tokens "
+                f"(max_model_len), leaving room for one generated token", f"{len(ids)} tokens")
+        capacity = self.kv.pool.num_blocks * self.block_size
+        require(len(ids) < capacity, "prompt", f"shorter than the KV pool's {capacity} token slots",
+                f"{len(ids)} tokens")
+        max_tokens = min(limit - len(ids), capacity - len(ids))
+        if params.max_tokens is not None:
+            require(len(ids) + params.max_tokens <= capacity, "max_tokens",
+                    f"at most {capacity - len(ids)} for this prompt, or the sequence could never fit in the "
+                    f"KV pool of {self.kv.pool.num_blocks} blocks", params.max_tokens)
+            max_tokens = min(max_tokens, params.max_tokens)
+        require(params.stop is None or self.tokenizer is not None, "stop",
+                "unset for a model without a tokenizer", params.stop)
+        require(params.n <= self.config.max_num_seqs, "n", f"at most max_num_seqs ({self.config.max_num_seqs})",
+                params.n)
+        require(is_int(priority), "priority", "an integer", priority)
+        require(tenant is None or isinstance(tenant, str), "tenant", "a string or None", tenant)
+        require(cache_salt is None or isinstance(cache_salt, str), "cache_salt", "a string or None", cache_salt)
+        request_id = request_id if request_id is not None else f"req-{next(self._request_ids)}"
+        require(request_id not in self.requests, "request_id", "unique among running requests", request_id)
+        return Request(request_id, text, ids, params, max_tokens, tenant, cache_salt, priority)
+
+    def add(self, request: Request) -> None:
+        require(request.request_id not in self.requests, "request_id", "unique among running requests",
+                request.request_id)
+        seq = self._new_sequence(request, 0, list(request.prompt_token_ids))
+        seq.forks_pending = request.params.n - 1
+        self.requests[request.request_id] = request
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request wherever it is and release its blocks. Unknown or finished ids are ignored."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        for seq in request.seqs:
+            self.scheduler.finish(seq, "abort")
+        return self._output(request)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; return the requests that produced tokens or ended in it."""
+        if not self.scheduler.has_work:
+            return []
+        started = time.perf_counter()
+        out = self.scheduler.schedule()
+        touched: dict[str, Request] = {}
+        if out.scheduled:
+            result = self.runner.execute(out)
+            self.scheduler.advance(out)
+            self._sample(out, result.logits, touched)
+            self.stats.on_step(time.perf_counter() - started, result.num_tokens,
+                               any(s.num_new_tokens == 1 and s.num_samples for s in out.scheduled),
+                               result.bytes_moved)
+        outputs = []
+        for request in touched.values():
+            if request.finished:
+                del self.requests[request.request_id]
+            outputs.append(self._output(request))
+        return outputs
+
+    def telemetry(self, healthy: bool = True) -> TelemetrySnapshot:
+        return self.stats.snapshot(self.scheduler, self.model_name, healthy)
+
+    def _sample(self, out: SchedulerOutput, logits: torch.Tensor, touched: dict[str, Request]) -> None:
+        sampling = [item for item in out.scheduled if item.num_samples]
+        rows: list[int] = []
+        targets: list[Sequence] = []
+        for row, item in enumerate(sampling):
+            parent = item.seq
+            children = [self._new_sequence(parent.request, index, list(parent.token_ids))
+                        for index in range(1, parent.forks_pending + 1)]
+            parent.forks_pending = 0
+            # Fork before any token is appended: appending may finish the parent and free its blocks.
+            for child in children:
+                self.scheduler.fork(parent, child)
+            rows += [row] * (1 + len(children))
+            targets += [parent, *children]
+        tokens = sample(logits[rows], [s.request.params for s in targets], [s.generator for s in targets])
+        now = time.monotonic()
+        for seq, token in zip(targets, tokens):
+            request = seq.request
+            if request.first_token_time is None:
+                request.first_token_time = now
+                self.stats.on_prompt(request.tenant, len(request.prompt_token_ids))
+            self._append_token(seq, token)
+            touched[request.request_id] = request
+
+    def _append_token(self, seq: Sequence, token: int) -> None:
+        seq.token_ids.append(token)
+        request = seq.request
+        params = request.params
+        self.stats.on_generated(request.tenant, 1)
+        reason = None
+        if seq.detokenizer is not None:
+            new_text = seq.detokenizer.step(token)
+            reason = self._check_stop_strings(seq, new_text)
+        if reason is None:
+            if (token in self.loaded.config.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+                reason = "stop"
+            elif seq.num_output_tokens >= request.max_tokens:
+                reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+
+    def _check_stop_strings(self, seq: Sequence, new_text: str) -> str | None:
+        """Append ``new_text``; on a stop string, cut the text before it and return ``"stop"``."""
+        stops = seq.request.params.stop or []
+        start = max(0, len(seq.text) - max((len(s) for s in stops), default=0) + 1)
+        seq.text += new_text
+        if not stops or not new_text:
+            return None
+        hits = [i for s in stops if (i := seq.text.find(s, start)) >= 0]
+        if not hits:
+            return None
+        seq.text = seq.text[: min(hits)]
+        return "stop"
+
+    def _output(self, request: Request) -> RequestOutput:
+        completions = []
+        for seq in request.seqs:
+            if seq.detokenizer is None and self.tokenizer is not None and seq.status is SeqStatus.FINISHED:
+                seq.text = self.tokenizer.decode(seq.output_token_ids)
+            completions.append(CompletionOutput(seq.index, seq.text, seq.output_token_ids, seq.finish_reason))
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
+                             request.num_cached_tokens, all(s.status is SeqStatus.FINISHED for s in request.seqs))
+
+    def _new_sequence(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
+        params = request.params
+        generator = None
+        if params.seed is not None and not params.greedy:
+            generator = torch.Generator(self.device).manual_seed(params.seed + index)
+        detokenizer = None
+        if params.stop and self.tokenizer is not None:
+            detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
+        seq = Sequence(next(self._seq_ids), request, index, token_ids, len(request.prompt_token_ids),
+                       generator, detokenizer)
+        request.seqs.append(seq)
+        return seq
+
+    def _tokenize(self, prompt: object) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            require(prompt != "", "prompt", "a non-empty string or list of token ids", prompt)
+            require(self.tokenizer is not None, "prompt", "token ids for a model without tokenizer.json", "a string")
+            ids = self.tokenizer.encode(prompt)
+            require(len(ids) > 0, "prompt", "text that encodes to at least one token", prompt)
+            return prompt, ids
+        vocab = self.loaded.config.vocab_size
+        require(isinstance(prompt, list) and len(prompt) > 0, "prompt",
+                "a non-empty string or list of token ids", prompt)
+        require(all(is_int(t) and 0 <= t < vocab for t in prompt), "prompt",
+                f"token ids in [0, {vocab})", prompt)
+        return None, list(prompt)
+
+    def _derive_num_blocks(self) -> int:
+        cfg = self.loaded.config
+        block_bytes = cfg.kv_bytes_per_token(self.dtype) * self.block_size
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            # Leave room for activations: one full batch of hidden states at every layer boundary, generously.
+            activations = 16 * self.config.max_num_batched_tokens * cfg.hidden_size * self.dtype.itemsize
+            budget = int(total * self.config.gpu_memory_utilization) - (total - free) - activations
+        else:
+            budget = self.config.cpu_kv_cache_bytes
+        useful = self.config.max_num_seqs * -(-self.max_model_len // self.block_size)
+        num_blocks = min(budget // block_bytes, useful)
+        require(num_blocks > 0, "num_blocks", "derivable from memory: not even one KV block fits", num_blocks)
+        return num_blocks
+

@@ -1,0 +1,37 @@
+"""Per-step attention metadata, built once per step by the runner and shared by every layer.
+
+Layout of one step's flattened batch (three sequences, the first two prefilling a chunk, the last decoding)::
+
+    tokens:           | a0 a1 a2 | b0 b1 | c0 |
+    query_start_loc:  0          3       5    6         (cu_seqlens_q, num_seqs + 1 entries)
+    seq_lens:         [ctx_a,     ctx_b,  ctx_c]         (tokens in the KV cache after this step's store)
+
+Query token ``j`` of sequence ``i`` sits at absolute position ``seq_lens[i] - query_len[i] + j`` and attends
+to every cached position ``<= `` its own (causal over the cached prefix plus the new tokens).
+
+The KV cache of one layer is a tensor ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (K then V);
+slot ``s`` is ``(s // block_size, s % block_size)`` in that pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot each new token's K/V is stored into
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, rows padded with 0 past the sequence's blocks
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32
+    # Host copies so the torch reference and the runner never synchronise with the device to read them.
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)

@@ -1,0 +1,144 @@
+"""Block tables of sequences on top of the block pool: prefix hits, slot allocation, copy-on-write,
+forks, swap and release.
+
+Every block a sequence holds is referenced once by it; a block shared by a fork or a prefix hit has one
+reference per holder. Only the last, partial block of a sequence is ever written, and a shared partial
+block is copied before the write (copy-on-write). Full blocks are registered in the prefix cache only once
+their KV has been computed (``commit``), so a hit never reads KV that is still to be written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.kv.block import KVBlock
+from engine.kv.block_pool import BlockPool
+from engine.kv.hashing import extend_block_hashes
+from engine.kv.swap import SwapSpace
+from engine.sched.request import Sequence
+
+
+@dataclass(slots=True)
+class BlockCopies:
+    """Block moves the runner must perform before this step's forward, in this order."""
+
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
+    copy_on_write: list[tuple[int, int]] = field(default_factory=list)  # (device src, device dst)
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, swap: SwapSpace, block_size: int) -> None:
+        self.pool = pool
+        self.swap = swap
+        self.block_size = block_size
+        self.tables: dict[int, list[KVBlock]] = {}
+
+    def blocks_of(self, seq: Sequence) -> list[KVBlock]:
+        return self.tables.get(seq.seq_id, [])
+
+    def block_ids(self, seq: Sequence) -> list[int]:
+        return [b.block_id for b in self.tables.get(seq.seq_id, [])]
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def find_cached_prefix(self, seq: Sequence) -> list[KVBlock]:
+        """The longest run of this sequence's leading full blocks found in the prefix cache.
+
+        The last token is never served from cache: its logits are needed to sample the next token.
+        """
+        if not self.pool.enable_prefix_caching:
+            return []
+        self._hash_full_blocks(seq)
+        hits: list[KVBlock] = []
+        for h in seq.block_hashes[: (seq.num_tokens - 1) // self.block_size]:
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def allocate(
+        self, seq: Sequence, num_new_tokens: int, copies: BlockCopies, cached: list[KVBlock] = ()
+    ) -> bool:
+        """Give ``seq`` room for ``num_new_tokens`` more tokens, after adopting ``cached`` prefix blocks.
+
+        Returns False, changing nothing, when the pool cannot supply the blocks.
+        """
+        table = self.tables.get(seq.seq_id, [])
+        computed = seq.num_computed_tokens + len(cached) * self.block_size
+        needed = self.blocks_needed(computed + num_new_tokens) - len(table) - len(cached)
+        cow = None
+        if computed % self.block_size and table and table[-1].ref_count > 1:
+            cow = table[-1]
+        # Cached hits that sit in the free queue stop being free when adopted.
+        revived = sum(1 for b in cached if b.ref_count == 0)
+        if max(needed, 0) + (cow is not None) + revived > self.pool.num_free:
+            return False
+        if cached:
+            self.pool.touch(cached)
+            table = table + list(cached)
+            seq.num_computed_tokens = computed
+        if cow is not None:
+            (fresh,) = self.pool.allocate(1)
+            copies.copy_on_write.append((cow.block_id, fresh.block_id))
+            self.pool.free([cow])
+            table[-1] = fresh
+        if needed > 0:
+            table = table + self.pool.allocate(needed)
+        self.tables[seq.seq_id] = table
+        return True
+
+    def commit(self, seq: Sequence) -> None:
+        """Publish the blocks that this step's computed tokens have filled to the prefix cache."""
+        if not self.pool.enable_prefix_caching:
+            return
+        self._hash_full_blocks(seq)
+        table = self.tables[seq.seq_id]
+        for i in range(seq.num_computed_tokens // self.block_size):
+            if table[i].block_hash is None:
+                self.pool.register(table[i], seq.block_hashes[i])
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Let ``child`` share every block of ``parent`` (copy-on-write on the partial last block)."""
+        table = self.tables[parent.seq_id]
+        self.pool.touch(table)
+        self.tables[child.seq_id] = list(table)
+        child.block_hashes = list(parent.block_hashes)
+
+    def free(self, seq: Sequence) -> None:
+        """Release every block and swap block of ``seq``; tail blocks first so they are evicted first."""
+        table = self.tables.pop(seq.seq_id, [])
+        self.pool.free(reversed(table))
+        if seq.swapped_block_ids:
+            self.swap.free(seq.swapped_block_ids)
+            seq.swapped_block_ids = []
+
+    def can_swap_out(self, seq: Sequence) -> bool:
+        return len(self.tables.get(seq.seq_id, [])) <= self.swap.num_free
+
+    def swap_out(self, seq: Sequence, copies: BlockCopies) -> None:
+        table = self.tables.pop(seq.seq_id)
+        host = self.swap.allocate(len(table))
+        copies.swap_out.extend(zip((b.block_id for b in table), host))
+        seq.swapped_block_ids = host
+        self.pool.free(reversed(table))
+
+    def can_swap_in(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self.blocks_needed(seq.num_computed_tokens + num_new_tokens) <= self.pool.num_free
+
+    def swap_in(self, seq: Sequence, num_new_tokens: int, copies: BlockCopies) -> None:
+        """Bring ``seq`` back into fresh device blocks, with room for ``num_new_tokens`` more tokens."""
+        host = seq.swapped_block_ids
+        restored = self.pool.allocate(len(host))
+        copies.swap_in.extend(zip(host, (b.block_id for b in restored)))
+        self.swap.free(host)
+        seq.swapped_block_ids = []
+        self.tables[seq.seq_id] = restored
+        if not self.allocate(seq, num_new_tokens, copies):
+            raise AssertionError("can_swap_in was checked")
+        self.commit(seq)
+
+    def _hash_full_blocks(self, seq: Sequence) -> None:
+        extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, seq.request.cache_salt)

@@ -1,0 +1,91 @@
+"""Request and sequence state shared by the scheduler, the runner and the output path.
+
+A request owns ``n`` sequences. It starts as one sequence that computes the prompt; when the prompt's last
+token is computed, that sequence samples ``n`` tokens and forks ``n - 1`` siblings that share its prompt
+blocks copy-on-write. From then on every sequence is scheduled, preempted and resumed on its own.
+
+A sequence's KV covers ``token_ids[:num_computed_tokens]``. Every step computes some of the remaining
+tokens; when none remain, the step's last logits give the next token. So a decode is just a one-token
+chunk, and a sequence preempted by recompute simply starts again at ``num_computed_tokens = 0``.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.model.tokenizer import IncrementalDetokenizer
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # params.max_tokens, capped by the model's context
+    tenant: str | None = None
+    cache_salt: str | None = None
+    priority: int = 0  # lower runs first, as in vLLM
+    arrival_time: float = field(default_factory=time.monotonic)
+    seqs: list[Sequence] = field(default_factory=list)
+    first_token_time: float | None = None
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
+
+    @property
+    def finished(self) -> bool:
+        return len(self.seqs) == self.params.n and all(s.status is SeqStatus.FINISHED for s in self.seqs)
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    seq_id: int
+    request: Request
+    index: int  # position among the request's n completions
+    token_ids: list[int]
+    num_prompt_tokens: int
+    generator: torch.Generator | None = None
+    detokenizer: IncrementalDetokenizer | None = None
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed_tokens: int = 0
+    forks_pending: int = 0  # siblings to create when this sequence samples its first token
+    block_hashes: list[bytes] = field(default_factory=list)
+    swapped_block_ids: list[int] = field(default_factory=list)  # host swap blocks while SWAPPED
+    text: str = ""
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def sort_key(self) -> tuple[int, float, int]:
+        """Scheduling order: priority, then age; the largest key is preempted first."""
+        return (self.request.priority, self.request.arrival_time, self.seq_id)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
