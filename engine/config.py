@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kernels.backend import ATTENTION_BACKENDS
 from engine.validation import is_int, is_number, require
 
 PREEMPTION_MODES = ("recompute", "swap")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

@@ -86,12 +86,12 @@ class EngineCore:
         capacity = self.kv.pool.num_blocks * self.block_size
         require(len(ids) < capacity, "prompt", f"shorter than the KV pool's {capacity} token slots",
                 f"{len(ids)} tokens")
-        max_tokens = min(limit - len(ids), capacity - len(ids))
-        if params.max_tokens is not None:
-            require(len(ids) + params.max_tokens <= capacity, "max_tokens",
-                    f"at most {capacity - len(ids)} for this prompt, or the sequence could never fit in the "
-                    f"KV pool of {self.kv.pool.num_blocks} blocks", params.max_tokens)
-            max_tokens = min(max_tokens, params.max_tokens)
+        # A sequence longer than the whole pool could never finish: it would preempt itself forever.
+        room = min(limit, capacity) - len(ids)
+        require(params.max_tokens is None or params.max_tokens <= room, "max_tokens",
+                f"at most {room} for a prompt of {len(ids)} tokens (context window {limit} tokens, "
+                f"KV pool {capacity} token slots)", params.max_tokens)
+        max_tokens = params.max_tokens or room
         require(params.stop is None or self.tokenizer is not None, "stop",
                 "unset for a model without a tokenizer", params.stop)
         require(params.n <= self.config.max_num_seqs, "n", f"at most max_num_seqs ({self.config.max_num_seqs})",
@@ -183,6 +183,8 @@ class EngineCore:
             elif seq.num_output_tokens >= request.max_tokens:
                 reason = "length"
         if reason is not None:
+            if seq.detokenizer is not None and not seq.stopped_by_string:
+                seq.text += seq.detokenizer.flush()  # a character cut off at the end becomes U+FFFD
             self.scheduler.finish(seq, reason)
 
     def _check_stop_strings(self, seq: Sequence, new_text: str) -> str | None:
@@ -196,6 +198,7 @@ class EngineCore:
         if not hits:
             return None
         seq.text = seq.text[: min(hits)]
+        seq.stopped_by_string = True
         return "stop"
 
     def _output(self, request: Request) -> RequestOutput:

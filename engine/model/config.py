@@ -31,19 +31,27 @@ _MISSING = object()  # sentinel: a field without a default
 
 
 @dataclass(slots=True, frozen=True)
-class RopeScaling:
-    """How RoPE frequencies are stretched beyond the pre-training context.
+class LinearRopeScaling:
+    """Every RoPE frequency divided by ``factor`` (position interpolation)."""
 
-    ``linear`` divides every frequency by ``factor``; ``llama3`` (Llama 3.1+) leaves high frequencies alone,
-    divides low ones by ``factor`` and interpolates smoothly in between, with the band edges set by
-    ``low_freq_factor``/``high_freq_factor`` relative to ``original_max_position_embeddings``.
+    factor: float
+
+
+@dataclass(slots=True, frozen=True)
+class Llama3RopeScaling:
+    """Llama 3.1 RoPE scaling: high frequencies kept, low ones divided by ``factor``, a smooth blend between.
+
+    The band edges are the wavelengths ``original_max_position_embeddings / high_freq_factor`` and
+    ``original_max_position_embeddings / low_freq_factor``.
     """
 
-    rope_type: Literal["linear", "llama3"]
     factor: float
-    low_freq_factor: float | None = None
-    high_freq_factor: float | None = None
-    original_max_position_embeddings: int | None = None
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+RopeScaling = LinearRopeScaling | Llama3RopeScaling
 
 
 @dataclass(slots=True, frozen=True)
@@ -68,7 +76,8 @@ class ModelConfig:
     rope_scaling: RopeScaling | None
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool  # bias on q/k/v (never on o_proj)
+    attention_bias: bool  # bias on q/k/v
+    attention_output_bias: bool  # bias on o_proj: Llama's attention_bias covers it, Qwen2 never has one
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     torch_dtype: str | None  # the checkpoint's dtype as written in config.json, informational only
@@ -81,8 +90,9 @@ class ModelConfig:
         ``generate``: instruct checkpoints often list their end-of-turn token only there.
         """
         directory = Path(path)
-        fields = _Fields.read(directory / "config.json", required=True)
-        generation = _Fields.read(directory / "generation_config.json", required=False)
+        fields = _Fields.read(directory / "config.json")
+        generation_path = directory / "generation_config.json"
+        generation = _Fields.read(generation_path) if generation_path.exists() else None
         architecture = _architecture(fields)
 
         num_heads = fields.positive_int("num_attention_heads")
@@ -104,8 +114,13 @@ class ModelConfig:
             )
         _reject_unsupported_features(fields)
 
-        eos_source = generation if generation is not None and generation.has("eos_token_id") else fields
-        bos_source = generation if generation is not None and generation.has("bos_token_id") else fields
+        llama_bias = architecture == "llama" and fields.boolean("attention_bias", default=False)
+        eos_token_ids = fields.token_ids("eos_token_id")
+        bos_token_id = fields.token_id("bos_token_id")
+        if generation is not None and generation.has("eos_token_id"):
+            eos_token_ids = generation.token_ids("eos_token_id")
+        if generation is not None and generation.has("bos_token_id"):
+            bos_token_id = generation.token_id("bos_token_id")
         return cls(
             architecture=architecture,
             vocab_size=fields.positive_int("vocab_size"),
@@ -121,9 +136,10 @@ class ModelConfig:
             max_position_embeddings=fields.positive_int("max_position_embeddings"),
             tie_word_embeddings=fields.boolean("tie_word_embeddings", default=False),
             # Qwen2 always has q/k/v bias and its config has no switch for it.
-            attention_bias=architecture == "qwen2" or fields.boolean("attention_bias", default=False),
-            bos_token_id=bos_source.token_id("bos_token_id"),
-            eos_token_ids=eos_source.token_ids("eos_token_id"),
+            attention_bias=architecture == "qwen2" or llama_bias,
+            attention_output_bias=llama_bias,
+            bos_token_id=bos_token_id,
+            eos_token_ids=eos_token_ids,
             torch_dtype=fields.optional_str("torch_dtype") or fields.optional_str("dtype"),
         )
 
@@ -138,6 +154,8 @@ class ModelConfig:
         attention = self.hidden_size * (q_size + 2 * kv_size) + q_size * self.hidden_size
         if self.attention_bias:
             attention += q_size + 2 * kv_size
+        if self.attention_output_bias:
+            attention += self.hidden_size
         mlp = 3 * self.hidden_size * self.intermediate_size
         layer = attention + mlp + 2 * self.hidden_size
         embeddings = self.vocab_size * self.hidden_size
@@ -148,18 +166,16 @@ class ModelConfig:
 class _Fields:
     """Typed access to one JSON object; every error names the file and the field."""
 
-    __slots__ = ("path", "data")
+    __slots__ = ("data", "path")
 
     def __init__(self, path: Path, data: dict[str, Any]) -> None:
         self.path = path
         self.data = data
 
     @classmethod
-    def read(cls, path: Path, *, required: bool) -> _Fields | None:
+    def read(cls, path: Path) -> _Fields:
         if not path.is_file():
-            if required:
-                raise ModelLoadError(f"{path}: file not found")
-            return None
+            raise ModelLoadError(f"{path}: file not found")
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as exc:
@@ -263,7 +279,8 @@ def _architecture(fields: _Fields) -> Architecture:
             if name in _ARCHITECTURES:
                 return _ARCHITECTURES[name]
         raise fields.error(
-            "architectures", f"names no supported architecture (supported: {', '.join(_ARCHITECTURES)}), got {names!r}"
+            "architectures",
+            f"names no supported architecture (supported: {', '.join(_ARCHITECTURES)}), got {names!r}",
         )
     model_type = fields.optional_str("model_type")
     if model_type is None:
@@ -310,17 +327,18 @@ def _rope_scaling(fields: _Fields) -> RopeScaling | None:
     if rope_type == "default":
         return None
     if rope_type == "linear":
-        return RopeScaling("linear", factor=params.positive_float("factor"))
+        return LinearRopeScaling(factor=params.positive_float("factor"))
     if rope_type == "llama3":
         low = params.positive_float("low_freq_factor")
         high = params.positive_float("high_freq_factor")
         if high <= low:
             raise params.error("high_freq_factor", f"({high}) must be greater than low_freq_factor ({low})")
-        return RopeScaling(
-            "llama3",
+        return Llama3RopeScaling(
             factor=params.positive_float("factor"),
             low_freq_factor=low,
             high_freq_factor=high,
             original_max_position_embeddings=params.positive_int("original_max_position_embeddings"),
         )
-    raise fields.error(source, f"has unsupported rope_type {rope_type!r} (supported: default, linear, llama3)")
+    raise fields.error(
+        source, f"has unsupported rope_type {rope_type!r} (supported: default, linear, llama3)"
+    )

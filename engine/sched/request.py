@@ -67,6 +67,7 @@ class Sequence:
     swapped_block_ids: list[int] = field(default_factory=list)  # host swap blocks while SWAPPED
     text: str = ""
     finish_reason: str | None = None
+    stopped_by_string: bool = False
     num_preemptions: int = 0
 
     @property

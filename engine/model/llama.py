@@ -1,0 +1,211 @@
+"""The Llama/Qwen2-family decoder, reading and writing its KV through the paged cache.
+
+Module and parameter names mirror the Hugging Face checkpoints (``model.layers.3.self_attn.q_proj.weight``),
+so loading is a 1:1 name match with no renaming table. The maths follows HF's eager implementation step for
+step (RMSNorm in fp32, rotate-half RoPE, softmax in fp32), which is what keeps our logits within 1e-4 of it.
+
+Tokens arrive flattened: ``input_ids [T]`` holds every sequence's new tokens of this step back to back, and
+``AttentionMetadata`` says which tokens belong to which sequence. Nothing here depends on the batch layout.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.kernels.backend import AttentionBackend
+from engine.kernels.metadata import AttentionMetadata
+from engine.model.config import LinearRopeScaling, Llama3RopeScaling, ModelConfig, RopeScaling
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 and cast back before the weight, as HF does: bf16 models were trained that way.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE with a cos/sin table precomputed for every position up to the model's maximum.
+
+    The table is built in fp32 on the host, even when the module is built on the meta device (the loader's
+    fast path), and travels with ``.to(device)``; it is cast to the activations' dtype per use, as HF casts
+    its freshly computed cos/sin. Positions must be below ``max_position_embeddings``.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        inv_freq = _inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
+        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32, device="cpu")
+        angles = torch.outer(positions, inv_freq)
+        angles = torch.cat((angles, angles), dim=-1)  # [max_pos, head_dim]: both halves share a frequency
+        self.register_buffer("cos_cache", angles.cos(), persistent=False)
+        self.register_buffer("sin_cache", angles.sin(), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate ``query [T, heads, D]`` and ``key [T, kv_heads, D]`` by their tokens' positions."""
+        cos = self.cos_cache[positions].to(query.dtype)[:, None, :]
+        sin = self.sin_cache[positions].to(query.dtype)[:, None, :]
+        return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def _inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    if scaling is None:
+        return inv_freq
+    if isinstance(scaling, LinearRopeScaling):
+        return inv_freq / scaling.factor
+    return _llama3_scaled(inv_freq, scaling)
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, scaling: Llama3RopeScaling) -> torch.Tensor:
+    """Keep short wavelengths, stretch long ones by ``factor``, blend linearly in 1/wavelength between."""
+    original_context = scaling.original_max_position_embeddings
+    wavelength = 2 * math.pi / inv_freq
+    long_wavelength = original_context / scaling.low_freq_factor
+    short_wavelength = original_context / scaling.high_freq_factor
+    blend = (original_context / wavelength - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    blended = (1 - blend) * inv_freq / scaling.factor + blend * inv_freq
+    scaled = torch.where(wavelength > long_wavelength, inv_freq / scaling.factor, blended)
+    return torch.where(wavelength < short_wavelength, inv_freq, scaled)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.layer_index = layer_index
+        self.attn_backend = attn_backend
+        hidden = config.hidden_size
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(hidden, q_size, bias=config.attention_bias)
+        self.k_proj = nn.Linear(hidden, kv_size, bias=config.attention_bias)
+        self.v_proj = nn.Linear(hidden, kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(q_size, hidden, bias=config.attention_output_bias)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        query = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
+        key = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        value = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        query, key = rotary(positions, query, key)
+        kv_cache = kv_caches[self.layer_index]
+        self.attn_backend.store_kv(key, value, kv_cache, meta.slot_mapping)
+        attended = self.attn_backend.forward(query, kv_cache, meta, scale=self.head_dim**-0.5)
+        return self.o_proj(attended.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer_index, attn_backend)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, rotary, kv_caches, meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderStack(nn.Module):
+    """HF's ``model.*`` namespace: embeddings, layers, final norm."""
+
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, attn_backend) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(hidden, positions, self.rotary_emb, kv_caches, meta)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder plus LM head. With tied embeddings there is no ``lm_head`` parameter at all (HF checkpoints
+    omit ``lm_head.weight`` then) and the logits use the embedding matrix, so the two can never drift apart.
+    """
+
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderStack(config, attn_backend)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Final hidden states ``[T, hidden]`` of this step's tokens; stores their K/V in ``kv_caches``."""
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits ``[N, vocab]`` for the rows of ``hidden`` the caller samples from."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()

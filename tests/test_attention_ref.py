@@ -1,0 +1,123 @@
+"""The torch paged-attention reference against dense causal attention on contiguous K/V."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kernels import AttentionMetadata, TorchAttentionBackend, get_attention_backend
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 64
+HEAD_DIM = 8
+NUM_KV_HEADS = 2
+
+
+def dense_causal_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Attention of the last ``len(query)`` positions over ``key``/``value`` [ctx, kv_heads, D], in fp64."""
+    group = query.shape[1] // key.shape[1]
+    q = query.double().transpose(0, 1)
+    k = key.double().repeat_interleave(group, dim=1).transpose(0, 1)
+    v = value.double().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = q @ k.transpose(1, 2) * scale
+    offset = key.shape[0] - query.shape[0]
+    for i in range(query.shape[0]):
+        scores[:, i, offset + i + 1 :] = float("-inf")
+    return (scores.softmax(-1) @ v).transpose(0, 1)
+
+
+# (cached tokens before the step, new tokens this step): prefill chunks with and without a cached prefix,
+# decodes, and contexts that end exactly on, just past and just before block boundaries.
+SEQUENCES = [(0, 7), (5, 6), (11, 1), (3, 1), (0, 1), (8, 4), (16, 1), (2, 13)]
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_paged_attention_matches_dense(group: int, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    num_heads = NUM_KV_HEADS * group
+    backend = TorchAttentionBackend()
+    kv_cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=generator)
+    free_blocks = torch.randperm(NUM_BLOCKS, generator=generator).tolist()
+
+    tables, keys, values, queries, slots = [], [], [], [], []
+    for cached, new in SEQUENCES:
+        total = cached + new
+        blocks = [free_blocks.pop() for _ in range(-(-total // BLOCK_SIZE))]
+        tables.append(blocks)
+        key = torch.randn(total, NUM_KV_HEADS, HEAD_DIM, generator=generator)
+        value = torch.randn(total, NUM_KV_HEADS, HEAD_DIM, generator=generator)
+        positions = torch.arange(total)
+        seq_slots = torch.tensor(blocks)[positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
+        # The cached prefix was stored by earlier steps; this step stores only the new tokens.
+        backend.store_kv(key[:cached], value[:cached], kv_cache, seq_slots[:cached])
+        keys.append(key)
+        values.append(value)
+        queries.append(torch.randn(new, num_heads, HEAD_DIM, generator=generator))
+        slots.append(seq_slots[cached:])
+
+    max_blocks = max(len(t) for t in tables)
+    query_lens = [new for _, new in SEQUENCES]
+    seq_lens = [cached + new for cached, new in SEQUENCES]
+    meta = AttentionMetadata(
+        slot_mapping=torch.cat(slots),
+        block_tables=torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        query_lens_cpu=query_lens,
+        seq_lens_cpu=seq_lens,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+    )
+    new_keys = torch.cat([k[cached:] for k, (cached, _) in zip(keys, SEQUENCES)])
+    new_values = torch.cat([v[cached:] for v, (cached, _) in zip(values, SEQUENCES)])
+    backend.store_kv(new_keys, new_values, kv_cache, meta.slot_mapping)
+
+    scale = HEAD_DIM**-0.5
+    output = backend.forward(torch.cat(queries), kv_cache, meta, scale)
+
+    expected = torch.cat([dense_causal_attention(q, k, v, scale) for q, k, v in zip(queries, keys, values)])
+    assert output.dtype == torch.float32
+    assert output.shape == (sum(query_lens), num_heads, HEAD_DIM)
+    assert (output.double() - expected).abs().max().item() < 1e-5
+
+
+def test_store_kv_writes_exactly_the_mapped_slots() -> None:
+    backend = TorchAttentionBackend()
+    kv_cache = torch.zeros(2, 3, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    key = torch.randn(2, NUM_KV_HEADS, HEAD_DIM)
+    value = torch.randn(2, NUM_KV_HEADS, HEAD_DIM)
+    backend.store_kv(key, value, kv_cache, torch.tensor([9, 2]))
+
+    assert torch.equal(kv_cache[0, 2, 1], key[0]) and torch.equal(kv_cache[1, 2, 1], value[0])
+    assert torch.equal(kv_cache[0, 0, 2], key[1]) and torch.equal(kv_cache[1, 0, 2], value[1])
+    assert torch.count_nonzero(kv_cache) == 4 * NUM_KV_HEADS * HEAD_DIM
+
+
+def test_output_keeps_the_query_dtype() -> None:
+    backend = TorchAttentionBackend()
+    kv_cache = torch.randn(2, 2, BLOCK_SIZE, 1, HEAD_DIM).to(torch.bfloat16)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([2]),
+        block_tables=torch.tensor([[1]], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+        seq_lens=torch.tensor([3], dtype=torch.int32),
+        query_lens_cpu=[1],
+        seq_lens_cpu=[3],
+        max_query_len=1,
+        max_seq_len=3,
+    )
+    query = torch.randn(1, 2, HEAD_DIM, dtype=torch.bfloat16)
+    assert backend.forward(query, kv_cache, meta, scale=1.0).dtype == torch.bfloat16
+
+
+def test_backend_selection() -> None:
+    cpu = torch.device("cpu")
+    assert isinstance(get_attention_backend("torch", cpu), TorchAttentionBackend)
+    assert isinstance(get_attention_backend("auto", cpu), TorchAttentionBackend)
+    with pytest.raises(ValueError, match="attention_backend: 'triton' kernels are not available yet"):
+        get_attention_backend("triton", cpu)
+    with pytest.raises(ValueError, match="attention_backend.*'auto', 'torch', 'triton'"):
+        get_attention_backend("flash", cpu)
