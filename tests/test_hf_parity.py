@@ -12,7 +12,7 @@ import transformers
 from engine import LLM, SamplingParams
 
 SMALL = dict(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=256, eos_token_id=2, bos_token_id=1)
+             num_key_value_heads=2, max_position_embeddings=256, eos_token_id=159, bos_token_id=1)
 PROMPTS = [[1, 17, 33, 90, 4, 4, 150, 61, 12, 9, 100, 3, 77, 20, 5, 6, 7, 8, 44], [1, 5], [1, 99, 98, 97, 96, 95]]
 NEW_TOKENS = 24
 
@@ -23,7 +23,7 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     if request.param == "llama":
         config = transformers.LlamaConfig(**SMALL, attn_implementation="eager")
     else:
-        config = transformers.Qwen2Config(**SMALL, tie_word_embeddings=True, attn_implementation="eager")
+        config = transformers.Qwen2Config(**SMALL, attn_implementation="eager")  # tied: see test_model_hf
     hf_model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
     with torch.no_grad():  # a default init is so flat that greedy ties are likely; sharpen it
         for parameter in hf_model.parameters():
@@ -45,15 +45,15 @@ def hf_greedy(hf_model, prompt: list[int]) -> list[int]:
 def test_greedy_tokens_match_transformers(checkpoint) -> None:
     directory, hf_model = checkpoint
     # A small pool and token budget so that the batch is chunked and preempted along the way.
-    llm = LLM(str(directory), device="cpu", block_size=4, num_blocks=20, max_num_batched_tokens=8)
+    llm = LLM(str(directory), device="cpu", block_size=4, num_blocks=13, max_num_batched_tokens=8)
     outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0))
     expected = [hf_greedy(hf_model, p) for p in PROMPTS]
     assert llm.telemetry().preemptions_total > 0
-    assert len({tuple(e) for e in expected}) == len(PROMPTS) and all(len(set(e)) > 3 for e in expected)
+    assert len({tuple(e) for e in expected}) == len(PROMPTS) and len({t for e in expected for t in e}) > 10
     for output, want in zip(outputs, expected):
         # HF stops at EOS and so must we; our token list ends with the EOS token just as HF's does.
         assert output.token_ids == want
-        assert output.finish_reason == ("stop" if want[-1] == 2 else "length")
+        assert output.finish_reason == ("stop" if want[-1] == 159 else "length")
     assert outputs[0].text == "", "no tokenizer.json: token ids only"
 
 

@@ -65,7 +65,7 @@ def test_valid_directory_loads(model_dir: Path) -> None:
 
 def test_missing_directory_names_the_field_and_path(tmp_path: Path) -> None:
     missing = tmp_path / "no-such-model"
-    with pytest.raises(ModelLoadError, match="'model'") as info:
+    with pytest.raises(ModelLoadError, match="^model: ") as info:
         load(missing)
     assert str(missing) in str(info.value)
     assert isinstance(info.value, ValueError)
