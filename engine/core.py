@@ -126,14 +126,16 @@ class EngineCore:
             return []
         started = time.perf_counter()
         out = self.scheduler.schedule()
+        if not out.scheduled:
+            # Validation guarantees every request fits an idle pool; an empty step with work left is a bug,
+            # and raising beats spinning forever.
+            raise RuntimeError("scheduler: no sequence could be scheduled although requests are pending")
         touched: dict[str, Request] = {}
-        if out.scheduled:
-            result = self.runner.execute(out)
-            self.scheduler.advance(out)
-            self._sample(out, result.logits, touched)
-            self.stats.on_step(time.perf_counter() - started, result.num_tokens,
-                               any(s.num_new_tokens == 1 and s.num_samples for s in out.scheduled),
-                               result.bytes_moved)
+        result = self.runner.execute(out)
+        self.scheduler.advance(out)
+        self._sample(out, result.logits, touched)
+        self.stats.on_step(time.perf_counter() - started, result.num_tokens,
+                           any(s.num_new_tokens == 1 and s.num_samples for s in out.scheduled), result.bytes_moved)
         outputs = []
         for request in touched.values():
             if request.finished:
@@ -208,7 +210,7 @@ class EngineCore:
                 seq.text = self.tokenizer.decode(seq.output_token_ids)
             completions.append(CompletionOutput(seq.index, seq.text, seq.output_token_ids, seq.finish_reason))
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
-                             request.num_cached_tokens, all(s.status is SeqStatus.FINISHED for s in request.seqs))
+                             request.num_cached_tokens, request.finished)
 
     def _new_sequence(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
         params = request.params

@@ -48,7 +48,9 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return len(self.seqs) == self.params.n and all(s.status is SeqStatus.FINISHED for s in self.seqs)
+        """All sequences ended. Siblings are forked in the step their parent samples its first token, so an
+        unfinished parent always stands for the forks it has yet to spawn."""
+        return all(s.status is SeqStatus.FINISHED for s in self.seqs)
 
 
 @dataclass(slots=True, eq=False)
