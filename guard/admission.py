@@ -1,0 +1,141 @@
+"""The admission gate: requests are committed in KV blocks against the engine's live telemetry.
+
+A request reserves the blocks it can ever need, ``ceil((prompt + max_tokens) / block_size)`` for its first
+sequence plus the output blocks of each extra one (``n > 1`` shares the prompt). The gate commits it only if
+
+    other + reserved + request  <=  threshold * num_blocks
+
+where ``reserved`` sums the reservations of everything the guard has admitted (each an upper bound on what
+the request can hold in the engine) and ``other`` is what the engine holds for traffic that did not come
+through the guard (engine used blocks minus those of the guard's tenants). So the engine's own queue stays
+short and it never has to preempt. ``threshold`` is ``safe_utilization`` while the gate is open; once a
+request does not fit, the gate closes and reopens only below ``resume_utilization`` (hysteresis), so that a
+pool hovering at the edge is not refilled by a stream of small requests. Telemetry that is missing, stale or
+unhealthy counts as a full pool. A reservation is released exactly once, whatever ends the request.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from engine.protocol import TelemetrySnapshot
+from guard.config import Admission
+
+DRAIN_WINDOW_S = 10.0
+
+
+@dataclass(slots=True)
+class Reservation:
+    key: str
+    tenant: str
+    blocks: int
+
+
+class AdmissionGate:
+    def __init__(self, config: Admission, guard_tenants: set[str]) -> None:
+        self.config = config
+        self.guard_tenants = guard_tenants
+        self.snapshot: TelemetrySnapshot | None = None
+        self.received_at = 0.0
+        self.open = True
+        self.reservations: dict[str, Reservation] = {}
+        self.reserved_by_tenant: dict[str, int] = {}
+        self._releases: deque[tuple[float, int]] = deque()  # (time, blocks) over the last DRAIN_WINDOW_S
+
+    # -- telemetry -------------------------------------------------------------------------------------
+    def update(self, snapshot: TelemetrySnapshot) -> None:
+        self.snapshot = snapshot
+        self.received_at = time.monotonic()
+
+    def telemetry_age(self) -> float:
+        return time.monotonic() - self.received_at if self.snapshot is not None else math.inf
+
+    @property
+    def usable(self) -> bool:
+        """Fresh, healthy telemetry: without it the pool counts as full."""
+        return (self.snapshot is not None and self.snapshot.healthy
+                and self.telemetry_age() <= self.config.telemetry_stale_s)
+
+    # -- arithmetic ------------------------------------------------------------------------------------
+    def blocks_for(self, prompt_tokens: int, max_tokens: int, n: int = 1) -> int | None:
+        """Blocks a request can ever hold; None while the block size is unknown (no telemetry yet)."""
+        if self.snapshot is None:
+            return None
+        size = self.snapshot.block_size
+        first = -(-(prompt_tokens + max_tokens) // size)
+        # Each fork copies the shared partial block on its first write, then grows its own output blocks.
+        return first + (n - 1) * (-(-max_tokens // size) + 1)
+
+    @property
+    def budget(self) -> int:
+        """Blocks the guard will commit at most (``safe_utilization * num_blocks``); 0 without telemetry."""
+        if self.snapshot is None:
+            return 0
+        return int(self.config.safe_utilization * self.snapshot.num_blocks)
+
+    def committed(self) -> int:
+        snap = self.snapshot
+        reserved = sum(self.reserved_by_tenant.values())
+        if snap is None:
+            return reserved
+        used = snap.num_blocks - snap.free_blocks
+        ours = sum(usage.blocks for name, usage in snap.tenants.items() if name in self.guard_tenants)
+        return max(0, used - ours) + reserved
+
+    # -- reservations ----------------------------------------------------------------------------------
+    def fits(self, blocks: int) -> bool:
+        if not self.usable:
+            return False
+        assert self.snapshot is not None
+        share = self.config.safe_utilization if self.open else self.config.resume
+        return self.committed() + blocks <= int(share * self.snapshot.num_blocks)
+
+    def try_reserve(self, key: str, tenant: str, blocks: int) -> bool:
+        """Commit ``blocks`` for request ``key`` if the pool allows; closes the gate when it does not."""
+        if key in self.reservations:
+            raise ValueError(f"reservation {key!r} already exists")
+        if not self.usable:
+            return False  # no news is not a full pool: the gate's hysteresis state stays as it was
+        if not self.fits(blocks):
+            self.open = False
+            return False
+        self.open = True
+        self.reservations[key] = Reservation(key, tenant, blocks)
+        self.reserved_by_tenant[tenant] = self.reserved_by_tenant.get(tenant, 0) + blocks
+        return True
+
+    def release(self, key: str) -> bool:
+        """Give a reservation back; idempotent (False when there was nothing to release)."""
+        reservation = self.reservations.pop(key, None)
+        if reservation is None:
+            return False
+        left = self.reserved_by_tenant[reservation.tenant] - reservation.blocks
+        if left:
+            self.reserved_by_tenant[reservation.tenant] = left
+        else:
+            del self.reserved_by_tenant[reservation.tenant]
+        self._releases.append((time.monotonic(), reservation.blocks))
+        return True
+
+    def tenant_reserved(self, tenant: str) -> int:
+        return self.reserved_by_tenant.get(tenant, 0)
+
+    def drain_rate(self) -> float:
+        """Blocks released per second over the last ``DRAIN_WINDOW_S`` (0 when nothing was released)."""
+        now = time.monotonic()
+        while self._releases and now - self._releases[0][0] > DRAIN_WINDOW_S:
+            self._releases.popleft()
+        return sum(blocks for _, blocks in self._releases) / DRAIN_WINDOW_S
+
+    def expected_wait(self, blocks_ahead: int) -> float | None:
+        """Seconds for ``blocks_ahead`` blocks to drain at the measured rate; None before any measurement."""
+        rate = self.drain_rate()
+        return blocks_ahead / rate if rate > 0 else None
+
+    def retry_after(self, blocks_ahead: int) -> int:
+        """``Retry-After`` in whole seconds, 1..60, from the measured drain rate (5 before any measurement)."""
+        wait = self.expected_wait(blocks_ahead)
+        return 5 if wait is None else max(1, min(60, math.ceil(wait)))

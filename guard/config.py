@@ -1,0 +1,187 @@
+"""The guard's configuration: a YAML file validated by pydantic; unknown or duplicate keys are errors.
+
+Every model forbids extra keys, so a typo (``safe_utilisation``) is reported by name instead of being
+silently ignored. ``KVGUARD_SECRET`` in the environment overrides ``secret`` (keep it out of the file).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+PositiveSeconds = Annotated[float, Field(gt=0)]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Listen(Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+
+
+class Backend(Strict):
+    name: str = "primary"
+    url: str = Field(pattern=r"^https?://")
+
+
+class StaticFallback(Strict):
+    name: str = "static"
+    message: str
+
+
+class Lane(Strict):
+    """A class of work inside a tenant: lower ``priority`` is served first; ``timeout`` bounds queueing."""
+
+    priority: int = 0
+    timeout: PositiveSeconds = 30.0
+    sheddable: bool = False  # in pressure mode, served by a fallback first
+    on_degraded: Literal["fallback", "reject"] = "fallback"
+
+
+DEFAULT_LANES = {
+    "realtime": Lane(priority=0, timeout=2.0),
+    "interactive": Lane(priority=1, timeout=10.0),
+    "agent": Lane(priority=2, timeout=30.0),
+    "document": Lane(priority=3, timeout=60.0, sheddable=True),
+    "batch": Lane(priority=4, timeout=300.0, sheddable=True),
+}
+
+
+class Tenant(Strict):
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    api_keys: list[str] = Field(default_factory=list)
+    api_key_sha256: list[str] = Field(default_factory=list)  # hex digests, so keys need not be stored
+    weight: float = Field(1.0, gt=0)
+    lane: str = "interactive"
+    max_queue: int = Field(64, ge=0)
+    max_blocks_share: float = Field(1.0, gt=0, le=1.0)  # cap on the tenant's share of the admission budget
+
+    @model_validator(mode="after")
+    def _has_a_key(self) -> Tenant:
+        if not self.api_keys and not self.api_key_sha256:
+            raise ValueError(f"tenant {self.name!r} has neither api_keys nor api_key_sha256")
+        for digest in self.api_key_sha256:
+            if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest.lower()):
+                raise ValueError(f"tenant {self.name!r}: api_key_sha256 entries must be 64 hex digits")
+        return self
+
+    def key_digests(self) -> list[bytes]:
+        return [hashlib.sha256(k.encode()).digest() for k in self.api_keys] + [
+            bytes.fromhex(d) for d in self.api_key_sha256
+        ]
+
+
+class Admission(Strict):
+    safe_utilization: float = Field(0.85, gt=0, le=1.0)  # commit while used + reserved <= this * num_blocks
+    resume_utilization: float | None = Field(None, gt=0, le=1.0)  # hysteresis: reopen below this
+    telemetry_stale_s: PositiveSeconds = 2.0  # older telemetry counts as a full pool
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Admission:
+        if self.resume_utilization is not None and self.resume_utilization > self.safe_utilization:
+            raise ValueError("resume_utilization must not exceed safe_utilization")
+        return self
+
+    @property
+    def resume(self) -> float:
+        return self.resume_utilization if self.resume_utilization is not None else self.safe_utilization * 0.9
+
+
+class Upstream(Strict):
+    connect_timeout: PositiveSeconds = 2.0
+    first_token_timeout: PositiveSeconds = 60.0  # no byte from the engine for this long: 504
+    idle_timeout: PositiveSeconds = 60.0  # between two reads of a running stream (never a total timeout)
+    client_stall_timeout: PositiveSeconds = 30.0  # a client that reads nothing for this long is dropped
+
+
+class Limits(Strict):
+    max_body_bytes: int = Field(1 << 20, gt=0)
+    shutdown_timeout: PositiveSeconds = 10.0
+
+
+class GuardConfig(Strict):
+    listen: Listen = Listen()
+    engine: Backend
+    fallbacks: list[Backend | StaticFallback] = Field(default_factory=list)
+    admission: Admission = Admission()
+    upstream: Upstream = Upstream()
+    limits: Limits = Limits()
+    lanes: dict[str, Lane] = Field(default_factory=lambda: dict(DEFAULT_LANES))
+    tenants: list[Tenant] = Field(min_length=1)
+    secret: str = Field("change-me", min_length=1)  # HMAC key for per-tenant cache salts
+
+    @model_validator(mode="after")
+    def _consistent(self) -> GuardConfig:
+        names = [t.name for t in self.tenants]
+        if dup := sorted({n for n in names if names.count(n) > 1}):
+            raise ValueError(f"duplicate tenant name(s): {', '.join(dup)}")
+        digests = [d for t in self.tenants for d in t.key_digests()]
+        if len(digests) != len(set(digests)):
+            raise ValueError("an API key is listed more than once")
+        for tenant in self.tenants:
+            if tenant.lane not in self.lanes:
+                raise ValueError(f"tenant {tenant.name!r}: unknown lane {tenant.lane!r} (lanes: {sorted(self.lanes)})")
+        backends = [self.engine.name] + [f.name for f in self.fallbacks]
+        if len(backends) != len(set(backends)):
+            raise ValueError("engine and fallback names must be unique")
+        return self
+
+
+class ConfigError(ValueError):
+    """The configuration cannot be used; the message names the file and the offending key."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """A YAML loader that rejects a mapping with the same key twice (PyYAML keeps the last silently)."""
+
+
+def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: set = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise ConfigError(f"duplicate key {key!r} at line {key_node.start_mark.line + 1}")
+        seen.add(key)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def load_config(path: str | Path) -> GuardConfig:
+    path = Path(path)
+    try:
+        raw = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: invalid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    if secret := os.environ.get("KVGUARD_SECRET"):
+        raw["secret"] = secret
+    try:
+        return GuardConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(f"{path}: {format_validation_error(exc)}") from None
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    """One line per problem, each naming the key path: ``tenants.0.weight: Input should be greater than 0``."""
+    lines = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        message = err["msg"]
+        if err["type"] == "extra_forbidden":
+            message = f"unknown key {err['loc'][-1]!r}"
+        lines.append(f"{where}: {message}")
+    return "; ".join(lines)

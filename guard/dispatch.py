@@ -1,0 +1,133 @@
+"""From queued to admitted: the fair queue in front of the admission gate.
+
+``submit`` queues a ticket and waits until the dispatcher commits its reservation, or raises ``Rejected``.
+``pump`` admits tickets in VTC order: the backlogged tenant with the lowest counter goes first; a tenant at
+its own block cap is passed over (its limit, not the pool's), but when the lowest eligible tenant's next
+request does not fit the pool, admission stops there, so big requests are not starved by small ones.
+``finish`` releases exactly once, however the request ended.
+
+Invariant: a ticket is in exactly one state: queued (in the fair queue, no reservation), admitted (a
+reservation, not queued) or done (neither).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from dataclasses import dataclass, field
+
+from guard.admission import AdmissionGate
+from guard.config import GuardConfig, Lane, Tenant
+from guard.fairness import FairQueue, TenantQueue
+
+
+class TicketState(enum.Enum):
+    NEW = "new"
+    QUEUED = "queued"
+    ADMITTED = "admitted"
+    DONE = "done"
+
+
+@dataclass(slots=True, eq=False)
+class Ticket:
+    request_id: str
+    tenant: Tenant
+    lane: Lane
+    prompt_tokens: int
+    max_tokens: int
+    blocks: int
+    enqueued_at: float = 0.0
+    state: TicketState = TicketState.NEW
+    admitted: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+class Rejected(Exception):
+    """The guard refuses a request: ``status`` 429 (the tenant's limit) or 503 (capacity, deadline)."""
+
+    def __init__(self, status: int, code: str, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.retry_after = retry_after
+
+
+class Dispatcher:
+    def __init__(self, config: GuardConfig, gate: AdmissionGate) -> None:
+        self.config = config
+        self.gate = gate
+        self.fair: FairQueue[Ticket] = FairQueue()
+        for tenant in config.tenants:
+            self.fair.tenant(tenant.name, tenant.weight)
+
+    def queue_of(self, tenant: Tenant) -> TenantQueue[Ticket]:
+        return self.fair.tenants[tenant.name]
+
+    def blocks_queued(self) -> int:
+        return sum(t.blocks for q in self.fair.tenants.values() for lane in q.lanes.values() for t in lane)
+
+    async def submit(self, ticket: Ticket) -> None:
+        """Queue ``ticket`` and wait for admission. Raises ``Rejected``; on cancellation nothing is held."""
+        queue = self.queue_of(ticket.tenant)
+        if len(queue) >= ticket.tenant.max_queue:
+            raise Rejected(429, "queue_full", f"tenant {ticket.tenant.name!r} has {len(queue)} requests queued "
+                           f"(max_queue {ticket.tenant.max_queue})", self.gate.retry_after(self.blocks_queued()))
+        ahead = self.blocks_queued() + ticket.blocks
+        wait = self.gate.expected_wait(max(0, self.gate.committed() + ahead - self.gate.budget))
+        if wait is not None and wait > ticket.lane.timeout:
+            raise Rejected(503, "overloaded", f"the expected queueing time ({wait:.1f} s) exceeds this lane's "
+                           f"timeout ({ticket.lane.timeout:g} s)", self.gate.retry_after(ahead))
+        ticket.enqueued_at = time.monotonic()
+        ticket.state = TicketState.QUEUED
+        self.fair.push(queue, ticket.lane.priority, ticket)
+        self.pump()
+        try:
+            await asyncio.wait_for(asyncio.shield(ticket.admitted), ticket.lane.timeout)
+        except TimeoutError:
+            self._dequeue(ticket)
+            if ticket.state is TicketState.ADMITTED:  # admitted in the same instant the deadline passed
+                return
+            raise Rejected(503, "queue_timeout", f"not admitted within this lane's {ticket.lane.timeout:g} s "
+                           "queueing timeout", self.gate.retry_after(self.blocks_queued())) from None
+        except asyncio.CancelledError:
+            self.finish(ticket)  # the client left: out of the queue, or its fresh reservation back
+            raise
+
+    def pump(self) -> None:
+        """Admit as many queued tickets as the pool and the VTC order allow."""
+        capped: set[str] = set()
+        while True:
+            candidates = [t for t in self.fair.backlogged() if t.name not in capped]
+            if not candidates:
+                return
+            queue = min(candidates, key=lambda t: t.counter)
+            ticket = queue.head()
+            assert ticket is not None
+            cap = int(ticket.tenant.max_blocks_share * self.gate.budget)
+            if self.gate.tenant_reserved(queue.name) and self.gate.tenant_reserved(queue.name) + ticket.blocks > cap:
+                capped.add(queue.name)
+                continue
+            if not self.gate.try_reserve(ticket.request_id, queue.name, ticket.blocks):
+                return
+            self.fair.pop(queue)
+            self.fair.charge(queue, input_tokens=ticket.prompt_tokens)
+            ticket.state = TicketState.ADMITTED
+            ticket.admitted.set_result(None)
+
+    def charge_output(self, ticket: Ticket, output_tokens: int) -> None:
+        self.fair.charge(self.queue_of(ticket.tenant), output_tokens=output_tokens)
+
+    def finish(self, ticket: Ticket) -> None:
+        """End ``ticket`` in whatever state it is: dequeue or release its reservation. Idempotent."""
+        if ticket.state is TicketState.QUEUED:
+            self._dequeue(ticket)
+        elif ticket.state is TicketState.ADMITTED:
+            self.gate.release(ticket.request_id)
+            self.pump()
+        ticket.state = TicketState.DONE
+
+    def _dequeue(self, ticket: Ticket) -> None:
+        if ticket.state is TicketState.QUEUED and self.fair.remove(self.queue_of(ticket.tenant),
+                                                                    ticket.lane.priority, ticket):
+            ticket.state = TicketState.DONE

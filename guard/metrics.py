@@ -1,0 +1,56 @@
+"""Every guard metric of the contract, on a registry of the guard's own (several guards can share a process
+in tests). Names and labels are public: dashboards and alert rules depend on them."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+OUTCOMES = ("completed", "rejected_quota", "rejected_overload", "rejected_invalid", "unauthorized", "fallback",
+            "upstream_error", "cancelled")
+MODES = ("normal", "pressure", "degraded")
+# From well under a millisecond (a cached reply) to minutes (a queued batch job).
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class GuardMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("guard_requests_total", "Requests by final outcome.",
+                                ["tenant", "lane", "outcome"], registry=r)
+        self.queue_depth = Gauge("guard_queue_depth", "Requests waiting in the guard's queue.", ["tenant"],
+                                 registry=r)
+        self.queue_wait = Histogram("guard_queue_wait_seconds", "Time from arrival to admission.", ["tenant"],
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("guard_time_to_first_token_seconds", "Arrival to first streamed token, as the "
+                              "client sees it.", ["tenant"], buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("guard_inter_token_latency_seconds", "Gap between streamed tokens.", ["tenant"],
+                             buckets=ITL_BUCKETS, registry=r)
+        self.reserved_blocks = Gauge("guard_reserved_blocks", "KV blocks reserved by admitted requests.",
+                                     ["tenant"], registry=r)
+        self.budget_blocks = Gauge("guard_admission_budget_blocks", "KV blocks the guard may commit "
+                                   "(safe_utilization x engine blocks).", registry=r)
+        self.service_tokens = Counter("guard_service_tokens_total", "Weighted service (input + 2 x output "
+                                      "tokens, over the tenant's weight).", ["tenant"], registry=r)
+        self.jain = Gauge("guard_fairness_jain_index", "Jain's index of backlogged tenants' weighted service "
+                          "(1 = fair).", registry=r)
+        self.mode = Gauge("guard_mode", "1 for the guard's current mode.", ["mode"], registry=r)
+        self.mode_transitions = Counter("guard_mode_transitions_total", "Mode changes.", ["from", "to"],
+                                        registry=r)
+        self.suspicion = Gauge("guard_fill_squeeze_suspicion", "Fill-and-Squeeze suspicion score (0..1).",
+                               ["tenant"], registry=r)
+        self.fs_state = Gauge("guard_fill_squeeze_state", "0 normal, 1 suspect, 2 confirmed.", ["tenant"],
+                              registry=r)
+        self.detections = Counter("guard_detections_total", "Detector state transitions.", ["tenant", "kind"],
+                                  registry=r)
+        self.backend_healthy = Gauge("guard_backend_healthy", "1 while a backend is considered healthy.",
+                                     ["backend"], registry=r)
+        self.upstream_requests = Counter("guard_upstream_requests_total", "Requests sent upstream, by status "
+                                         "code (or 'error' when none came back).", ["backend", "code"],
+                                         registry=r)
+        self.telemetry_age = Gauge("guard_telemetry_age_seconds", "Age of the newest engine telemetry.",
+                                   registry=r)
+        self.client_retries = Counter("guard_client_retries_total", "Requests that clients marked as retries "
+                                      "(X-Stainless-Retry-Count > 0 or Retry-Attempt).", ["tenant"], registry=r)
+        for mode in MODES:
+            self.mode.labels(mode).set(1.0 if mode == "normal" else 0.0)

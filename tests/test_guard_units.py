@@ -1,0 +1,229 @@
+"""The guard's pure parts: config validation, keys, VTC fairness, the admission gate and the dispatcher."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import textwrap
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.protocol import TelemetrySnapshot, TenantUsage
+from guard.admission import AdmissionGate
+from guard.auth import KeyStore
+from guard.config import Admission, ConfigError, GuardConfig, load_config
+from guard.dispatch import Dispatcher, Rejected, Ticket, TicketState
+from guard.fairness import FairQueue
+
+BASE = """
+engine: {url: "http://127.0.0.1:8100"}
+tenants:
+  - {name: acme, api_keys: ["sk-a"], weight: 2}
+  - {name: bulk, api_keys: ["sk-b"], lane: batch}
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "guard.yaml"
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_example_config_loads() -> None:
+    config = load_config(Path(__file__).parent.parent / "guard.example.yaml")
+    assert [t.name for t in config.tenants] == ["acme", "globex", "bulk"]
+    assert config.admission.safe_utilization == 0.85
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (BASE + "admission: {safe_utilisation: 0.9}\n", "admission.safe_utilisation: unknown key 'safe_utilisation'"),
+        (BASE + "bogus: 1\n", "bogus: unknown key 'bogus'"),
+        (BASE.replace("weight: 2", "weight: heavy"), "tenants.0.weight"),
+        (BASE + "engine: {url: http://other}\n", "duplicate key 'engine'"),
+        (BASE + "  - {name: acme, api_keys: [sk-c]}\n", "duplicate tenant name(s): acme"),
+        (BASE.replace("sk-b", "sk-a"), "an API key is listed more than once"),
+        (BASE.replace("lane: batch", "lane: turbo"), "unknown lane 'turbo'"),
+        ("tenants: []\n", "engine: Field required"),
+        ("- just a list\n", "expected a mapping"),
+        (BASE + "admission: {safe_utilization: 0.5, resume_utilization: 0.7}\n", "resume_utilization"),
+    ],
+)
+def test_invalid_config_names_the_problem(tmp_path: Path, text: str, expected: str) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(path) in str(info.value) and expected in str(info.value)
+
+
+def test_missing_config_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "absent.yaml")
+
+
+def test_keys_map_to_tenants_and_digests_work(tmp_path: Path) -> None:
+    digest = hashlib.sha256(b"sk-hashed").hexdigest()
+    config = load_config(write(tmp_path, BASE + f"  - {{name: hashed, api_key_sha256: ['{digest}']}}\n"))
+    keys = KeyStore(config.tenants, "s3cret")
+    assert keys.tenant_for("Bearer sk-a").name == "acme"
+    assert keys.tenant_for("bearer   sk-b ").name == "bulk"
+    assert keys.tenant_for("Bearer sk-hashed").name == "hashed"
+    for bad in (None, "", "Bearer", "Bearer ", "Basic sk-a", "sk-a", "Bearer sk-x"):
+        assert keys.tenant_for(bad) is None
+    salts = {keys.cache_salt(t) for t in config.tenants}
+    assert len(salts) == 3 and keys.cache_salt(config.tenants[0]) == KeyStore(config.tenants, "s3cret").cache_salt(
+        config.tenants[0])
+    assert KeyStore(config.tenants, "other").cache_salt(config.tenants[0]) != keys.cache_salt(config.tenants[0])
+
+
+def test_vtc_shares_service_by_weight_and_idle_banks_no_credit() -> None:
+    fair: FairQueue[int] = FairQueue()
+    tenants = [fair.tenant("a", 1), fair.tenant("b", 2), fair.tenant("c", 1)]
+    for t in tenants:
+        for i in range(400):
+            fair.push(t, 0, i)
+    served = {"a": 0, "b": 0, "c": 0}
+    for _ in range(400):
+        t = fair.next_tenant()
+        fair.pop(t)
+        fair.charge(t, input_tokens=10, output_tokens=20)
+        served[t.name] += 1
+    assert served["b"] == pytest.approx(2 * served["a"], abs=2) and served["a"] == pytest.approx(served["c"], abs=1)
+    assert fair.jain_index() > 0.99
+    late = fair.tenant("late", 1)
+    fair.push(late, 0, 0)
+    assert late.counter == min(t.counter for t in tenants), "a returning tenant is lifted to the backlog's minimum"
+
+
+def test_lanes_order_work_inside_a_tenant() -> None:
+    fair: FairQueue[str] = FairQueue()
+    t = fair.tenant("a", 1)
+    fair.push(t, 4, "batch-1")
+    fair.push(t, 1, "interactive-1")
+    fair.push(t, 4, "batch-2")
+    assert [fair.pop(t) for _ in range(3)] == ["interactive-1", "batch-1", "batch-2"]
+
+
+def snapshot(num_blocks: int = 100, free: int = 100, block_size: int = 16, **tenants: int) -> TelemetrySnapshot:
+    return TelemetrySnapshot(
+        time=0, step=0, model="tiny", block_size=block_size, num_blocks=num_blocks, free_blocks=free,
+        cached_blocks=0, swap_blocks=0, swap_used_blocks=0, num_running=0, num_waiting=0, num_swapped=0,
+        preemptions_total=0, preemptions_recompute_total=0, preemptions_swap_total=0,
+        prefix_cache_queries_total=0, prefix_cache_hits_total=0, prompt_tokens_total=0,
+        generation_tokens_total=0, step_time_s=0, itl_s=0, tokens_per_s=0, bytes_moved_per_s=0,
+        peak_bandwidth_bytes_per_s=1, bandwidth_utilization=0, healthy=True,
+        tenants={name: TenantUsage(blocks=b) for name, b in tenants.items()})
+
+
+def test_gate_commits_against_live_usage_with_hysteresis() -> None:
+    gate = AdmissionGate(Admission(safe_utilization=0.8, resume_utilization=0.5), {"acme"})
+    assert not gate.try_reserve("r0", "acme", 1), "no telemetry: the pool counts as full"
+    gate.update(snapshot(free=90))  # 10 blocks used by someone the guard does not know
+    assert gate.blocks_for(prompt_tokens=20, max_tokens=30) == 4
+    assert gate.blocks_for(prompt_tokens=20, max_tokens=30, n=3) == 4 + 2 * 3
+    assert gate.try_reserve("r1", "acme", 60) and gate.committed() == 70
+    assert not gate.try_reserve("r2", "acme", 20), "70 + 20 > 80"
+    assert not gate.open
+    assert not gate.try_reserve("r2", "acme", 5), "closed: only below resume_utilization (50)"
+    gate.update(snapshot(free=40, acme=50))  # acme's blocks are covered by its reservation
+    assert gate.committed() == 70
+    assert gate.release("r1") and not gate.release("r1")
+    assert gate.try_reserve("r2", "acme", 20) and gate.open
+    gate.received_at -= 10
+    assert not gate.try_reserve("r3", "acme", 1), "stale telemetry counts as full"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["reserve", "release"]), st.integers(0, 9), st.integers(1, 40)),
+                max_size=80))
+def test_reservations_are_never_leaked(ops: list[tuple[str, int, int]]) -> None:
+    gate = AdmissionGate(Admission(), {"t0", "t1"})
+    gate.update(snapshot(num_blocks=200, free=200))
+    model: dict[str, int] = {}
+    for op, key, blocks in ops:
+        name = f"r{key}"
+        if op == "reserve" and name not in model:
+            if gate.try_reserve(name, f"t{key % 2}", blocks):
+                model[name] = blocks
+        elif op == "release":
+            assert gate.release(name) == (name in model)
+            model.pop(name, None)
+        assert sum(gate.reserved_by_tenant.values()) == sum(model.values()) <= gate.budget
+    for name in list(model):
+        gate.release(name)
+    assert not gate.reservations and not gate.reserved_by_tenant
+
+
+def make_dispatcher(tmp_path: Path, num_blocks: int = 100) -> tuple[Dispatcher, GuardConfig]:
+    config = load_config(write(tmp_path, BASE.replace("{name: acme,", "{name: acme, max_queue: 3,")))
+    gate = AdmissionGate(config.admission, {t.name for t in config.tenants})
+    gate.update(snapshot(num_blocks=num_blocks, free=num_blocks))
+    return Dispatcher(config, gate), config
+
+
+def ticket(config: GuardConfig, tenant: int, blocks: int, rid: str, timeout: float | None = None) -> Ticket:
+    t = config.tenants[tenant]
+    lane = config.lanes[t.lane]
+    if timeout is not None:
+        lane = lane.model_copy(update={"timeout": timeout})
+    return Ticket(rid, t, lane, prompt_tokens=10, max_tokens=10, blocks=blocks)
+
+
+async def test_dispatcher_admits_queues_times_out_and_cancels(tmp_path: Path) -> None:
+    dispatcher, config = make_dispatcher(tmp_path)  # budget 85 blocks
+    big = ticket(config, 0, 80, "big")
+    await dispatcher.submit(big)
+    assert big.state is TicketState.ADMITTED
+    late = ticket(config, 0, 10, "late", timeout=0.05)
+    with pytest.raises(Rejected) as info:
+        await dispatcher.submit(late)
+    assert info.value.status == 503 and 1 <= info.value.retry_after <= 60
+    waiting = ticket(config, 1, 10, "waiting")
+    task = asyncio.create_task(dispatcher.submit(waiting))
+    await asyncio.sleep(0.01)
+    assert waiting.state is TicketState.QUEUED
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert waiting.state is TicketState.DONE and len(dispatcher.queue_of(config.tenants[1])) == 0
+    queued = [ticket(config, 0, 10, f"q{i}") for i in range(3)]
+    tasks = [asyncio.create_task(dispatcher.submit(t)) for t in queued]
+    await asyncio.sleep(0.01)
+    with pytest.raises(Rejected) as info:
+        await dispatcher.submit(ticket(config, 0, 1, "overflow"))
+    assert info.value.status == 429 and info.value.code == "queue_full"
+    dispatcher.finish(big)
+    await asyncio.gather(*tasks)
+    for t in queued:
+        dispatcher.finish(t)
+    assert not dispatcher.gate.reservations
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 1), st.integers(1, 60), st.sampled_from(["finish", "cancel", "hold"])),
+                min_size=1, max_size=25))
+def test_dispatcher_never_leaks_a_reservation(tmp_path_factory, plan) -> None:
+    async def scenario() -> None:
+        dispatcher, config = make_dispatcher(tmp_path_factory.mktemp("d"))
+        tickets, tasks = [], []
+        for i, (tenant, blocks, _) in enumerate(plan):
+            t = ticket(config, tenant, blocks, f"r{i}", timeout=0.2)
+            tickets.append(t)
+            tasks.append(asyncio.create_task(dispatcher.submit(t)))
+        await asyncio.sleep(0)
+        for (_, _, action), t, task in zip(plan, tickets, tasks):
+            if action == "cancel":
+                task.cancel()
+            elif action == "finish" and t.state is TicketState.ADMITTED:
+                dispatcher.finish(t)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for t in tickets:
+            dispatcher.finish(t)
+        assert not dispatcher.gate.reservations and not dispatcher.gate.reserved_by_tenant
+        assert all(len(q) == 0 for q in dispatcher.fair.tenants.values())
+
+    asyncio.run(scenario())
