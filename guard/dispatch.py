@@ -127,6 +127,15 @@ class Dispatcher:
             self.pump()
         ticket.state = TicketState.DONE
 
+    def reject_all(self, reason: Rejected) -> None:
+        """Fail every queued ticket with ``reason`` (shutdown); admitted ones run on."""
+        for queue in self.fair.tenants.values():
+            for lane in queue.lanes.values():
+                while lane:
+                    ticket = lane.popleft()
+                    ticket.state = TicketState.DONE
+                    ticket.admitted.set_exception(reason)
+
     def _dequeue(self, ticket: Ticket) -> None:
         if ticket.state is TicketState.QUEUED and self.fair.remove(self.queue_of(ticket.tenant),
                                                                     ticket.lane.priority, ticket):

@@ -1,0 +1,35 @@
+"""``python -m guard --config guard.yaml``: run the guard until SIGINT/SIGTERM, then shut down gracefully."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from aiohttp import web
+
+from guard.app import create_app
+from guard.config import ConfigError, load_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m guard", description="kvguard: the admission-control proxy "
+                                     "in front of the engine (OpenAI-compatible).")
+    parser.add_argument("--config", required=True, help="YAML configuration file (see guard.example.yaml)")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        print(f"guard: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    print(f"guard listening on http://{config.listen.host}:{config.listen.port} -> engine {config.engine.url}",
+          flush=True)
+    web.run_app(create_app(config), host=config.listen.host, port=config.listen.port, print=None,
+                handler_cancellation=True, shutdown_timeout=config.limits.shutdown_timeout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""Relays one admitted request to a backend and its answer, byte for byte, to the client.
+
+Streams are copied chunk by chunk as they arrive (never buffered whole); reading the upstream waits for
+each write to the client, so a slow reader holds at most one chunk plus the socket buffers. Time limits:
+the first byte of the answer must come within ``first_token_timeout`` (else 504), each later read within
+``idle_timeout``; there is no total timeout, so a legitimate long stream is never cut. A stream that fails
+after its first byte ends with an SSE ``error`` event and no ``[DONE]``; a client that leaves closes the
+upstream connection at once (the engine then aborts the request and frees its blocks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp import web
+
+from guard.config import Upstream
+from guard.errors import error_response, sse_error_event
+
+
+class ClientStalled(ConnectionError):
+    """The client stopped reading; its connection is closed (a ``ConnectionError``, like a client that left)."""
+
+
+class UpstreamUnavailable(Exception):
+    """Nothing was sent: the backend refused or did not accept the connection (safe to try another)."""
+
+
+@dataclass(slots=True)
+class StreamObserver:
+    """Watches the relayed SSE without altering it: token events, first-token time and gaps between tokens."""
+
+    on_first_token: Callable[[float], None]
+    on_gap: Callable[[float], None]
+    events: int = 0
+    failed: bool = False  # the stream ended with an error event instead of its natural end
+    completion_tokens: int | None = None  # from a usage chunk, when the client asked for one
+    _partial: bytes = b""
+    _last: float = field(default=0.0)
+
+    def feed(self, chunk: bytes) -> None:
+        lines = (self._partial + chunk).split(b"\n")
+        self._partial = lines.pop()
+        for line in lines:
+            if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
+                continue
+            now = time.monotonic()
+            if b'"usage":{' in line.replace(b" ", b""):
+                try:
+                    usage = json.loads(line[5:]).get("usage") or {}
+                    self.completion_tokens = usage.get("completion_tokens", self.completion_tokens)
+                except ValueError:
+                    pass
+                if b'"choices":[]' in line.replace(b" ", b""):
+                    continue  # the usage-only chunk carries no token
+            if self.events == 0:
+                self.on_first_token(now)
+            else:
+                self.on_gap(now - self._last)
+            self._last = now
+            self.events += 1
+
+
+class Relay:
+    def __init__(self, session: aiohttp.ClientSession, config: Upstream) -> None:
+        self.session = session
+        self.config = config
+        self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout,
+                                             sock_read=config.idle_timeout)
+
+    async def open(self, url: str, body: bytes, headers: dict[str, str]) -> aiohttp.ClientResponse:
+        """Send the request and wait for the answer's headers (within the first-token timeout)."""
+        try:
+            async with asyncio.timeout(self.config.first_token_timeout):
+                return await self.session.post(url, data=body, headers=headers, timeout=self.timeout)
+        except aiohttp.ClientConnectorError as exc:
+            raise UpstreamUnavailable(str(exc)) from exc
+
+    async def unary(self, upstream: aiohttp.ClientResponse, headers: dict[str, str]) -> tuple[web.Response, dict | None]:
+        """A non-streaming answer: forwarded as is when it is JSON, else a 502. Returns the parsed body too."""
+        async with upstream:
+            raw = await upstream.read()
+        try:
+            parsed = json.loads(raw)
+            if not isinstance(parsed, dict):
+                raise ValueError("not an object")
+        except ValueError:
+            return error_response(502, f"the engine answered {upstream.status} with a body that is not JSON",
+                                  code="bad_upstream_response", headers=headers), None
+        return web.Response(body=raw, status=upstream.status, content_type="application/json",
+                            headers=headers), parsed
+
+    async def stream(
+        self, client: web.Request, upstream: aiohttp.ClientResponse, headers: dict[str, str],
+        observer: StreamObserver,
+    ) -> web.StreamResponse:
+        """Copy an SSE answer to the client. Returns the prepared response; never raises for upstream faults."""
+        completed = False
+        try:
+            if upstream.status != 200 or not upstream.content_type.startswith("text/event-stream"):
+                response, _ = await self.unary(upstream, headers)
+                if 200 <= response.status < 300:  # a 200 that is not a stream is still not what we asked for
+                    return error_response(502, "the engine did not answer with an event stream",
+                                          code="bad_upstream_response", headers=headers)
+                return response
+            try:
+                async with asyncio.timeout(self.config.first_token_timeout):
+                    first = await upstream.content.readany()
+            except TimeoutError:
+                return error_response(504, "the engine sent no token within the first-token timeout",
+                                      code="upstream_timeout", headers=headers)
+            response = web.StreamResponse(status=200, headers={
+                **headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await response.prepare(client)
+            chunk = first
+            try:
+                while chunk:
+                    observer.feed(chunk)
+                    await self._write(client, response, chunk)
+                    chunk = await upstream.content.readany()
+                completed = upstream.content.is_eof()
+            except (aiohttp.ClientError, TimeoutError) as exc:  # the engine failed or went quiet mid-stream
+                observer.failed = True
+                await _try_write(response, sse_error_event(502, f"the engine stream failed: {type(exc).__name__}",
+                                                           "upstream_stream_error"))
+                return response
+            if not completed:
+                observer.failed = True
+                await _try_write(response, sse_error_event(502, "the engine stream ended early",
+                                                           "upstream_stream_error"))
+            else:
+                await response.write_eof()
+            return response
+        finally:
+            if not completed:
+                upstream.close()  # drop the connection: the engine sees the disconnect and aborts
+            else:
+                upstream.release()
+
+    async def _write(self, client: web.Request, response: web.StreamResponse, chunk: bytes) -> None:
+        try:
+            async with asyncio.timeout(self.config.client_stall_timeout):
+                await response.write(chunk)
+        except TimeoutError:
+            if client.transport is not None:
+                client.transport.close()  # a reader that stalls this long is dropped, freeing its stream
+            raise ClientStalled(f"the client read nothing for {self.config.client_stall_timeout:g} s") from None
+
+
+async def _try_write(response: web.StreamResponse, data: bytes) -> None:
+    try:
+        await response.write(data)
+        await response.write_eof()
+    except (ConnectionError, RuntimeError):
+        pass  # the client is gone too

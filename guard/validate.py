@@ -1,0 +1,137 @@
+"""Request validation before anything is queued or forwarded.
+
+The body is read with a hard size cap (413), must be JSON of the right content type and pass the engine's
+own pydantic request models (400 with ``param`` naming the field). The prompt is counted by the engine's
+tokenizer (``POST /tokenize`` on the engine, chat template included), so the guard never loads a model, and
+prompt plus ``max_tokens`` is checked against the context window. Client-sent ``cache_salt``, ``priority``
+and tenant hints are dropped: the guard sets them from the tenant.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from engine import protocol
+from guard.errors import error_response
+
+MODELS: dict[str, type[BaseModel]] = {
+    "/v1/completions": protocol.CompletionRequest,
+    "/v1/chat/completions": protocol.ChatCompletionRequest,
+}
+# Fields a client may not choose: the guard derives them from the authenticated tenant.
+GUARD_OWNED = ("cache_salt", "priority", "tenant", "tenant_id", "x_tenant_id")
+
+
+class Invalid(Exception):
+    """A request the guard answers itself, with an OpenAI-shaped error."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.retry_after = status, message, param, code, retry_after
+
+    def response(self) -> web.Response:
+        return error_response(self.status, self.message, param=self.param, code=self.code,
+                              retry_after=self.retry_after)
+
+
+@dataclass(slots=True)
+class ParsedRequest:
+    path: str
+    body: dict  # the client's JSON, forwarded with the guard's changes only
+    model: protocol.CompletionRequest | protocol.ChatCompletionRequest
+
+    @property
+    def stream(self) -> bool:
+        return self.model.stream
+
+    @property
+    def n(self) -> int:
+        return self.model.n
+
+    @property
+    def max_tokens(self) -> int | None:
+        return self.model.max_output_tokens
+
+    @property
+    def max_tokens_field(self) -> str:
+        return getattr(self.model, "max_output_tokens_field", "max_tokens")
+
+    def upstream_body(self, cache_salt: str, max_tokens: int, priority: int) -> bytes:
+        """The body sent to the engine: the client's, with the guard's salt, priority and token bound."""
+        body = {k: v for k, v in self.body.items() if k not in GUARD_OWNED and k != "max_completion_tokens"}
+        body.update(cache_salt=cache_salt, priority=priority, max_tokens=max_tokens)
+        return json.dumps(body).encode()
+
+
+async def parse_request(request: web.Request, max_body_bytes: int) -> ParsedRequest:
+    if request.content_length is not None and request.content_length > max_body_bytes:
+        raise Invalid(413, f"request body of {request.content_length} bytes exceeds the {max_body_bytes}-byte "
+                      "limit", code="request_too_large")
+    if request.content_type != "application/json":
+        raise Invalid(400, f"Content-Type must be application/json, got {request.content_type!r}",
+                      code="invalid_content_type")
+    raw = bytearray()
+    async for chunk in request.content.iter_chunked(64 * 1024):
+        raw += chunk
+        if len(raw) > max_body_bytes:
+            raise Invalid(413, f"request body exceeds the {max_body_bytes}-byte limit", code="request_too_large")
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise Invalid(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise Invalid(400, "the body must be a JSON object", code="invalid_json")
+    try:
+        model = MODELS[request.path].model_validate(body)  # type: ignore[assignment]
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        raise Invalid(400, f"{param}: {first['msg']}" if param else first["msg"], param=param,
+                      code="invalid_value") from None
+    return ParsedRequest(request.path, body, model)
+
+
+@dataclass(slots=True)
+class TokenLimits:
+    prompt_tokens: int
+    max_tokens: int  # what the request may generate: the client's bound, or what the context leaves
+
+
+class TokenCounter:
+    """Counts prompt tokens with the engine's tokenizer and checks them against its context window."""
+
+    def __init__(self, session: aiohttp.ClientSession, engine_url: str, timeout_s: float) -> None:
+        self.session = session
+        self.url = engine_url.rstrip("/") + "/tokenize"
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s * 2)
+
+    async def count(self, parsed: ParsedRequest) -> TokenLimits:
+        query = {key: parsed.body[key] for key in ("model", "prompt", "messages") if key in parsed.body}
+        try:
+            async with self.session.post(self.url, json=query, timeout=self.timeout) as response:
+                answer = await response.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            raise Invalid(503, "the engine is unavailable", code="engine_unavailable", retry_after=1) from None
+        if response.status != 200:
+            error = answer.get("error", {}) if isinstance(answer, dict) else {}
+            raise Invalid(response.status if response.status < 500 else 503,
+                          error.get("message", "the engine could not tokenize the prompt"),
+                          param=error.get("param"), code=error.get("code"))
+        prompt, window = int(answer["count"]), int(answer["max_model_len"])
+        prompt_field = "messages" if "messages" in parsed.body else "prompt"
+        if prompt >= window:
+            raise Invalid(400, f"the prompt has {prompt} tokens; the context window is {window}",
+                          param=prompt_field, code="context_length_exceeded")
+        room = window - prompt
+        requested = parsed.max_tokens
+        if requested is not None and requested > room:
+            raise Invalid(400, f"{parsed.max_tokens_field} {requested} plus the {prompt}-token prompt exceeds the "
+                          f"context window of {window} tokens", param=parsed.max_tokens_field,
+                          code="context_length_exceeded")
+        return TokenLimits(prompt, requested if requested is not None else room)
