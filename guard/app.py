@@ -207,8 +207,9 @@ def refresh_gauges(state: GuardState) -> None:
 
 def create_app(config: GuardConfig) -> web.Application:
     gate = AdmissionGate(config.admission, {t.name for t in config.tenants})
-    dispatcher = Dispatcher(config, gate)
-    state = GuardState(config, KeyStore(config.tenants, config.secret), gate, dispatcher, GuardMetrics())
+    metrics = GuardMetrics()
+    dispatcher = Dispatcher(config, gate, lambda tenant, service: metrics.service_tokens.labels(tenant).inc(service))
+    state = GuardState(config, KeyStore(config.tenants, config.secret), gate, dispatcher, metrics)
     # Body size is enforced by parse_request with a JSON 413; aiohttp's own cap is only a backstop.
     app = web.Application(middlewares=[identify], client_max_size=config.limits.max_body_bytes + 1024)
     app[STATE] = state

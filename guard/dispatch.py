@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from guard.admission import AdmissionGate
@@ -54,9 +55,12 @@ class Rejected(Exception):
 
 
 class Dispatcher:
-    def __init__(self, config: GuardConfig, gate: AdmissionGate) -> None:
+    def __init__(
+        self, config: GuardConfig, gate: AdmissionGate, on_service: Callable[[str, float], None] = lambda t, s: None
+    ) -> None:
         self.config = config
         self.gate = gate
+        self.on_service = on_service  # (tenant, service charged): feeds guard_service_tokens_total
         self.fair: FairQueue[Ticket] = FairQueue()
         for tenant in config.tenants:
             self.fair.tenant(tenant.name, tenant.weight)
@@ -70,9 +74,6 @@ class Dispatcher:
     async def submit(self, ticket: Ticket) -> None:
         """Queue ``ticket`` and wait for admission. Raises ``Rejected``; on cancellation nothing is held."""
         queue = self.queue_of(ticket.tenant)
-        if len(queue) >= ticket.tenant.max_queue:
-            raise Rejected(429, "queue_full", f"tenant {ticket.tenant.name!r} has {len(queue)} requests queued "
-                           f"(max_queue {ticket.tenant.max_queue})", self.gate.retry_after(self.blocks_queued()))
         ahead = self.blocks_queued() + ticket.blocks
         wait = self.gate.expected_wait(max(0, self.gate.committed() + ahead - self.gate.budget))
         if wait is not None and wait > ticket.lane.timeout:
@@ -82,6 +83,10 @@ class Dispatcher:
         ticket.state = TicketState.QUEUED
         self.fair.push(queue, ticket.lane.priority, ticket)
         self.pump()
+        if ticket.state is TicketState.QUEUED and len(queue) > ticket.tenant.max_queue:
+            self._dequeue(ticket)  # max_queue counts waiting requests: one admitted at once never waited
+            raise Rejected(429, "queue_full", f"tenant {ticket.tenant.name!r} already has {len(queue)} requests "
+                           f"queued (max_queue {ticket.tenant.max_queue})", self.gate.retry_after(self.blocks_queued()))
         try:
             await asyncio.wait_for(asyncio.shield(ticket.admitted), ticket.lane.timeout)
         except TimeoutError:
@@ -111,12 +116,12 @@ class Dispatcher:
             if not self.gate.try_reserve(ticket.request_id, queue.name, ticket.blocks):
                 return
             self.fair.pop(queue)
-            self.fair.charge(queue, input_tokens=ticket.prompt_tokens)
+            self.on_service(queue.name, self.fair.charge(queue, input_tokens=ticket.prompt_tokens))
             ticket.state = TicketState.ADMITTED
             ticket.admitted.set_result(None)
 
     def charge_output(self, ticket: Ticket, output_tokens: int) -> None:
-        self.fair.charge(self.queue_of(ticket.tenant), output_tokens=output_tokens)
+        self.on_service(ticket.tenant.name, self.fair.charge(self.queue_of(ticket.tenant), output_tokens=output_tokens))
 
     def finish(self, ticket: Ticket) -> None:
         """End ``ticket`` in whatever state it is: dequeue or release its reservation. Idempotent."""

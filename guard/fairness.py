@@ -1,6 +1,7 @@
 """Tenant-fair queueing with Virtual Token Counters (Sheng et al., OSDI 2024).
 
-Each tenant has a counter of weighted service: ``(input tokens + 2 * output tokens) / weight``. The next
+A tenant's *service* is its tokens weighted by cost, ``input + 2 * output``; its virtual counter is that
+service divided by the tenant's weight. The next
 admission goes to the backlogged tenant with the lowest counter. A tenant that becomes backlogged after
 idling is lifted to the lowest counter among the backlogged tenants, so idle time banks no credit.
 Inside a tenant, lanes order the work (lower lane priority first), FIFO within a lane.
@@ -25,8 +26,8 @@ Item = TypeVar("Item")
 class TenantQueue(Generic[Item]):
     name: str
     weight: float
-    counter: float = 0.0  # weighted service received (VTC)
-    service: float = 0.0  # the same, never lifted: what the tenant really got, for metrics and Jain
+    counter: float = 0.0  # virtual token counter: service / weight, lifted after idling
+    service: float = 0.0  # input + 2 * output tokens actually served, never lifted
     lanes: dict[int, deque[Item]] = field(default_factory=dict)  # lane priority -> FIFO
 
     def __len__(self) -> int:
@@ -79,17 +80,16 @@ class FairQueue(Generic[Item]):
         raise IndexError(f"tenant {tenant.name!r} has nothing queued")
 
     def charge(self, tenant: TenantQueue[Item], input_tokens: int = 0, output_tokens: int = 0) -> float:
-        """Count service against the tenant; returns the weighted amount charged."""
-        weighted = (INPUT_COST * input_tokens + OUTPUT_COST * output_tokens) / tenant.weight
-        tenant.counter += weighted
-        tenant.service += weighted
-        self._service_log.append((time.monotonic(), tenant.name, weighted))
-        return weighted
+        """Count service against the tenant; returns the service charged (``input + 2 * output``)."""
+        service = INPUT_COST * input_tokens + OUTPUT_COST * output_tokens
+        tenant.counter += service / tenant.weight
+        tenant.service += service
+        self._service_log.append((time.monotonic(), tenant.name, service / tenant.weight))
+        return service
 
     def jain_index(self, window_s: float = 30.0) -> float:
-        """Jain's fairness index of the weighted service that backlogged tenants got in the last window.
-
-        1.0 is perfectly fair; 1/n means one tenant got everything. With fewer than two backlogged tenants
+        """Jain's fairness index over the service per unit of weight that backlogged tenants got in the last
+        window: 1.0 when service is exactly proportional to weight, 1/n when one tenant got everything. With fewer than two backlogged tenants
         there is nobody to be unfair to, so the index is 1.
         """
         now = time.monotonic()

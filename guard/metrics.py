@@ -30,8 +30,9 @@ class GuardMetrics:
                                      ["tenant"], registry=r)
         self.budget_blocks = Gauge("guard_admission_budget_blocks", "KV blocks the guard may commit "
                                    "(safe_utilization x engine blocks).", registry=r)
-        self.service_tokens = Counter("guard_service_tokens_total", "Weighted service (input + 2 x output "
-                                      "tokens, over the tenant's weight).", ["tenant"], registry=r)
+        self.service_tokens = Counter("guard_service_tokens_total", "Service in cost-weighted tokens (input + "
+                                      "2 x output), the quantity VTC shares by tenant weight.", ["tenant"],
+                                      registry=r)
         self.jain = Gauge("guard_fairness_jain_index", "Jain's index of backlogged tenants' weighted service "
                           "(1 = fair).", registry=r)
         self.mode = Gauge("guard_mode", "1 for the guard's current mode.", ["mode"], registry=r)
