@@ -1,4 +1,8 @@
-"""Attention and KV-store kernels: the torch reference and (later) Triton, behind one interface."""
+"""Attention and KV-store kernels: the torch reference and the Triton kernels, behind one interface.
+
+The Triton modules (``triton_*.py``) are imported only when that backend is chosen, so the engine runs where
+the triton package is missing.
+"""
 
 from engine.kernels.backend import ATTENTION_BACKENDS, AttentionBackend, get_attention_backend
 from engine.kernels.metadata import AttentionMetadata

@@ -7,6 +7,7 @@ methods, so the Triton kernels and the torch reference are interchangeable and t
 
 from __future__ import annotations
 
+import os
 from typing import Protocol
 
 import torch
@@ -30,13 +31,27 @@ class AttentionBackend(Protocol):
 def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     """The backend called ``name`` (the engine's ``attention_backend`` option) for ``device``.
 
-    ``auto`` is the torch reference on every device until the Triton kernels land; it will then pick
-    Triton on CUDA.
+    ``auto`` is Triton on CUDA (the torch reference when Triton is missing there) and the torch reference
+    everywhere else. ``triton`` off CUDA runs the kernels in Triton's interpreter, which must be switched on
+    with ``TRITON_INTERPRET=1`` before the kernels are first imported; it is slow and meant for tests.
     """
-    if name in ("auto", "torch"):
+    if name == "torch" or (name == "auto" and device.type != "cuda"):
         return TorchAttentionBackend()
-    if name == "triton":
-        raise ValueError("attention_backend: 'triton' kernels are not available yet; use 'torch' or 'auto'")
-    raise ValueError(
-        f"attention_backend: unknown backend {name!r}; expected one of {', '.join(map(repr, ATTENTION_BACKENDS))}"
-    )
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(
+            f"attention_backend: unknown backend {name!r}; "
+            f"expected one of {', '.join(map(repr, ATTENTION_BACKENDS))}"
+        )
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"attention_backend: 'triton' on {device.type} runs only in Triton's interpreter; "
+            "set TRITON_INTERPRET=1 (slow, for tests) or use 'torch'"
+        )
+    try:
+        from engine.kernels.triton_backend import TritonAttentionBackend
+    except ImportError as error:
+        if name == "auto":
+            return TorchAttentionBackend()
+        message = f"attention_backend: 'triton' needs the triton package, which failed to import: {error}"
+        raise ValueError(message) from error
+    return TritonAttentionBackend()
