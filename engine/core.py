@@ -76,8 +76,13 @@ class EngineCore:
         tenant: str | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
+        stream: bool = False,
     ) -> Request:
-        """Validate one prompt and build its request; nothing is queued yet (see ``add``)."""
+        """Validate one prompt and build its request; nothing is queued yet (see ``add``).
+
+        ``stream=True`` keeps every completion's ``text`` current token by token, for a server that sends
+        text deltas; otherwise text is decoded once, when the completion finishes.
+        """
         require(isinstance(params, SamplingParams), "sampling_params", "a SamplingParams", params)
         text, ids = self._tokenize(prompt)
         limit = self.max_model_len
@@ -99,9 +104,10 @@ class EngineCore:
         require(is_int(priority), "priority", "an integer", priority)
         require(tenant is None or isinstance(tenant, str), "tenant", "a string or None", tenant)
         require(cache_salt is None or isinstance(cache_salt, str), "cache_salt", "a string or None", cache_salt)
+        require(isinstance(stream, bool), "stream", "a boolean", stream)
         request_id = request_id if request_id is not None else f"req-{next(self._request_ids)}"
         require(request_id not in self.requests, "request_id", "unique among running requests", request_id)
-        return Request(request_id, text, ids, params, max_tokens, tenant, cache_salt, priority)
+        return Request(request_id, text, ids, params, max_tokens, tenant, cache_salt, priority, stream)
 
     def add(self, request: Request) -> None:
         require(request.request_id not in self.requests, "request_id", "unique among running requests",
@@ -218,7 +224,7 @@ class EngineCore:
         if params.seed is not None and not params.greedy:
             generator = torch.Generator(self.device).manual_seed(params.seed + index)
         detokenizer = None
-        if params.stop and self.tokenizer is not None:
+        if (params.stop or request.stream) and self.tokenizer is not None:
             detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
         seq = Sequence(next(self._seq_ids), request, index, token_ids, len(request.prompt_token_ids),
                        generator, detokenizer)

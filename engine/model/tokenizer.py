@@ -19,7 +19,10 @@ class Tokenizer(Protocol):
     @property
     def vocab_size(self) -> int: ...
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens=False`` leaves out what the tokenizer adds on its own
+        (a BOS), for text such as a rendered chat template that already spells its special tokens out."""
+        ...
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids`` without special tokens; invalid or incomplete UTF-8 becomes U+FFFD."""
@@ -48,7 +51,7 @@ class ByteTokenizer:
     def vocab_size(self) -> int:
         return self.EOS + 1
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -84,8 +87,8 @@ class HFTokenizer:
     def vocab_size(self) -> int:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=True).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=True)

@@ -41,6 +41,7 @@ class Request:
     tenant: str | None = None
     cache_salt: str | None = None
     priority: int = 0  # lower runs first, as in vLLM
+    stream: bool = False  # detokenize as tokens arrive, so a server can send text deltas
     arrival_time: float = field(default_factory=time.monotonic)
     seqs: list[Sequence] = field(default_factory=list)
     first_token_time: float | None = None
