@@ -1,8 +1,23 @@
-"""Pydantic models shared by the engine and the guard. Importable without torch."""
+"""Pydantic models shared by the engine and the guard: the telemetry snapshot and the OpenAI API subset.
+
+Importable without torch (the guard never loads it).
+"""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 
 
 class TenantUsage(BaseModel):
@@ -52,3 +67,276 @@ class TelemetrySnapshot(BaseModel):
     bandwidth_utilization: float = Field(ge=0.0, le=1.0)
     healthy: bool
     tenants: dict[str, TenantUsage] = Field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# OpenAI-compatible API subsets (/v1/completions, /v1/chat/completions, /v1/models, errors).
+# Requests are strict about types ("12" is not a number) and ignore fields they do not know, as OpenAI does;
+# fields OpenAI defines but this engine cannot honour are rejected when set, rather than silently ignored.
+
+
+def _unsupported(value: Any) -> Any:
+    if value not in (None, False, 0, "", [], {}):
+        raise ValueError("is not supported by this engine; leave it unset")
+    return value
+
+
+Unsupported = Annotated[Any, AfterValidator(_unsupported)]
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
+def _one_prompt(prompt: str | list[Any]) -> str | list[Any]:
+    if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], (str, list))) and len(prompt) != 1:
+        raise ValueError("must be one prompt (a non-empty string or list of token ids); send one request per prompt")
+    return prompt
+
+
+def _unwrap(prompt: str | list[Any]) -> str | list[int]:
+    """A prompt out of its batch of one (the only batch size served)."""
+    return prompt[0] if isinstance(prompt, list) and isinstance(prompt[0], (str, list)) else prompt
+
+
+# A text, token ids, or a batch of exactly one of those (OpenAI accepts batches; this engine serves one).
+Prompt = Annotated[NonEmptyStr | TokenIds | list[NonEmptyStr | TokenIds], AfterValidator(_one_prompt)]
+
+
+class OpenAIRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(OpenAIRequest):
+    include_usage: bool = False
+
+
+class SamplingRequest(OpenAIRequest):
+    """Fields common to both endpoints, with the engine's extensions ``top_k``, ``ignore_eos``,
+    ``cache_salt`` (prefix-cache scope) and ``priority`` (lower runs first)."""
+
+    model: str
+    n: int = Field(1, ge=1, le=128)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)
+    seed: int | None = None
+    stop: NonEmptyStr | list[NonEmptyStr] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    cache_salt: NonEmptyStr | None = None
+    priority: int = 0
+    user: str | None = None
+    presence_penalty: Unsupported = None
+    frequency_penalty: Unsupported = None
+    logit_bias: Unsupported = None
+    logprobs: Unsupported = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: Prompt
+    max_tokens: int | None = Field(16, ge=1)
+    echo: Unsupported = None
+    suffix: Unsupported = None
+    best_of: int | None = Field(None, ge=1, le=1)
+
+    @property
+    def single_prompt(self) -> str | list[int]:
+        """The prompt, unwrapped from a batch of one (the only batch size served)."""
+        return _unwrap(self.prompt)
+
+    @property
+    def max_output_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+class TextContentPart(OpenAIRequest):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIRequest):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+    @property
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI in favour of max_completion_tokens
+    top_logprobs: Unsupported = None
+    tools: Unsupported = None
+    functions: Unsupported = None
+
+    @property
+    def max_output_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def max_output_tokens_field(self) -> str:
+        """The field an out-of-range output length is reported against."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+
+class TokenizeRequest(OpenAIRequest):
+    """``POST /tokenize``: count a prompt, or a conversation rendered by the chat template, as the engine would."""
+
+    model: str
+    prompt: Prompt | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+    @property
+    def single_prompt(self) -> str | list[int] | None:
+        return None if self.prompt is None else _unwrap(self.prompt)
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int  # the context window: prompt plus output tokens
+    tokens: list[int]
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens served by the prefix cache
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int  # summed over the n choices
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+FinishReason = Literal["stop", "length"]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: FinishReason | None = None
+
+
+class CompletionResponse(BaseModel):
+    """A whole completion, and (with ``usage`` unset until the last) each chunk of a streamed one."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None  # set in a choice's first chunk only
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "kvguard"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+# Tags pydantic puts in an error location for the union member (or constrained type) that was tried.
+_TYPE_TAGS = {"str", "int", "float", "bool", "none"}
+_FIELD = re.compile(r"[a-z_][a-z0-9_]*")
+
+
+def validation_error_param(exc: ValidationError) -> tuple[str | None, str]:
+    """The ``param`` (a path such as ``messages[0].content``, None for a body that is no JSON object) and
+    the message of a request's first validation error, for the OpenAI error shape.
+
+    A value that fails every member of a union has one error per member; the deepest is the most specific
+    (``content[0].type`` rather than "content is not a string").
+    """
+    errors = exc.errors(include_url=False)
+    field = errors[0]["loc"][:1]
+    error = max((e for e in errors if e["loc"][:1] == field), key=lambda e: len(e["loc"]))
+    if error["type"] in ("json_invalid", "json_type", "model_type", "model_attributes_type"):
+        return None, f"must be a JSON object: {error['msg']}"
+    param = ""
+    for part in error["loc"]:
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif _FIELD.fullmatch(part) and part not in _TYPE_TAGS:
+            param += f".{part}" if param else part
+    return param or None, str(error["msg"]).removeprefix("Value error, ")
