@@ -1,0 +1,380 @@
+"""``AsyncEngine``: the engine core's step loop on its own thread, driven from an asyncio event loop.
+
+::
+
+    event loop (aiohttp handlers)                         engine thread
+    ------------------------------                        ---------------------------------------
+    add(request)  --\\                                      loads the model, then loops:
+    abort(id)     ---+-- command queue (thread-safe) --->    apply queued commands (add/abort/read)
+    reading()     --/                                        step()  (one scheduled batch)
+    RequestStream <--- loop.call_soon_threadsafe -------     outputs, once per loop iteration
+
+Only the engine thread changes the core once it is loaded; everything else reaches it through commands
+that run between steps. So an abort frees its blocks at the next step boundary, and a reading (telemetry)
+describes one step boundary exactly. The event loop may read what never changes after loading (config,
+tokenizer, model name) and call ``EngineCore.make_request``, which only validates and tokenizes.
+
+Every added request ends in exactly one way: its final output, an error (``RequestFailed`` when a step
+failed under it, ``EngineUnavailable`` when the engine stops), or an abort by its owner. A request stream
+holds only the newest output: outputs are cumulative (all text and token ids so far), so a slow reader
+skips intermediate ones instead of letting a queue grow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.metrics import EngineMetrics, EngineReading, LatencyRecorder
+from engine.outputs import RequestOutput
+from engine.protocol import TelemetrySnapshot
+from engine.sched.request import Request
+
+log = logging.getLogger("engine.async")
+
+# A step that fails fails the requests in it, and the engine goes on; this many failures in a row mean it
+# cannot make progress, and it reports itself unhealthy until a step succeeds again.
+MAX_CONSECUTIVE_STEP_FAILURES = 3
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine is loading, failed, or has stopped: it accepts no request."""
+
+
+class RequestFailed(RuntimeError):
+    """A step failed while this request was in the batch; its blocks have been released."""
+
+
+@dataclass(slots=True, eq=False)
+class RequestStream:
+    """The outputs of one request, newest only, as an async iterator that ends after the final one."""
+
+    request_id: str
+    _latest: RequestOutput | None = None
+    _error: BaseException | None = None
+    _wake: asyncio.Event = field(default_factory=asyncio.Event)
+    done: bool = False  # the final output or the error has been taken
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.done:
+            raise StopAsyncIteration
+        while self._latest is None and self._error is None:
+            self._wake.clear()
+            await self._wake.wait()
+        if self._latest is not None:
+            output, self._latest = self._latest, None
+            self.done = output.finished
+            return output
+        self.done = True
+        raise self._error  # type: ignore[misc]
+
+    async def final(self) -> RequestOutput:
+        """Wait for the request to finish and return its last output."""
+        output = None
+        async for output in self:
+            pass
+        assert output is not None and output.finished
+        return output
+
+    def _push(self, output: RequestOutput) -> None:
+        self._latest = output
+        self._wake.set()
+
+    def _fail(self, error: BaseException) -> None:
+        self._error = error
+        self._wake.set()
+
+
+@dataclass(slots=True)
+class _Add:
+    request: Request
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(slots=True)
+class _Read:
+    future: concurrent.futures.Future[EngineReading]
+
+
+class _Stop:
+    pass
+
+
+_Command = _Add | _Abort | _Read | _Stop
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.metrics = EngineMetrics()
+        self._latency = LatencyRecorder(self.metrics)
+        self._core: EngineCore | None = None
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # makes "closed" and "enqueue" one step: no command is left behind
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="engine-step-loop", daemon=True)
+        self._consecutive_failures = 0  # engine thread writes, event loop reads (an int: atomic)
+        # Event-loop side.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ready: asyncio.Future[None] | None = None
+        self._failure: BaseException | None = None
+        self._streams: dict[str, RequestStream] = {}
+        self._pending_read: asyncio.Future[EngineReading] | None = None
+        self._version = 0
+        self._changed = asyncio.Event()
+
+    # ----------------------------------------------------------------------------- event-loop side
+
+    def start(self) -> None:
+        """Start loading the model on the engine thread; call from the event loop that will use the engine."""
+        self._loop = asyncio.get_running_loop()
+        self._ready = self._loop.create_future()
+        self._thread.start()
+
+    async def wait_ready(self) -> None:
+        """Return once the model is loaded; raise what loading raised if it failed."""
+        assert self._ready is not None, "start() first"
+        await asyncio.shield(self._ready)
+
+    @property
+    def ready(self) -> bool:
+        return self._core is not None and self._failure is None and not self._closed
+
+    @property
+    def healthy(self) -> bool:
+        return self.ready and self._consecutive_failures < MAX_CONSECUTIVE_STEP_FAILURES
+
+    @property
+    def status(self) -> str:
+        """``loading``, ``ready``, ``degraded`` (steps keep failing), ``failed`` or ``stopped``."""
+        if self._failure is not None:
+            return "failed"
+        if self._closed:
+            return "stopped"
+        if self._core is None:
+            return "loading"
+        return "ready" if self.healthy else "degraded"
+
+    @property
+    def core(self) -> EngineCore:
+        """The loaded core, for its immutable parts and ``make_request`` (see the module docstring)."""
+        if not self.ready:
+            raise EngineUnavailable(f"the engine is {self.status}")
+        assert self._core is not None
+        return self._core
+
+    @property
+    def version(self) -> int:
+        """Grows whenever the engine's state may have changed (a step ran or a request came or went)."""
+        return self._version
+
+    async def wait_for_change(self, version: int, timeout: float) -> bool:
+        """Wait until ``version`` is out of date; False when ``timeout`` passed first."""
+        if self._version != version:
+            return True
+        try:
+            async with asyncio.timeout(timeout):
+                await self._changed.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    def add(self, request: Request) -> RequestStream:
+        """Queue a request built by ``core.make_request``; its outputs arrive on the returned stream."""
+        stream = RequestStream(request.request_id)
+        self._submit(_Add(request))
+        self._streams[request.request_id] = stream
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its blocks at the next step boundary; its stream gets nothing more."""
+        self._streams.pop(request_id, None)
+        with contextlib.suppress(EngineUnavailable):  # a stopped engine has released everything already
+            self._submit(_Abort(request_id))
+
+    @contextlib.asynccontextmanager
+    async def generate(self, request: Request) -> AsyncIterator[RequestStream]:
+        """``add`` for the span of a block: leaving it early (an error, a cancelled handler) aborts."""
+        stream = self.add(request)
+        try:
+            yield stream
+        finally:
+            if not stream.done:
+                self.abort(request.request_id)
+
+    async def reading(self) -> EngineReading:
+        """State at the next step boundary. Concurrent callers share one reading."""
+        if self._pending_read is None or self._pending_read.done():
+            future: concurrent.futures.Future[EngineReading] = concurrent.futures.Future()
+            self._submit(_Read(future))
+            self._pending_read = asyncio.wrap_future(future)
+        return await asyncio.shield(self._pending_read)
+
+    async def snapshot(self) -> TelemetrySnapshot:
+        return (await self.reading()).snapshot
+
+    async def shutdown(self) -> None:
+        """Abort everything, release every block and stop the thread. Pending streams get ``EngineUnavailable``."""
+        if self._thread.is_alive():
+            with contextlib.suppress(EngineUnavailable):
+                self._submit(_Stop())
+            await asyncio.to_thread(self._thread.join)
+        self._fail_all(EngineUnavailable("the engine has stopped"))
+
+    def _submit(self, command: _Command) -> None:
+        if not self.ready and not isinstance(command, (_Abort, _Stop)):
+            raise EngineUnavailable(f"the engine is {self.status}")
+        with self._lock:
+            if self._closed:
+                raise EngineUnavailable("the engine has stopped")
+            self._commands.put(command)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is not None:
+                stream._push(output)
+                if output.finished:
+                    del self._streams[output.request_id]
+        self._version += 1
+        # Wake every waiter of this version, and give the next version a fresh event.
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def _fail_requests(self, request_ids: list[str], error: BaseException) -> None:
+        for request_id in request_ids:
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream._fail(error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        self._fail_requests(list(self._streams), error)
+
+    def _loaded(self, core: EngineCore) -> None:
+        self._core = core
+        assert self._ready is not None
+        self._ready.set_result(None)
+
+    def _died(self, error: BaseException) -> None:
+        self._failure = error
+        assert self._ready is not None
+        if not self._ready.done():
+            self._ready.set_exception(error)
+            self._ready.exception()  # retrieved here; wait_ready() re-raises it for whoever asks
+        self._fail_all(EngineUnavailable(f"the engine failed: {error!r}"))
+
+    # ----------------------------------------------------------------------------- engine thread
+
+    def _post(self, callback: Callable[..., None], *args: object) -> None:
+        assert self._loop is not None
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is left to tell
+            self._loop.call_soon_threadsafe(callback, *args)
+
+    def _run(self) -> None:
+        try:
+            core = EngineCore(self.config)
+        except BaseException as exc:  # noqa: BLE001 - whatever loading raised is the failure
+            log.error("loading %s failed: %s", self.config.model, exc)
+            self._close(None, [])
+            self._post(self._died, exc)
+            return
+        self._post(self._loaded, core)
+        try:
+            leftover = self._serve(core)
+        except BaseException as exc:  # a bug outside a step: the core can no longer be trusted
+            log.exception("the engine loop failed")
+            self._close(None, [])
+            self._post(self._died, exc)
+        else:
+            self._close(core, leftover)
+            self._post(self._fail_all, EngineUnavailable("the engine has stopped"))
+
+    def _serve(self, core: EngineCore) -> list[_Command]:
+        """Apply commands and step until told to stop; return the commands that came after the stop."""
+        while True:
+            changed = False
+            commands = self._next_commands(block=not core.has_unfinished)
+            for i, command in enumerate(commands):
+                if isinstance(command, _Stop):
+                    return commands[i + 1 :]
+                changed |= self._apply(core, command)
+            outputs = self._step(core) if core.has_unfinished else None
+            if changed or outputs is not None:
+                self._post(self._deliver, outputs or [])
+
+    def _next_commands(self, block: bool) -> list[_Command]:
+        commands = [self._commands.get()] if block else []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                commands.append(self._commands.get_nowait())
+        return commands
+
+    def _apply(self, core: EngineCore, command: _Command) -> bool:
+        """Run one command between steps; True when it changed the engine's state."""
+        match command:
+            case _Add(request):
+                try:
+                    core.add(request)
+                except ValueError as exc:
+                    self._post(self._fail_requests, [request.request_id], exc)
+                    return False
+                self._latency.start(request.request_id, request.arrival_time)
+                return True
+            case _Abort(request_id):
+                self._latency.forget(request_id)
+                return core.abort(request_id) is not None
+            case _Read(future):
+                if future.set_running_or_notify_cancel():
+                    future.set_result(EngineReading.of(core, self._healthy_here()))
+                return False
+        raise TypeError(f"unknown engine command {command!r}")
+
+    def _step(self, core: EngineCore) -> list[RequestOutput]:
+        started = time.perf_counter()
+        try:
+            outputs = core.step()
+        except Exception as exc:  # a failing step fails its requests, not the server
+            log.exception("engine step failed; failing its %d requests", len(core.requests))
+            failed = list(core.requests)
+            for request_id in failed:
+                core.abort(request_id)
+                self._latency.forget(request_id)
+            self._consecutive_failures += 1
+            self._post(self._fail_requests, failed, RequestFailed(f"the engine step failed: {exc!r}"))
+            return []
+        self._consecutive_failures = 0
+        self.metrics.step_duration.observe(time.perf_counter() - started)
+        self._latency.observe(outputs, time.monotonic())
+        return outputs
+
+    def _healthy_here(self) -> bool:
+        return self._consecutive_failures < MAX_CONSECUTIVE_STEP_FAILURES
+
+    def _close(self, core: EngineCore | None, leftover: list[_Command]) -> None:
+        """Refuse new commands, release every request (unless ``core`` is None: not to be trusted) and fail
+        the readings still queued. Streams are failed by the caller, with the reason."""
+        with self._lock:
+            self._closed = True
+        if core is not None:
+            for request_id in list(core.requests):
+                core.abort(request_id)
+        stopped = EngineUnavailable("the engine has stopped")
+        for command in leftover + self._next_commands(block=False):
+            if isinstance(command, _Read) and command.future.set_running_or_notify_cancel():
+                command.future.set_exception(stopped)
