@@ -1,0 +1,125 @@
+"""``python -m engine``: serve one model over HTTP. Every ``LLM`` option (``EngineConfig`` field) is a flag.
+
+Prints ``engine: listening on <url>`` as soon as the port is bound (the model loads meanwhile; ``/health``
+answers 503 until it is ready), then ``engine: ready ...``. SIGINT/SIGTERM stop it cleanly: requests still
+running end with an error, every block is released, the exit status is 0. A model that fails to load
+exits with status 1; an invalid option with status 2, naming the option.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import fields
+
+from engine.config import DTYPES, PREEMPTION_MODES, EngineConfig
+from engine.kernels.backend import ATTENTION_BACKENDS
+from engine.server import EngineServer
+
+
+def _optional_int(text: str) -> int | None:
+    return None if text.lower() == "none" else int(text)
+
+
+# EngineConfig field -> (parser of the flag's value, help). A field missing here fails at startup (and in
+# the tests), so a new engine option cannot ship without its flag.
+_OPTIONS: dict[str, tuple[Callable[[str], object] | None, str]] = {
+    "model": (str, ("'tiny' (built in, nothing to download) or a local Hugging Face directory with "
+                    "config.json, *.safetensors and optionally tokenizer.json and tokenizer_config.json "
+                    "(whose chat template /v1/chat/completions uses)")),
+    "device": (str, "'auto' (CUDA when present, else CPU), 'cpu' or 'cuda[:N]'"),
+    "dtype": (str, "weights and KV cache dtype; 'auto' is bfloat16 on CUDA, float32 on CPU"),
+    "block_size": (int, "tokens per KV block (a power of two)"),
+    "num_blocks": (_optional_int, ("device KV blocks in the pool; 'none' sizes the pool from memory "
+                                   "(--gpu-memory-utilization on CUDA, --cpu-kv-cache-bytes on CPU)")),
+    "max_num_seqs": (int, "most sequences running in one step"),
+    "max_num_batched_tokens": (int, "token budget of one step, shared by decodes and prefill chunks"),
+    "preemption_mode": (str, "how a running sequence gives up its blocks when the pool runs out"),
+    "swap_blocks": (_optional_int, ("host swap blocks for --preemption-mode swap; 'none' gives swap mode as "
+                                    "many as --num-blocks and recompute mode none")),
+    "enable_prefix_caching": (None, "reuse the KV of shared prompt prefixes (scoped by cache_salt)"),
+    "attention_backend": (str, "attention kernels ('auto' picks Triton on CUDA, the torch reference elsewhere)"),
+    "max_model_len": (_optional_int, "context window in tokens (prompt + output); 'none' takes the model's"),
+    "gpu_memory_utilization": (float, "share of GPU memory the engine may use when sizing the pool"),
+    "cpu_kv_cache_bytes": (int, "bytes of KV cache when sizing the pool on CPU"),
+}
+_CHOICES: dict[str, Sequence[str]] = {"dtype": sorted(DTYPES), "preemption_mode": PREEMPTION_MODES,
+                                      "attention_backend": ATTENTION_BACKENDS}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m engine",
+        description="Serve a model with kvguard's paged-KV engine: OpenAI-compatible /v1/completions and "
+                    "/v1/chat/completions, /v1/models, /health, /telemetry, /telemetry/stream (SSE) and "
+                    "/metrics (Prometheus).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on; the engine trusts X-Tenant-Id, so keep it on loopback "
+                             "behind the guard")
+    parser.add_argument("--port", type=int, default=8100, help="port to listen on (0: any free port)")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                        help="logging verbosity")
+    engine = parser.add_argument_group("engine options (the keyword arguments of engine.LLM)")
+    for option in fields(EngineConfig):
+        parse, text = _OPTIONS[option.name]
+        flag = "--" + option.name.replace("_", "-")
+        if parse is None:
+            engine.add_argument(flag, dest=option.name, action=argparse.BooleanOptionalAction,
+                                default=option.default, help=text)
+        else:
+            engine.add_argument(flag, dest=option.name, type=parse, default=option.default,
+                                choices=_CHOICES.get(option.name), help=text)
+    return parser
+
+
+async def serve(config: EngineConfig, host: str, port: int) -> int:
+    server = EngineServer(config)
+    url = await server.start(host, port)
+    print(f"engine: listening on {url} (loading model {config.model!r})", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    ready = asyncio.ensure_future(server.wait_ready())
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait([ready, stopped], return_when=asyncio.FIRST_COMPLETED)
+        if ready.done():
+            if (error := ready.exception()) is not None:
+                print(f"engine: failed to load {config.model!r}: {error}", file=sys.stderr, flush=True)
+                return 1
+            core = server.engine.core
+            print(f"engine: ready: model {core.model_name!r} on {core.device} ({core.dtype}), "
+                  f"{core.kv.pool.num_blocks} KV blocks of {core.block_size} tokens; OpenAI API at {url}/v1, "
+                  f"telemetry at {url}/telemetry/stream, metrics at {url}/metrics", flush=True)
+            await stopped
+        return 0
+    finally:
+        for task in (ready, stopped):
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+        await server.stop()
+        print("engine: stopped", flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = EngineConfig(**{option.name: getattr(args, option.name) for option in fields(EngineConfig)})
+    except ValueError as exc:
+        parser.error(str(exc))
+    return asyncio.run(serve(config, args.host, args.port))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

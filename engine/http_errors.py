@@ -1,0 +1,77 @@
+"""Errors in the OpenAI shape ``{"error": {"message", "type", "param", "code"}}``, as responses and SSE events.
+
+Every failure the server reports goes through ``ApiError``: validation (pydantic, or the engine's own
+``ValueError("<field>: ...")``), an unavailable engine, a failed step, and aiohttp's own HTTP errors (404,
+405, 413), which the middleware rewrites so a client never has to parse two error formats.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from aiohttp import web
+from aiohttp.typedefs import Handler
+from pydantic import ValidationError
+
+from engine.async_engine import EngineUnavailable, RequestFailed
+from engine.protocol import ErrorDetail, ErrorResponse, validation_error_param
+
+log = logging.getLogger("engine.server")
+
+ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+               413: "invalid_request_error", 500: "server_error", 503: "service_unavailable_error"}
+_FIELD = re.compile(r"[a-z_][a-z0-9_]*")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.detail = ErrorDetail(message=message, type=ERROR_TYPES.get(status, "server_error"), param=param,
+                                  code=code)
+
+    def body(self) -> str:
+        return ErrorResponse(error=self.detail).model_dump_json()
+
+    def response(self) -> web.Response:
+        return web.Response(status=self.status, text=self.body(), content_type="application/json")
+
+    @classmethod
+    def invalid(cls, exc: ValueError, rename: dict[str, str] | None = None) -> ApiError:
+        """A 400 from the engine's ``ValueError("<field>: ...")``; ``rename`` maps engine fields to API ones."""
+        message = str(exc)
+        field, sep, rest = message.partition(":")
+        if not sep or not _FIELD.fullmatch(field):
+            return cls(400, message)
+        param = (rename or {}).get(field, field)
+        return cls(400, f"{param}:{rest}", param=param)
+
+    @classmethod
+    def from_validation(cls, exc: ValidationError) -> ApiError:
+        """A 400 naming the offending field; a body that is not a JSON object is reported as ``body``."""
+        param, message = validation_error_param(exc)
+        return cls(400, f"{param or 'body'}: {message}", param=param or "body")
+
+    @classmethod
+    def from_engine(cls, exc: EngineUnavailable | RequestFailed) -> ApiError:
+        if isinstance(exc, RequestFailed):
+            return cls(500, str(exc), code="engine_step_failed")
+        return cls(503, str(exc), code="engine_unavailable")
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return exc.response()
+    except (EngineUnavailable, RequestFailed) as exc:
+        return ApiError.from_engine(exc).response()
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return ApiError(exc.status, exc.reason if exc.text is None else exc.text).response()
+    except Exception as exc:  # a bug must still answer in the documented shape
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return ApiError(500, f"internal error: {exc!r}").response()

@@ -1,0 +1,152 @@
+"""The engine's HTTP server: the aiohttp app, its telemetry endpoints, and its lifecycle.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /tokenize`` (``openai_api``),
+``GET /v1/models``, ``GET /health`` (200 ready, 503 loading/degraded/failed/stopped), ``GET /telemetry``
+(one snapshot), ``GET /telemetry/stream`` (SSE snapshots) and ``GET /metrics`` (Prometheus).
+
+The server listens while the model loads (``/health`` answers 503 ``loading`` meanwhile) and runs with
+``handler_cancellation``: a client that disconnects cancels its handler, which aborts its request. On
+shutdown the engine stops first, so every open stream ends with an error event instead of holding the
+server up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from engine.async_engine import AsyncEngine, EngineUnavailable
+from engine.chat_template import DEFAULT_TEMPLATE, ChatTemplate
+from engine.config import EngineConfig
+from engine.http_errors import ApiError, openai_errors
+from engine.model.loader import TINY
+from engine.openai_api import OpenAIHandlers
+from engine.protocol import ModelCard, ModelList, TelemetrySnapshot
+from engine.sse import open_stream, send_comment, send_data, send_error
+
+# The telemetry stream sends at most one snapshot per STREAM_INTERVAL_S while the engine is busy (40/s;
+# the contract asks for at least 20), otherwise on change, refreshed every REFRESH_S so a subscriber that
+# ages its copy by the last snapshot never sees an idle engine as stale, with heartbeat comments between.
+STREAM_INTERVAL_S = 0.025
+HEARTBEAT_S = 0.5
+REFRESH_S = 1.0
+SHUTDOWN_TIMEOUT_S = 5.0
+
+
+def create_app(engine: AsyncEngine) -> web.Application:
+    """The app for ``engine``; starting the app starts loading the engine, stopping it stops the engine."""
+    template = ChatTemplate(DEFAULT_TEMPLATE) if engine.config.model == TINY else ChatTemplate.for_model(
+        engine.config.model)
+    openai = OpenAIHandlers(engine, template)
+    telemetry = TelemetryHandlers(engine)
+    app = web.Application(middlewares=[openai_errors])
+    app.router.add_post("/v1/completions", openai.completions)
+    app.router.add_post("/v1/chat/completions", openai.chat_completions)
+    app.router.add_post("/tokenize", openai.tokenize)
+    app.router.add_get("/v1/models", telemetry.models)
+    app.router.add_get("/health", telemetry.health)
+    app.router.add_get("/telemetry", telemetry.snapshot)
+    app.router.add_get("/telemetry/stream", telemetry.stream)
+    app.router.add_get("/metrics", telemetry.metrics)
+
+    async def start(_: web.Application) -> None:
+        engine.start()
+
+    async def stop(_: web.Application) -> None:
+        await engine.shutdown()
+
+    app.on_startup.append(start)
+    app.on_shutdown.append(stop)
+    return app
+
+
+class TelemetryHandlers:
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+        self.started = int(time.time())
+
+    async def health(self, _: web.Request) -> web.Response:
+        status = self.engine.status
+        return web.json_response({"status": status}, status=200 if self.engine.healthy else 503)
+
+    async def models(self, _: web.Request) -> web.Response:
+        core = self.engine.core
+        card = ModelCard(id=core.model_name, created=self.started, max_model_len=core.max_model_len)
+        return web.Response(text=ModelList(data=[card]).model_dump_json(), content_type="application/json")
+
+    async def snapshot(self, _: web.Request) -> web.Response:
+        snapshot = await self.engine.snapshot()
+        return web.Response(text=snapshot.model_dump_json(), content_type="application/json")
+
+    async def metrics(self, _: web.Request) -> web.Response:
+        try:
+            reading = await self.engine.reading()
+        except EngineUnavailable:
+            reading = None  # still loading, or gone: the scrape says so with engine_healthy 0
+        return web.Response(body=self.engine.metrics.render(reading), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def stream(self, http: web.Request) -> web.StreamResponse:
+        """SSE of snapshots: every STREAM_INTERVAL_S while busy, else on change (rates decaying after a busy
+        spell count as change), plus a refresh every REFRESH_S and heartbeats in between."""
+        response = await open_stream(http)
+        loop = asyncio.get_running_loop()
+        last: TelemetrySnapshot | None = None
+        last_sent = -REFRESH_S
+        try:
+            while True:
+                version = self.engine.version
+                snapshot = await self.engine.snapshot()
+                now = loop.time()
+                busy = _busy(snapshot)
+                if last is None or busy or now - last_sent >= REFRESH_S or _changed(last, snapshot):
+                    await send_data(response, snapshot.model_dump_json())
+                    last, last_sent = snapshot, now
+                if busy or snapshot.tokens_per_s > 0:  # idle but rates still decaying: keep polling
+                    await asyncio.sleep(max(0.0, STREAM_INTERVAL_S - (loop.time() - now)))
+                    continue
+                while not await self.engine.wait_for_change(version, HEARTBEAT_S):
+                    if loop.time() - last_sent >= REFRESH_S:
+                        break
+                    await send_comment(response, "heartbeat")
+        except EngineUnavailable as exc:
+            await send_error(response, ApiError.from_engine(exc))
+        except ConnectionResetError:
+            pass  # the subscriber left
+        return response
+
+
+def _busy(snapshot: TelemetrySnapshot) -> bool:
+    return snapshot.num_running + snapshot.num_waiting + snapshot.num_swapped > 0
+
+
+def _changed(before: TelemetrySnapshot, after: TelemetrySnapshot) -> bool:
+    return before.model_dump(exclude={"time"}) != after.model_dump(exclude={"time"})
+
+
+class EngineServer:
+    """An ``AsyncEngine`` behind its app on ``host:port`` (port 0 picks a free one): what ``python -m engine``
+    runs, and what the tests start in-process."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.engine = AsyncEngine(config)
+        self.runner = web.AppRunner(create_app(self.engine), handler_cancellation=True, access_log=None,
+                                    shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+        self.url = ""
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Listen (the model loads in the background) and return the base URL."""
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, host, port)
+        await site.start()
+        bound_host, bound_port = self.runner.addresses[0][:2]
+        self.url = f"http://[{bound_host}]:{bound_port}" if ":" in bound_host else f"http://{bound_host}:{bound_port}"
+        return self.url
+
+    async def wait_ready(self) -> None:
+        await self.engine.wait_ready()
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
