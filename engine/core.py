@@ -18,6 +18,7 @@ from engine.kernels import get_attention_backend
 from engine.kv.block_pool import BlockPool
 from engine.kv.manager import KVCacheManager
 from engine.kv.swap import SwapSpace
+from engine.memory_profile import activation_bytes
 from engine.model import IncrementalDetokenizer, load_model
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.protocol import TelemetrySnapshot
@@ -249,9 +250,10 @@ class EngineCore:
         cfg = self.loaded.config
         block_bytes = cfg.kv_bytes_per_token(self.dtype) * self.block_size
         if self.device.type == "cuda":
+            # Measured by warm-up forwards (which also compile the kernels): the worst step's activations.
+            activations = activation_bytes(self.loaded.model, self.block_size, self.config.max_num_batched_tokens,
+                                           self.config.max_num_seqs, self.max_model_len, self.device)
             free, total = torch.cuda.mem_get_info(self.device)
-            # Leave room for activations: one full batch of hidden states at every layer boundary, generously.
-            activations = 16 * self.config.max_num_batched_tokens * cfg.hidden_size * self.dtype.itemsize
             budget = int(total * self.config.gpu_memory_utilization) - (total - free) - activations
         else:
             budget = self.config.cpu_kv_cache_bytes

@@ -1,8 +1,11 @@
 """Runs one scheduled step on the model: block moves, batch tensors, forward, logits.
 
-The batch tensors (token ids, positions, slot_mapping, block tables, cu_seqlens) are built once per step
-and shared by every layer. Only the last token of a sequence whose uncomputed tokens all fit in this step
-produces logits; prefill chunks that stop short of the end produce none.
+The batch (token ids, positions, slot_mapping, block tables, cu_seqlens) is laid out on the host once per
+step and shared by every layer. Only the last token of a sequence whose uncomputed tokens all fit in this
+step produces logits; prefill chunks that stop short of the end produce none.
+
+On CUDA, with a backend that allows it, a decode-only step replays a captured CUDA graph
+(``engine.cuda_graphs``); every other step, and every step on CPU, runs the model eagerly.
 """
 
 from __future__ import annotations
@@ -11,11 +14,33 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.cuda_graphs import DecodeGraphs
 from engine.kernels import AttentionMetadata
 from engine.kv.manager import BlockCopies, KVCacheManager
 from engine.kv.swap import SwapSpace
 from engine.model import LoadedModel
 from engine.sched.scheduler import SchedulerOutput
+
+
+@dataclass(slots=True)
+class HostBatch:
+    """One step's inputs as host lists, in scheduling order (see ``AttentionMetadata`` for the layout)."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    block_tables: list[list[int]]  # padded with 0 to the longest table
+    query_lens: list[int]
+    seq_lens: list[int]
+    logits_indices: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens)
 
 
 @dataclass(slots=True)
@@ -42,15 +67,26 @@ class ModelRunner:
         # Tied weights share storage: count each tensor once.
         seen = {p.data_ptr(): p.numel() * p.element_size() for p in self.model.parameters()}
         self.weight_bytes = sum(seen.values())
+        self.graphs: DecodeGraphs | None = None
+        if device.type == "cuda" and self.model.attn_backend.supports_cuda_graphs:
+            # No sequence outgrows the model's context or the pool, whichever is smaller.
+            max_blocks = min(kv.pool.num_blocks, -(-cfg.max_position_embeddings // kv.block_size))
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, max_blocks, device)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
         self._apply_copies(out.copies)
-        input_ids, positions, meta, logits_indices = self._prepare(out)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        batch = self._prepare(out)
+        hidden = None
+        if self.graphs is not None and batch.max_query_len == 1:
+            hidden = self.graphs.run(batch)
+        if hidden is None:
+            input_ids, positions, meta = self._device_inputs(batch)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        logits_indices = torch.tensor(batch.logits_indices, dtype=torch.int64, device=self.device)
         logits = self.model.compute_logits(hidden[logits_indices])
-        num_tokens = len(input_ids)
-        kv_bytes = self.kv_bytes_per_token * (sum(meta.seq_lens_cpu) + num_tokens)
+        num_tokens = len(batch.input_ids)
+        kv_bytes = self.kv_bytes_per_token * (sum(batch.seq_lens) + num_tokens)
         return StepResult(logits, num_tokens, self.weight_bytes + kv_bytes)
 
     def _apply_copies(self, copies: BlockCopies) -> None:
@@ -63,7 +99,7 @@ class ModelRunner:
             for cache in self.kv_caches:
                 cache[:, dst] = cache[:, src]
 
-    def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    def _prepare(self, out: SchedulerOutput) -> HostBatch:
         block_size = self.kv.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -86,23 +122,25 @@ class ModelRunner:
                 logits_indices.append(len(input_ids) - 1)
         width = max(len(t) for t in tables)
         padded = [t + [0] * (width - len(t)) for t in tables]
+        return HostBatch(input_ids, positions, slots, padded, query_lens, seq_lens, logits_indices)
+
+    def _device_inputs(self, batch: HostBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         cu = [0]
-        for n in query_lens:
+        for n in batch.query_lens:
             cu.append(cu[-1] + n)
         dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
+            slot_mapping=torch.tensor(batch.slot_mapping, dtype=torch.int64, device=dev),
+            block_tables=torch.tensor(batch.block_tables, dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor(cu, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
+            seq_lens=torch.tensor(batch.seq_lens, dtype=torch.int32, device=dev),
+            query_lens_cpu=batch.query_lens,
+            seq_lens_cpu=batch.seq_lens,
+            max_query_len=batch.max_query_len,
+            max_seq_len=max(batch.seq_lens),
         )
         return (
-            torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            torch.tensor(positions, dtype=torch.int64, device=dev),
+            torch.tensor(batch.input_ids, dtype=torch.int64, device=dev),
+            torch.tensor(batch.positions, dtype=torch.int64, device=dev),
             meta,
-            torch.tensor(logits_indices, dtype=torch.int64, device=dev),
         )

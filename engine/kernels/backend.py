@@ -19,6 +19,10 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 class AttentionBackend(Protocol):
+    # True when a decode-only step's launches depend on nothing but the batch size (every per-step value is
+    # read from device memory), so a CUDA graph captured once stays valid for every replay.
+    supports_cuda_graphs: bool
+
     def store_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None: ...

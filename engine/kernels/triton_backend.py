@@ -29,6 +29,7 @@ class TritonAttentionBackend:
     """Stateless apart from the device's SM count; one instance serves every layer."""
 
     name = "triton"
+    supports_cuda_graphs = True
 
     def __init__(self, num_sms: int | None = None) -> None:
         self._num_sms = num_sms

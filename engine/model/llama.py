@@ -188,6 +188,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, attn_backend: AttentionBackend) -> None:
         super().__init__()
         self.config = config
+        self.attn_backend = attn_backend  # the runner asks it whether steps may be captured in CUDA graphs
         self.model = DecoderStack(config, attn_backend)
         self.lm_head = (
             None

@@ -1,0 +1,105 @@
+"""CUDA graphs for decode-only steps, so that small batches are not bound by kernel launches.
+
+A decode step of a small model is a few hundred short kernels; launched one by one from Python they take
+longer than the memory traffic they do. A captured graph replays them in one launch. Graphs have fixed
+shapes and fixed addresses, so every input lives in a static buffer and a batch of ``n`` sequences runs the
+graph of the smallest captured size ``>= n``, its extra rows padded::
+
+    rows:           0 .. n-1 (real)              n .. size-1 (padding)
+    slot_mapping:   the real slots               -1: the store kernel writes nothing
+    seq_lens:       the real context lengths      1: one cached token to read, from a valid block
+    block_tables:   the real tables              whatever an earlier replay left: valid block ids
+
+Each size is captured the first time a batch of that size arrives (the kernels' compilation and the
+capture cost a few tens of milliseconds once). All graphs share one memory pool: they never run
+concurrently, and a replay's output is consumed before the next replay overwrites the pool.
+
+Only a backend whose launches depend on nothing but the batch size may be captured
+(``AttentionBackend.supports_cuda_graphs``); the host-side values of the captured ``AttentionMetadata``
+(``seq_lens_cpu``, ``max_seq_len``) are placeholders such a backend never reads. Batches larger than
+``MAX_CAPTURED_BATCH``, and any step with a prefill chunk, run eagerly.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.kernels import AttentionMetadata
+from engine.model.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from engine.runner import HostBatch
+
+MAX_CAPTURED_BATCH = 256
+# 1, 2, 4, 8, then every multiple of 16: padding wastes at most 15 rows of a batch above 16.
+CAPTURE_SIZES = (1, 2, 4, 8, *range(16, MAX_CAPTURED_BATCH + 1, 16))
+
+
+class DecodeGraphs:
+    def __init__(
+        self, model: LlamaForCausalLM, kv_caches: list[torch.Tensor], max_blocks_per_seq: int, device: torch.device
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        rows = MAX_CAPTURED_BATCH
+        self.input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((rows,), -1, dtype=torch.int64, device=device)
+        self.block_tables = torch.zeros((rows, max_blocks_per_seq), dtype=torch.int32, device=device)
+        self.seq_lens = torch.ones(rows, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(rows + 1, dtype=torch.int32, device=device)  # one token per row
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def run(self, batch: HostBatch) -> torch.Tensor | None:
+        """Final hidden states ``[n, hidden]`` of a decode-only ``batch``, or None if it has no graph size."""
+        n = batch.num_seqs
+        if n > MAX_CAPTURED_BATCH:
+            return None
+        size = CAPTURE_SIZES[bisect.bisect_left(CAPTURE_SIZES, n)]
+        width = len(batch.block_tables[0])
+        self.input_ids[:n].copy_(torch.tensor(batch.input_ids))
+        self.positions[:n].copy_(torch.tensor(batch.positions))
+        self.slot_mapping[:n].copy_(torch.tensor(batch.slot_mapping))
+        self.seq_lens[:n].copy_(torch.tensor(batch.seq_lens, dtype=torch.int32))
+        self.block_tables[:n, :width].copy_(torch.tensor(batch.block_tables, dtype=torch.int32))
+        # Rows past n may hold an earlier, larger batch's values: a real slot would be overwritten and a long
+        # context re-read for nothing.
+        self.slot_mapping[n:size].fill_(-1)
+        self.seq_lens[n:size].fill_(1)
+        graph, hidden = self.graphs.get(size) or self._capture(size)
+        graph.replay()
+        return hidden[:n]
+
+    def _capture(self, size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        args = self._static_args(size)
+        # An eager run first, on a side stream as capture requires: it compiles the Triton kernels for this
+        # shape (nothing may compile inside a capture). It runs on the live inputs, so the K/V it stores are
+        # the very ones the replay stores again.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self.model(*args)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            hidden = self.model(*args)
+        self.graphs[size] = (graph, hidden)
+        return graph, hidden
+
+    def _static_args(self, size: int) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], AttentionMetadata]:
+        """The model's arguments for a ``size``-row graph: views of the static buffers."""
+        meta = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:size],
+            block_tables=self.block_tables[:size],
+            query_start_loc=self.query_start_loc[: size + 1],
+            seq_lens=self.seq_lens[:size],
+            query_lens_cpu=[1] * size,
+            seq_lens_cpu=[1] * size,
+            max_query_len=1,
+            max_seq_len=1,
+        )
+        return self.input_ids[:size], self.positions[:size], self.kv_caches, meta

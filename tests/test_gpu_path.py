@@ -1,0 +1,141 @@
+"""The GPU path's host-side logic, checked on CPU.
+
+A CUDA graph cannot be captured without a GPU, so the graph here is a stand-in that replays the captured
+call eagerly into the same static buffers. What is under test is everything around the capture: the
+choice of padded size, the copies into the static buffers, and that padding rows (including rows an
+earlier, larger batch left behind) neither write to the KV cache nor change the real rows' results. The
+memory profile's scratch step is checked for a valid layout the same way.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+pytest.importorskip("triton")  # before the imports below: the Triton backend imports triton
+
+from engine.cuda_graphs import CAPTURE_SIZES, DecodeGraphs
+from engine.kernels import AttentionMetadata, TorchAttentionBackend
+from engine.kernels.triton_backend import TritonAttentionBackend
+from engine.memory_profile import scratch_step
+from engine.model import load_model
+from engine.runner import HostBatch
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 40
+MAX_BLOCKS_PER_SEQ = 8
+
+
+class EagerReplay:
+    """Stands in for a captured CUDA graph: ``replay`` reruns the call and refreshes the static output."""
+
+    def __init__(self, call, output: torch.Tensor) -> None:
+        self.call = call
+        self.output = output
+
+    def replay(self) -> None:
+        self.output.copy_(self.call())
+
+
+class EagerDecodeGraphs(DecodeGraphs):
+    def _capture(self, size: int) -> tuple[EagerReplay, torch.Tensor]:
+        args = self._static_args(size)
+        replay = EagerReplay(lambda: self.model(*args), self.model(*args))
+        self.graphs[size] = (replay, replay.output)
+        return replay, replay.output
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model("tiny", torch.device("cpu"), torch.float32, TritonAttentionBackend()).model
+
+
+def random_caches(model, seed: int) -> list[torch.Tensor]:
+    config = model.config
+    generator = torch.Generator().manual_seed(seed)
+    shape = (2, NUM_BLOCKS, BLOCK_SIZE, config.num_key_value_heads, config.head_dim)
+    return [torch.randn(shape, generator=generator) for _ in range(config.num_hidden_layers)]
+
+
+def decode_batch(context_lens: list[int], seed: int) -> HostBatch:
+    """One decode token per sequence, each sequence in its own random blocks of the pool."""
+    generator = torch.Generator().manual_seed(seed)
+    free = torch.randperm(NUM_BLOCKS, generator=generator).tolist()
+    tables = [[free.pop() for _ in range(-(-n // BLOCK_SIZE))] for n in context_lens]
+    width = max(len(t) for t in tables)
+    return HostBatch(
+        input_ids=torch.randint(0, 256, (len(context_lens),), generator=generator).tolist(),
+        positions=[n - 1 for n in context_lens],
+        slot_mapping=[t[(n - 1) // BLOCK_SIZE] * BLOCK_SIZE + (n - 1) % BLOCK_SIZE
+                      for t, n in zip(tables, context_lens)],
+        block_tables=[t + [0] * (width - len(t)) for t in tables],
+        query_lens=[1] * len(context_lens),
+        seq_lens=context_lens,
+        logits_indices=list(range(len(context_lens))),
+    )
+
+
+def eager(model, caches: list[torch.Tensor], batch: HostBatch) -> torch.Tensor:
+    n = batch.num_seqs
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(batch.slot_mapping),
+        block_tables=torch.tensor(batch.block_tables, dtype=torch.int32),
+        query_start_loc=torch.arange(n + 1, dtype=torch.int32),
+        seq_lens=torch.tensor(batch.seq_lens, dtype=torch.int32),
+        query_lens_cpu=batch.query_lens,
+        seq_lens_cpu=batch.seq_lens,
+        max_query_len=1,
+        max_seq_len=max(batch.seq_lens),
+    )
+    return model(torch.tensor(batch.input_ids), torch.tensor(batch.positions), caches, meta)
+
+
+@torch.inference_mode()
+def test_padded_replays_match_eager_steps_and_padding_writes_nothing(model, monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    graph_caches = random_caches(model, seed=0)
+    eager_caches = random_caches(model, seed=0)
+    graphs = EagerDecodeGraphs(model, graph_caches, MAX_BLOCKS_PER_SEQ, torch.device("cpu"))
+    # Five rows run padded to 8; then three rows run padded to 4, over rows 3..4 that still hold the first
+    # batch's real slots and contexts.
+    for context_lens, seed in (([5, 1, 17, 8, 30], 1), ([9, 4, 21], 2)):
+        # Fresh contents, as other steps would leave: a stale row re-run would now write different values.
+        for graph_cache, eager_cache, fresh in zip(graph_caches, eager_caches, random_caches(model, seed)):
+            graph_cache.copy_(fresh)
+            eager_cache.copy_(fresh)
+        batch = decode_batch(context_lens, seed)
+        before = [c.clone() for c in graph_caches]
+        hidden = graphs.run(batch)
+        expected = eager(model, eager_caches, batch)
+        assert hidden.shape == expected.shape
+        assert torch.allclose(hidden, expected, atol=1e-5)
+        for old, graph_cache, eager_cache in zip(before, graph_caches, eager_caches):
+            assert written_slots(old, graph_cache) == sorted(batch.slot_mapping)
+            # Not bit-equal: the projections ran on 8 (or 4) rows instead of 5 (or 3), another GEMM blocking.
+            assert torch.allclose(graph_cache, eager_cache, atol=1e-5)
+    assert sorted(graphs.graphs) == [4, 8]
+
+
+def written_slots(before: torch.Tensor, after: torch.Tensor) -> list[int]:
+    """Cache slots whose K or V changed, in the flat numbering of ``slot_mapping``."""
+    changed = (before != after).flatten(3).any(-1).any(0)  # [blocks, block_size]
+    return changed.flatten().nonzero().flatten().tolist()
+
+
+def test_capture_sizes_cover_every_batch_up_to_the_limit() -> None:
+    assert CAPTURE_SIZES[:5] == (1, 2, 4, 8, 16)
+    assert all(b - a <= 16 for a, b in itertools.pairwise(CAPTURE_SIZES))
+
+
+def test_memory_profile_scratch_step_is_a_valid_batch() -> None:
+    model = load_model("tiny", torch.device("cpu"), torch.float32, TorchAttentionBackend()).model
+    input_ids, positions, caches, meta = scratch_step(model, [5, 1, 9], BLOCK_SIZE, torch.device("cpu"))
+    # Blocks 0-1 for the first sequence, 2 for the second, 3-5 for the third; slots follow positions.
+    assert caches[0].shape[1] == 6
+    assert meta.slot_mapping.tolist() == [0, 1, 2, 3, 4, 8, *range(12, 21)]
+    assert meta.block_tables.tolist() == [[0, 1, 2], [2, 3, 4], [3, 4, 5]]
+    assert meta.query_start_loc.tolist() == [0, 5, 6, 15]
+    hidden = model(input_ids, positions, caches, meta)
+    assert hidden.shape == (15, model.config.hidden_size) and torch.isfinite(hidden).all()
