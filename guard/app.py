@@ -47,20 +47,22 @@ class GuardState:
 
 
 STATE = web.AppKey("state", GuardState)
+REQUEST_ID = web.RequestKey("request_id", str)
+TENANT = web.RequestKey("tenant", str)
 
 
 @web.middleware
 async def identify(request: web.Request, handler) -> web.StreamResponse:  # noqa: ANN001 - aiohttp handler
     """Stamp every response, errors included, with the request id and the tenant."""
     request_id = f"req-{uuid.uuid4().hex[:16]}"
-    request["request_id"] = request_id
+    request[REQUEST_ID] = request_id
     try:
         response = await handler(request)
     except web.HTTPException as exc:
         response = error_response(exc.status, exc.reason)
     stamp = {"X-Request-Id": request_id}
-    if "tenant" in request:
-        stamp["X-Guard-Tenant"] = request["tenant"]
+    if TENANT in request:
+        stamp["X-Guard-Tenant"] = request[TENANT]
     if not response.prepared:
         response.headers.update(stamp)
     return response
@@ -68,9 +70,9 @@ async def identify(request: web.Request, handler) -> web.StreamResponse:  # noqa
 
 def stamp_headers(request: web.Request) -> dict[str, str]:
     """Headers a prepared (streaming) response must carry from the start: the middleware is too late."""
-    headers = {"X-Request-Id": request["request_id"]}
-    if "tenant" in request:
-        headers["X-Guard-Tenant"] = request["tenant"]
+    headers = {"X-Request-Id": request[REQUEST_ID]}
+    if TENANT in request:
+        headers["X-Guard-Tenant"] = request[TENANT]
     return headers
 
 
@@ -80,7 +82,7 @@ def authenticate(request: web.Request) -> Tenant:
     if tenant is None:
         state.metrics.requests.labels("unknown", "none", "unauthorized").inc()
         raise Invalid(401, "invalid or missing API key (Authorization: Bearer <key>)", code="invalid_api_key")
-    request["tenant"] = tenant.name
+    request[TENANT] = tenant.name
     return tenant
 
 
@@ -111,7 +113,11 @@ async def completion(request: web.Request) -> web.StreamResponse:
         metrics.requests.labels(*labels, outcome).inc()
         return exc.response()
 
-    ticket = Ticket(request["request_id"], tenant, lane, limits.prompt_tokens, limits.max_tokens, blocks)
+    ticket = Ticket(request[REQUEST_ID], tenant, lane, limits.prompt_tokens, limits.max_tokens, blocks)
+    observer = StreamObserver(
+        on_first_token=lambda now: metrics.ttft.labels(tenant.name).observe(now - arrived),
+        on_gap=lambda gap: metrics.itl.labels(tenant.name).observe(gap),
+    )
     outcome = "cancelled"
     try:
         try:
@@ -122,49 +128,45 @@ async def completion(request: web.Request) -> web.StreamResponse:
         metrics.queue_wait.labels(tenant.name).observe(time.monotonic() - arrived)
         body = parsed.upstream_body(cache_salt=state.keys.cache_salt(tenant), max_tokens=limits.max_tokens,
                                     priority=lane.priority)
-        response, outcome, output_tokens = await forward(request, state, tenant, parsed.path, body, parsed.stream,
-                                                         arrived)
-        state.dispatcher.charge_output(ticket, output_tokens)
+        response, outcome = await forward(request, state, tenant, parsed.path, body, parsed.stream, observer)
         return response
     finally:
+        if outcome == "cancelled" and observer.finished:
+            outcome = "completed"  # the client hung up after [DONE]: it got everything
+        state.dispatcher.charge_output(ticket, observer.output_tokens)
         state.dispatcher.finish(ticket)
         metrics.requests.labels(*labels, outcome).inc()
 
 
 async def forward(
-    request: web.Request, state: GuardState, tenant: Tenant, path: str, body: bytes, stream: bool, arrived: float
-) -> tuple[web.StreamResponse, str, int]:
-    """Send to the engine and relay its answer. Returns the response, the outcome and output tokens seen."""
+    request: web.Request, state: GuardState, tenant: Tenant, path: str, body: bytes, stream: bool,
+    observer: StreamObserver,
+) -> tuple[web.StreamResponse, str]:
+    """Send to the engine and relay its answer; ``observer`` learns what reached the client."""
     assert state.relay is not None
     backend = state.config.engine
     headers = {"Content-Type": "application/json", "Accept-Encoding": "identity", "X-Tenant-Id": tenant.name,
-               "X-Request-Id": request["request_id"]}
+               "X-Request-Id": request[REQUEST_ID]}
     try:
         upstream = await state.relay.open(backend.url.rstrip("/") + path, body, headers)
     except UpstreamUnavailable:
         state.metrics.upstream_requests.labels(backend.name, "error").inc()
         return error_response(503, "the engine is unavailable", code="engine_unavailable", retry_after=1), \
-            "upstream_error", 0
+            "upstream_error"
     except (TimeoutError, aiohttp.ClientError) as exc:
         state.metrics.upstream_requests.labels(backend.name, "error").inc()
         status = 504 if isinstance(exc, TimeoutError) else 502
         return error_response(status, f"the engine failed: {type(exc).__name__}", code="upstream_error"), \
-            "upstream_error", 0
+            "upstream_error"
     state.metrics.upstream_requests.labels(backend.name, str(upstream.status)).inc()
     out_headers = stamp_headers(request)
     if not stream:
         response, parsed = await state.relay.unary(upstream, out_headers)
-        tokens = int(((parsed or {}).get("usage") or {}).get("completion_tokens", 0) or 0)
-        return response, "completed" if response.status == 200 else "upstream_error", tokens
-    metrics = state.metrics
-    observer = StreamObserver(
-        on_first_token=lambda now: metrics.ttft.labels(tenant.name).observe(now - arrived),
-        on_gap=lambda gap: metrics.itl.labels(tenant.name).observe(gap),
-    )
+        observer.completion_tokens = int(((parsed or {}).get("usage") or {}).get("completion_tokens", 0) or 0)
+        return response, "completed" if response.status == 200 else "upstream_error"
     response = await state.relay.stream(request, upstream, out_headers, observer)
-    tokens = observer.completion_tokens if observer.completion_tokens is not None else observer.events
     ok = response.status == 200 and not observer.failed
-    return response, "completed" if ok else "upstream_error", tokens
+    return response, "completed" if ok else "upstream_error"
 
 
 async def models(request: web.Request) -> web.StreamResponse:

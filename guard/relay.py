@@ -38,6 +38,7 @@ class StreamObserver:
     on_first_token: Callable[[float], None]
     on_gap: Callable[[float], None]
     events: int = 0
+    finished: bool = False  # ``[DONE]`` went to the client: whatever happens next, it got its answer
     failed: bool = False  # the stream ended with an error event instead of its natural end
     completion_tokens: int | None = None  # from a usage chunk, when the client asked for one
     _partial: bytes = b""
@@ -47,7 +48,10 @@ class StreamObserver:
         lines = (self._partial + chunk).split(b"\n")
         self._partial = lines.pop()
         for line in lines:
-            if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
+            if not line.startswith(b"data:"):
+                continue
+            if line[5:].strip() == b"[DONE]":
+                self.finished = True
                 continue
             now = time.monotonic()
             if b'"usage":{' in line.replace(b" ", b""):
@@ -64,6 +68,11 @@ class StreamObserver:
                 self.on_gap(now - self._last)
             self._last = now
             self.events += 1
+
+    @property
+    def output_tokens(self) -> int:
+        """Tokens the client received: the usage figure when there is one, else one per token event."""
+        return self.completion_tokens if self.completion_tokens is not None else self.events
 
 
 class Relay:

@@ -90,10 +90,8 @@ async def parse_request(request: web.Request, max_body_bytes: int) -> ParsedRequ
     try:
         model = MODELS[request.path].model_validate(body)  # type: ignore[assignment]
     except ValidationError as exc:
-        first = exc.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
-        raise Invalid(400, f"{param}: {first['msg']}" if param else first["msg"], param=param,
-                      code="invalid_value") from None
+        param, message = protocol.validation_error_param(exc)
+        raise Invalid(400, message, param=param, code="invalid_value") from None
     return ParsedRequest(request.path, body, model)
 
 
