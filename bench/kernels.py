@@ -1,0 +1,144 @@
+"""Achieved memory bandwidth of the Triton decode attention kernel, against a device-to-device copy.
+
+Decode attention reads every cached K/V byte of the batch once and does little else, so its ceiling is the
+bandwidth a plain copy achieves. For each batch size and context length: a paged cache with a random block
+table per sequence (so reads really are scattered), one decode step through ``TritonAttentionBackend``
+(the split-KV kernel and its reduce, with the split count the engine would choose), timed as the median of
+many runs with the L2 cache flushed between them. Bytes = K/V read + queries read + outputs written;
+the copy moves 2 x its size (a read and a write).
+
+    .venv/bin/python bench/kernels.py                       # on the GPU, both attention shapes
+    .venv/bin/python bench/kernels.py --smoke               # tiny sizes on CPU, interpreted Triton
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+# Off CUDA, Triton runs only interpreted, and that is decided when triton is first imported: by the imports
+# below, which must therefore stay after this switch.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from machine import command, describe
+
+from engine.kernels import AttentionMetadata
+from engine.kernels.triton_backend import TritonAttentionBackend
+
+# (query heads, KV heads, head_dim) of the two benchmark models' attention.
+SHAPES = {"qwen2.5-0.5b": (14, 2, 64), "llama-3.2-1b": (32, 8, 64)}
+BATCHES = (1, 4, 16, 64, 256)
+CONTEXTS = (128, 512, 2048, 8192)
+BLOCK_SIZE = 16
+
+
+def timer(device: torch.device, repeats: int) -> Callable[[Callable[[], object]], float]:
+    """Seconds per call of a function: the median of ``repeats`` runs, L2 flushed on CUDA."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return lambda fn: triton.testing.do_bench(fn, rep=repeats * 10, return_mode="median") / 1e3
+
+    def host(fn: Callable[[], object]) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    return host
+
+
+def copy_bandwidth(device: torch.device, num_bytes: int, measure: Callable) -> float:
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    return 2 * num_bytes / measure(lambda: dst.copy_(src))
+
+
+def decode_case(
+    shape: tuple[int, int, int], batch: int, context: int, dtype: torch.dtype, device: torch.device
+) -> tuple[Callable[[], torch.Tensor], int]:
+    """A decode step of ``batch`` sequences of ``context`` tokens each, and the bytes it must move."""
+    heads, kv_heads, head_dim = shape
+    blocks_per_seq = -(-context // BLOCK_SIZE)
+    num_blocks = batch * blocks_per_seq
+    kv_cache = torch.randn(2, num_blocks, BLOCK_SIZE, kv_heads, head_dim, device=device).to(dtype)
+    tables = torch.randperm(num_blocks, device=device).view(batch, blocks_per_seq).to(torch.int32)
+    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(batch, dtype=torch.int64, device=device),  # unused: no store here
+        block_tables=tables,
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=device),
+        seq_lens=lens,
+        query_lens_cpu=[1] * batch,
+        seq_lens_cpu=[context] * batch,
+        max_query_len=1,
+        max_seq_len=context,
+    )
+    query = torch.randn(batch, heads, head_dim, device=device).to(dtype)
+    backend = TritonAttentionBackend()
+    element = kv_cache.element_size()
+    moved = (2 * batch * context * kv_heads * head_dim + 2 * batch * heads * head_dim) * element
+    return (lambda: backend.forward(query, kv_cache, meta, head_dim**-0.5)), moved
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
+    parser.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
+    parser.add_argument("--contexts", nargs="+", type=int, default=list(CONTEXTS))
+    parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny sizes on the CPU in Triton's interpreter: proves the script runs, measures nothing",
+    )
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    dtype = getattr(torch, args.dtype)
+    copy_bytes, repeats = 1 << 30, 20
+    if args.smoke:
+        # Toy tensors gain nothing from intra-op threads, and on a busy host their spin-waits cost ~10 ms an op.
+        torch.set_num_threads(1)
+    if args.smoke or device.type != "cuda":
+        # The interpreter cannot run bfloat16 dots (triton-lang/triton#11584); fp16 takes the same path.
+        args.shapes, args.batches, args.contexts, dtype = ["qwen2.5-0.5b"], [1, 2], [16, 40], torch.float16
+        copy_bytes, repeats = 16 << 20, 2
+
+    print(f"machine: {describe(device)}")
+    print(f"command: {command()}")
+    if device.type != "cuda":
+        print("SMOKE/CPU RUN: interpreted Triton on toy sizes, not a performance figure")
+    measure = timer(device, repeats)
+    copy = copy_bandwidth(device, copy_bytes, measure)
+    cache_dtype = str(dtype).removeprefix("torch.")
+    print(
+        f"device-to-device copy of {copy_bytes >> 20} MiB: {copy / 1e9:,.0f} GB/s; "
+        f"decode cache {cache_dtype}, block size {BLOCK_SIZE}"
+    )
+    print(f"{'shape':<14}{'batch':>6}{'context':>9}{'time (us)':>12}{'GB/s':>10}{'of copy':>9}")
+    for name in args.shapes:
+        for batch in args.batches:
+            for context in args.contexts:
+                run, moved = decode_case(SHAPES[name], batch, context, dtype, device)
+                seconds = measure(run)
+                bandwidth = moved / seconds
+                print(
+                    f"{name:<14}{batch:>6}{context:>9}{seconds * 1e6:>12,.1f}{bandwidth / 1e9:>10,.2f}"
+                    f"{bandwidth / copy:>9.0%}"
+                )
+                del run
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""What a benchmark ran on, printed at the top of every report so a figure never travels without it."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shlex
+import sys
+
+import torch
+
+
+def describe(device: torch.device) -> str:
+    with open("/proc/cpuinfo", encoding="utf-8") as info:
+        names = [line.split(":", 1)[1].strip() for line in info if line.startswith("model name")]
+    cpu = names[0] if names else platform.machine()
+    host = f"{cpu}, {os.cpu_count()} cores"
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        gpu = f"{props.name} ({props.total_memory / 2**30:.0f} GiB, {props.multi_processor_count} SMs)"
+        host = f"{gpu}; host {host}; CUDA {torch.version.cuda}"
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "absent"
+    return (
+        f"{host}; Python {platform.python_version()}, torch {torch.__version__}, triton {triton_version}"
+        f"{', TRITON_INTERPRET=1' if os.environ.get('TRITON_INTERPRET') == '1' else ''}"
+    )
+
+
+def command() -> str:
+    """The command line that produced the report, as it could be pasted back into a shell."""
+    return shlex.join([os.path.relpath(sys.executable), *sys.argv])
