@@ -40,7 +40,11 @@ CAPTURE_SIZES = (1, 2, 4, 8, *range(16, MAX_CAPTURED_BATCH + 1, 16))
 
 class DecodeGraphs:
     def __init__(
-        self, model: LlamaForCausalLM, kv_caches: list[torch.Tensor], max_blocks_per_seq: int, device: torch.device
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[torch.Tensor],
+        max_blocks_per_seq: int,
+        device: torch.device,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -90,7 +94,9 @@ class DecodeGraphs:
         self.graphs[size] = (graph, hidden)
         return graph, hidden
 
-    def _static_args(self, size: int) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], AttentionMetadata]:
+    def _static_args(
+        self, size: int
+    ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], AttentionMetadata]:
         """The model's arguments for a ``size``-row graph: views of the static buffers."""
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:size],

@@ -32,7 +32,7 @@ def activation_bytes(
     max_model_len: int,
     device: torch.device,
 ) -> int:
-    """Peak bytes allocated by the largest eager step, plus the decode CUDA-graph pool when graphs are used."""
+    """Peak bytes of the largest eager step, plus the decode CUDA-graph pool when graphs are used."""
     prefill_tokens = min(max_num_batched_tokens, max_model_len - 1)
     total = _step_peak(model, [prefill_tokens], max_num_seqs, block_size, device)
     if model.attn_backend.supports_cuda_graphs:
@@ -44,7 +44,7 @@ def activation_bytes(
 def _step_peak(
     model: LlamaForCausalLM, query_lens: list[int], sampled_rows: int, block_size: int, device: torch.device
 ) -> int:
-    """Peak allocation of one step of fresh sequences with ``query_lens`` new tokens, beyond its scratch cache."""
+    """Peak allocation of a step of fresh sequences of ``query_lens`` tokens, beyond its scratch cache."""
     input_ids, positions, kv_caches, meta = scratch_step(model, query_lens, block_size, device)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
@@ -69,15 +69,19 @@ def scratch_step(
     dtype = model.model.embed_tokens.weight.dtype
     blocks = [-(-n // block_size) for n in query_lens]
     kv_caches = [
-        torch.zeros((2, sum(blocks), block_size, config.num_key_value_heads, config.head_dim), dtype=dtype,
-                    device=device)
+        torch.zeros(
+            (2, sum(blocks), block_size, config.num_key_value_heads, config.head_dim),
+            dtype=dtype,
+            device=device,
+        )
         for _ in range(config.num_hidden_layers)
     ]
     first_block = torch.tensor([0, *blocks[:-1]], device=device).cumsum(0)
     tables = first_block[:, None] + torch.arange(max(blocks), device=device)[None, :]
     positions = torch.cat([torch.arange(n, device=device) for n in query_lens])
-    owners = torch.repeat_interleave(torch.arange(len(query_lens), device=device),
-                                     torch.tensor(query_lens, device=device))
+    owners = torch.repeat_interleave(
+        torch.arange(len(query_lens), device=device), torch.tensor(query_lens, device=device)
+    )
     lens = torch.tensor(query_lens, dtype=torch.int32, device=device)
     meta = AttentionMetadata(
         slot_mapping=first_block[owners] * block_size + positions,

@@ -128,7 +128,7 @@ def test_prefill_matches_reference(dtype: torch.dtype, group: int) -> None:
     batch = paged_batch(PREFILL_SEQUENCES, group, dtype, seed=group)
     meta = batch.meta
     output = torch.full_like(batch.query, float("nan"))
-    # 16 rows per program: 16, 4 and 2 tokens per tile for the three ratios, so long chunks take several tiles.
+    # 16 rows per program: 16, 4 and 2 tokens a tile for the three ratios; long chunks take several tiles.
     prefill_attention(batch.query, batch.kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                       output, SCALE, max_query_len=meta.max_query_len, block_m=16, block_n=16)
     assert max_error(output, reference(batch)) < TOLERANCE[dtype]

@@ -61,9 +61,9 @@ def kernels(shape: Shape, element_size: int) -> dict[str, tuple[triton.JITFuncti
         ),
         "decode_partial": (
             triton_decode._decode_partial_kernel,
-            {"GROUP": shape.group, "BLOCK_H": max(triton_decode.MIN_HEAD_ROWS, block_g), "HEAD_DIM": shape.head_dim,
-             "BLOCK_D": block_d, "BLOCK_SIZE": shape.block_size, "BLOCK_N": triton_decode.DEFAULT_BLOCK_N,
-             "NUM_SPLITS": splits},
+            {"GROUP": shape.group, "BLOCK_H": max(triton_decode.MIN_HEAD_ROWS, block_g),
+             "HEAD_DIM": shape.head_dim, "BLOCK_D": block_d, "BLOCK_SIZE": shape.block_size,
+             "BLOCK_N": triton_decode.DEFAULT_BLOCK_N, "NUM_SPLITS": splits},
             triton_decode.NUM_WARPS,
         ),
         "decode_reduce": (
@@ -111,9 +111,11 @@ def main(arch: int, dtype_name: str) -> None:
     target = GPUTarget("cuda", arch, 32)
     for shape in SHAPES:
         for name, (kernel, constexprs, warps) in kernels(shape, element_size).items():
-            source = ASTSource(fn=kernel, signature=signature(kernel, constexprs, dtype), constexprs=constexprs)
+            types = signature(kernel, constexprs, dtype)
+            source = ASTSource(fn=kernel, signature=types, constexprs=constexprs)
             ptx = triton.compile(source, target=target, options={"num_warps": warps}).asm["ptx"]
-            where = f"sm_{arch} {dtype_name} {name} (heads {shape.heads}/{shape.kv_heads}, d {shape.head_dim})"
+            heads = f"heads {shape.heads}/{shape.kv_heads}, d {shape.head_dim}"
+            where = f"sm_{arch} {dtype_name} {name} ({heads})"
             if element_size == 2:
                 if name in ("decode_partial", "prefill") and "mma" not in ptx:
                     raise SystemExit(f"{where}: no tensor-core mma in the PTX")

@@ -119,11 +119,15 @@ def _decode_partial_kernel(
         probs = tl.math.exp2(scores - new_best[:, None])
         rescale = tl.math.exp2(best - new_best)
         total = total * rescale + tl.sum(probs, 1)
-        value = tl.load(head_base + cache_stride_kv + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        value = tl.load(
+            head_base + cache_stride_kv + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0
+        )
         acc = acc * rescale[:, None] + tl.dot(probs.to(value.dtype), value, input_precision="ieee")
         best = new_best
 
-    out_rows = seq.to(tl.int64) * partial_stride_seq + heads * partial_stride_head + split * partial_stride_split
+    out_rows = (
+        seq.to(tl.int64) * partial_stride_seq + heads * partial_stride_head + split * partial_stride_split
+    )
     tl.store(
         partial_ptr + out_rows[:, None] + dims[None, :],
         acc / total[:, None],
@@ -173,7 +177,9 @@ def _decode_reduce_kernel(
     )
     weights = tl.math.exp2(lse - tl.max(lse, 0))  # split 0 is never empty, so the max is finite
     rows = seq.to(tl.int64) * partial_stride_seq + head * partial_stride_head + splits * partial_stride_split
-    partial = tl.load(partial_ptr + rows[:, None] + dims[None, :], mask=used[:, None] & dim_ok[None, :], other=0.0)
+    partial = tl.load(
+        partial_ptr + rows[:, None] + dims[None, :], mask=used[:, None] & dim_ok[None, :], other=0.0
+    )
     merged = tl.sum(weights[:, None] * partial, 0) / tl.sum(weights, 0)
     tl.store(
         out_ptr + token.to(tl.int64) * out_stride_t + head * out_stride_h + dims,
@@ -216,8 +222,12 @@ def decode_attention(
     num_heads = query.shape[1]
     group = num_heads // num_kv_heads
     if num_splits & (num_splits - 1) or block_n & (block_n - 1):
-        raise ValueError(f"decode_attention: num_splits ({num_splits}) and block_n ({block_n}) must be powers of 2")
-    partial = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device)
+        raise ValueError(
+            f"decode_attention: num_splits ({num_splits}) and block_n ({block_n}) must be powers of 2"
+        )
+    partial = torch.empty(
+        (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
+    )
     lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device)
     block_d = max(16, triton.next_power_of_2(head_dim))
     _decode_partial_kernel[(num_seqs, num_kv_heads, num_splits)](

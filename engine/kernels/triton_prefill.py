@@ -105,7 +105,9 @@ def _prefill_kernel(
         probs = tl.math.exp2(scores - new_best[:, None])
         rescale = tl.math.exp2(best - new_best)
         total = total * rescale + tl.sum(probs, 1)
-        value = tl.load(head_base + cache_stride_kv + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        value = tl.load(
+            head_base + cache_stride_kv + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0
+        )
         acc = acc * rescale[:, None] + tl.dot(probs.to(value.dtype), value, input_precision="ieee")
         best = new_best
 
@@ -143,7 +145,9 @@ def prefill_attention(
     block_g = triton.next_power_of_2(group)
     block_q = max(1, block_m // block_g)
     if block_m & (block_m - 1) or block_n & (block_n - 1):
-        raise ValueError(f"prefill_attention: block_m ({block_m}) and block_n ({block_n}) must be powers of 2")
+        raise ValueError(
+            f"prefill_attention: block_m ({block_m}) and block_n ({block_n}) must be powers of 2"
+        )
     _prefill_kernel[(num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)](
         query,
         kv_cache,

@@ -61,11 +61,13 @@ def _store_kv_kernel(
     tl.store(dst + cache_stride_kv, value.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
-def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write ``key``/``value`` ``[T, kv_heads, head_dim]`` into ``kv_cache`` at ``slot_mapping[T]`` (< 0: skip).
+def store_kv(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write ``key``/``value`` ``[T, kv_heads, head_dim]`` into ``kv_cache`` at ``slot_mapping[T]``.
 
-    ``head_dim`` must be contiguous in every tensor (it is: projections, RoPE and the cache all produce it
-    so); the other strides are free.
+    A negative slot skips its token. ``head_dim`` must be contiguous in every tensor (it is: projections,
+    RoPE and the cache all produce it so); the other strides are free.
     """
     num_tokens = key.shape[0]
     if num_tokens == 0:
@@ -73,7 +75,9 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     for name, tensor in (("key", key), ("value", value), ("kv_cache", kv_cache)):
         if tensor.stride(-1) != 1:
-            raise ValueError(f"store_kv: {name} must have a contiguous head_dim, got strides {tensor.stride()}")
+            raise ValueError(
+                f"store_kv: {name} must have a contiguous head_dim, got strides {tensor.stride()}"
+            )
     _store_kv_kernel[(num_tokens,)](
         key,
         value,
