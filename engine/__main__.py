@@ -47,6 +47,7 @@ _OPTIONS: dict[str, tuple[Callable[[str], object] | None, str]] = {
     "max_model_len": (_optional_int, "context window in tokens (prompt + output); 'none' takes the model's"),
     "gpu_memory_utilization": (float, "share of GPU memory the engine may use when sizing the pool"),
     "cpu_kv_cache_bytes": (int, "bytes of KV cache when sizing the pool on CPU"),
+    "cpu_threads": (int, "torch intra-op threads on CPU (1 suits small models and shared machines)"),
 }
 _CHOICES: dict[str, Sequence[str]] = {"dtype": sorted(DTYPES), "preemption_mode": PREEMPTION_MODES,
                                       "attention_backend": ATTENTION_BACKENDS}

@@ -36,6 +36,8 @@ class EngineCore:
         self.config = config
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(self.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.cpu_threads)  # process-wide: torch has no per-thread setting
         backend = get_attention_backend(config.attention_backend, self.device)
         self.loaded = load_model(config.model, self.device, self.dtype, backend)
         self.tokenizer = self.loaded.tokenizer
