@@ -7,12 +7,18 @@
     add(request)  --\\                                      loads the model, then loops:
     abort(id)     ---+-- command queue (thread-safe) --->    apply queued commands (add/abort/read)
     reading()     --/                                        step()  (one scheduled batch)
-    RequestStream <--- loop.call_soon_threadsafe -------     outputs, once per loop iteration
+    RequestStream  <-- loop.call_soon_threadsafe -------     outputs, once per loop iteration,
+    next_reading() <--/                                      with a reading while subscribed
 
 Only the engine thread changes the core once it is loaded; everything else reaches it through commands
 that run between steps. So an abort frees its blocks at the next step boundary, and a reading (telemetry)
 describes one step boundary exactly. The event loop may read what never changes after loading (config,
 tokenizer, model name) and call ``EngineCore.make_request``, which only validates and tokenizes.
+
+Telemetry subscribers do not poll: while any is subscribed, the engine thread attaches a reading to the
+notification it sends after a step anyway, at most every ``PUBLISH_INTERVAL_S`` (and always before it goes
+idle). So subscribers cost one snapshot per interval however many they are, and no extra wake-up of either
+thread (each wake-up of the event loop takes the GIL from the stepping thread).
 
 Every added request ends in exactly one way: its final output, an error (``RequestFailed`` when a step
 failed under it, ``EngineUnavailable`` when the engine stops), or an abort by its owner. A request stream
@@ -29,7 +35,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
@@ -44,6 +50,8 @@ log = logging.getLogger("engine.async")
 # A step that fails fails the requests in it, and the engine goes on; this many failures in a row mean it
 # cannot make progress, and it reports itself unhealthy until a step succeeds again.
 MAX_CONSECUTIVE_STEP_FAILURES = 3
+# While subscribed, a reading is published at most this often while busy (40/s; the contract asks for 20).
+PUBLISH_INTERVAL_S = 0.025
 
 
 class EngineUnavailable(RuntimeError):
@@ -130,14 +138,17 @@ class AsyncEngine:
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="engine-step-loop", daemon=True)
         self._consecutive_failures = 0  # engine thread writes, event loop reads (an int: atomic)
+        self._subscribers = 0  # event loop writes, engine thread reads
+        self._last_published = 0.0  # engine thread only
+        self._readings = 0  # engine thread only: serial numbers put readings in order
         # Event-loop side.
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready: asyncio.Future[None] | None = None
         self._failure: BaseException | None = None
         self._streams: dict[str, RequestStream] = {}
         self._pending_read: asyncio.Future[EngineReading] | None = None
-        self._version = 0
-        self._changed = asyncio.Event()
+        self._published: EngineReading | None = None
+        self._publication = asyncio.Event()
 
     # ----------------------------------------------------------------------------- event-loop side
 
@@ -179,21 +190,28 @@ class AsyncEngine:
         assert self._core is not None
         return self._core
 
-    @property
-    def version(self) -> int:
-        """Grows whenever the engine's state may have changed (a step ran or a request came or went)."""
-        return self._version
-
-    async def wait_for_change(self, version: int, timeout: float) -> bool:
-        """Wait until ``version`` is out of date; False when ``timeout`` passed first."""
-        if self._version != version:
-            return True
+    @contextlib.contextmanager
+    def subscription(self) -> Iterator[None]:
+        """While held, the engine thread publishes readings for ``next_reading``."""
+        self._subscribers += 1
         try:
-            async with asyncio.timeout(timeout):
-                await self._changed.wait()
-        except TimeoutError:
-            return False
-        return True
+            yield
+        finally:
+            self._subscribers -= 1
+
+    async def next_reading(self, after: EngineReading, timeout: float) -> EngineReading | None:
+        """The newest published reading if it is newer than ``after``, else the next one; None after
+        ``timeout``. Readings are published only during a ``subscription()``, and only as the state changes.
+        """
+        while self._published is None or self._published.serial <= after.serial:
+            if not self.ready:
+                raise EngineUnavailable(f"the engine is {self.status}")
+            try:
+                async with asyncio.timeout(timeout):
+                    await self._publication.wait()
+            except TimeoutError:
+                return None
+        return self._published
 
     def add(self, request: Request) -> RequestStream:
         """Queue a request built by ``core.make_request``; its outputs arrive on the returned stream."""
@@ -245,17 +263,18 @@ class AsyncEngine:
                 raise EngineUnavailable("the engine has stopped")
             self._commands.put(command)
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
+    def _deliver(self, outputs: list[RequestOutput], reading: EngineReading | None) -> None:
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is not None:
                 stream._push(output)
                 if output.finished:
                     del self._streams[output.request_id]
-        self._version += 1
-        # Wake every waiter of this version, and give the next version a fresh event.
-        self._changed.set()
-        self._changed = asyncio.Event()
+        if reading is not None:
+            self._published = reading
+            # Wake every waiter of this publication; the next one gets a fresh event.
+            self._publication.set()
+            self._publication = asyncio.Event()
 
     def _fail_requests(self, request_ids: list[str], error: BaseException) -> None:
         for request_id in request_ids:
@@ -265,6 +284,7 @@ class AsyncEngine:
 
     def _fail_all(self, error: BaseException) -> None:
         self._fail_requests(list(self._streams), error)
+        self._publication.set()  # subscribers wake up, and find the engine gone
 
     def _loaded(self, core: EngineCore) -> None:
         self._core = core
@@ -316,7 +336,7 @@ class AsyncEngine:
                 changed |= self._apply(core, command)
             outputs = self._step(core) if core.has_unfinished else None
             if changed or outputs is not None:
-                self._post(self._deliver, outputs or [])
+                self._post(self._deliver, outputs or [], self._publication_due(core))
 
     def _next_commands(self, block: bool) -> list[_Command]:
         commands = [self._commands.get()] if block else []
@@ -341,7 +361,7 @@ class AsyncEngine:
                 return core.abort(request_id) is not None
             case _Read(future):
                 if future.set_running_or_notify_cancel():
-                    future.set_result(EngineReading.of(core, self._healthy_here()))
+                    future.set_result(self._read(core))
                 return False
         raise TypeError(f"unknown engine command {command!r}")
 
@@ -363,8 +383,19 @@ class AsyncEngine:
         self._latency.observe(outputs, time.monotonic())
         return outputs
 
-    def _healthy_here(self) -> bool:
-        return self._consecutive_failures < MAX_CONSECUTIVE_STEP_FAILURES
+    def _publication_due(self, core: EngineCore) -> EngineReading | None:
+        """A reading for the subscribers, if any, when the interval has passed or the engine goes idle."""
+        if not self._subscribers:
+            return None
+        now = time.monotonic()
+        if now - self._last_published < PUBLISH_INTERVAL_S and core.has_unfinished:
+            return None
+        self._last_published = now
+        return self._read(core)
+
+    def _read(self, core: EngineCore) -> EngineReading:
+        self._readings += 1
+        return EngineReading.of(core, self._consecutive_failures < MAX_CONSECUTIVE_STEP_FAILURES, self._readings)
 
     def _close(self, core: EngineCore | None, leftover: list[_Command]) -> None:
         """Refuse new commands, release every request (unless ``core`` is None: not to be trusted) and fail

@@ -55,6 +55,7 @@ E2E_BUCKETS = _buckets(1e-2, 1000.0)
 class EngineReading:
     """Everything a scrape renders, taken on the engine thread at one step boundary."""
 
+    serial: int  # readings of one engine are numbered in the order they were taken
     snapshot: TelemetrySnapshot
     device: str
     dtype: str
@@ -63,8 +64,8 @@ class EngineReading:
     prefix_cache_evictions: int
 
     @classmethod
-    def of(cls, core: EngineCore, healthy: bool) -> EngineReading:
-        return cls(core.telemetry(healthy), str(core.device), str(core.dtype).removeprefix("torch."),
+    def of(cls, core: EngineCore, healthy: bool, serial: int) -> EngineReading:
+        return cls(serial, core.telemetry(healthy), str(core.device), str(core.dtype).removeprefix("torch."),
                    core.stats.swap_bytes["in"], core.stats.swap_bytes["out"], core.kv.pool.evictions_total)
 
 

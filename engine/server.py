@@ -22,15 +22,15 @@ from engine.async_engine import AsyncEngine, EngineUnavailable
 from engine.chat_template import DEFAULT_TEMPLATE, ChatTemplate
 from engine.config import EngineConfig
 from engine.http_errors import ApiError, openai_errors
+from engine.metrics import EngineReading
 from engine.model.loader import TINY
 from engine.openai_api import OpenAIHandlers
-from engine.protocol import ModelCard, ModelList, TelemetrySnapshot
+from engine.protocol import ModelCard, ModelList
 from engine.sse import open_stream, send_comment, send_data, send_error
 
-# The telemetry stream sends at most one snapshot per STREAM_INTERVAL_S while the engine is busy (40/s;
-# the contract asks for at least 20), otherwise on change, refreshed every REFRESH_S so a subscriber that
-# ages its copy by the last snapshot never sees an idle engine as stale, with heartbeat comments between.
-STREAM_INTERVAL_S = 0.025
+# The telemetry stream sends what the engine publishes (see PUBLISH_INTERVAL_S in async_engine), plus a
+# fresh snapshot every REFRESH_S when nothing was published, so a subscriber that ages its copy by the last
+# snapshot never takes an idle engine for a stale one, and heartbeat comments in between.
 HEARTBEAT_S = 0.5
 REFRESH_S = 1.0
 SHUTDOWN_TIMEOUT_S = 5.0
@@ -67,6 +67,7 @@ class TelemetryHandlers:
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
         self.started = int(time.time())
+        self._last_json: tuple[EngineReading | None, str] = (None, "")
 
     async def health(self, _: web.Request) -> web.Response:
         status = self.engine.status
@@ -89,41 +90,33 @@ class TelemetryHandlers:
         return web.Response(body=self.engine.metrics.render(reading), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def stream(self, http: web.Request) -> web.StreamResponse:
-        """SSE of snapshots: every STREAM_INTERVAL_S while busy, else on change (rates decaying after a busy
-        spell count as change), plus a refresh every REFRESH_S and heartbeats in between."""
+        """SSE of snapshots: one on connect, then each one the engine publishes (every PUBLISH_INTERVAL_S
+        while busy, on change otherwise), a refresh every REFRESH_S, and heartbeats in between."""
         response = await open_stream(http)
         loop = asyncio.get_running_loop()
-        last: TelemetrySnapshot | None = None
-        last_sent = -REFRESH_S
         try:
-            while True:
-                version = self.engine.version
-                snapshot = await self.engine.snapshot()
-                now = loop.time()
-                busy = _busy(snapshot)
-                if last is None or busy or now - last_sent >= REFRESH_S or _changed(last, snapshot):
-                    await send_data(response, snapshot.model_dump_json())
-                    last, last_sent = snapshot, now
-                if busy or snapshot.tokens_per_s > 0:  # idle but rates still decaying: keep polling
-                    await asyncio.sleep(max(0.0, STREAM_INTERVAL_S - (loop.time() - now)))
-                    continue
-                while not await self.engine.wait_for_change(version, HEARTBEAT_S):
-                    if loop.time() - last_sent >= REFRESH_S:
-                        break
-                    await send_comment(response, "heartbeat")
+            with self.engine.subscription():
+                reading = await self.engine.reading()
+                while True:
+                    await send_data(response, self._json(reading))
+                    sent_at = loop.time()
+                    while (published := await self.engine.next_reading(reading, HEARTBEAT_S)) is None:
+                        if loop.time() - sent_at >= REFRESH_S:
+                            published = await self.engine.reading()
+                            break
+                        await send_comment(response, "heartbeat")
+                    reading = published
         except EngineUnavailable as exc:
             await send_error(response, ApiError.from_engine(exc))
         except ConnectionResetError:
             pass  # the subscriber left
         return response
 
-
-def _busy(snapshot: TelemetrySnapshot) -> bool:
-    return snapshot.num_running + snapshot.num_waiting + snapshot.num_swapped > 0
-
-
-def _changed(before: TelemetrySnapshot, after: TelemetrySnapshot) -> bool:
-    return before.model_dump(exclude={"time"}) != after.model_dump(exclude={"time"})
+    def _json(self, reading: EngineReading) -> str:
+        """The snapshot as JSON, serialized once however many subscribers send it."""
+        if self._last_json[0] is not reading:
+            self._last_json = (reading, reading.snapshot.model_dump_json())
+        return self._last_json[1]
 
 
 class EngineServer:
