@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from machine import command, describe
+from run_info import command, describe
 
 from engine import LLM, SamplingParams
 from engine.bandwidth import peak_bandwidth

@@ -7,8 +7,8 @@ table per sequence (so reads really are scattered), one decode step through ``Tr
 many runs with the L2 cache flushed between them. Bytes = K/V read + queries read + outputs written;
 the copy moves 2 x its size (a read and a write).
 
-    .venv/bin/python bench/kernels.py                       # on the GPU, both attention shapes
-    .venv/bin/python bench/kernels.py --smoke               # tiny sizes on CPU, interpreted Triton
+    .venv/bin/python bench/kernel_bandwidth.py            # on the GPU, both attention shapes
+    .venv/bin/python bench/kernel_bandwidth.py --smoke    # tiny sizes on CPU, interpreted Triton
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from machine import command, describe
+from run_info import command, describe
 
 from engine.kernels import AttentionMetadata
 from engine.kernels.triton_backend import TritonAttentionBackend

@@ -33,6 +33,6 @@ def test_engine_throughput_smoke() -> None:
 
 
 def test_kernel_bandwidth_smoke() -> None:
-    out = run_smoke("kernels.py")
+    out = run_smoke("kernel_bandwidth.py")
     assert "device-to-device copy" in out
     assert sum(line.startswith("qwen2.5-0.5b") for line in out.splitlines()) == 4
