@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import sys
 from dataclasses import fields
@@ -70,12 +69,9 @@ async def scrape(session: aiohttp.ClientSession, url: str) -> dict[tuple[str, st
 
 
 async def start_engine(*flags: str) -> tuple[asyncio.subprocess.Process, str]:
-    # One OpenMP thread: on a small machine shared with other torch processes, two threads per process spin
-    # at barriers and make the tiny model's steps ten times slower, which would only make this test slow.
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "engine", "--model", "tiny", "--device", "cpu", "--port", "0", *flags,
-        cwd=REPO, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"})
+        cwd=REPO, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
     assert process.stdout is not None
     url = ""
     async with asyncio.timeout(60):

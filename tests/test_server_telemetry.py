@@ -9,7 +9,6 @@ from collections.abc import Iterator
 
 import aiohttp
 import pytest
-import torch
 from engine_server import ServerThread, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -27,16 +26,8 @@ CONTRACT_METRICS = {
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerThread]:
-    # The stream's cadence is bounded by the step rate (a snapshot describes a step boundary). On a small
-    # box shared with other torch processes, two OpenMP threads per process spin at barriers and make tiny
-    # steps ten times slower; one thread keeps this test measuring the stream rather than the neighbours.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with ServerThread(num_blocks=256, block_size=16) as running:
-            yield running
-    finally:
-        torch.set_num_threads(threads)
+    with ServerThread(num_blocks=256, block_size=16) as running:
+        yield running
 
 
 async def load(session: aiohttp.ClientSession, url: str, count: int, max_tokens: int, tenant: str) -> None:
