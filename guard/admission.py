@@ -44,6 +44,7 @@ class AdmissionGate:
         self.reservations: dict[str, Reservation] = {}
         self.reserved_by_tenant: dict[str, int] = {}
         self._releases: deque[tuple[float, int]] = deque()  # (time, blocks) over the last DRAIN_WINDOW_S
+        self._started = time.monotonic()
 
     # -- telemetry -------------------------------------------------------------------------------------
     def update(self, snapshot: TelemetrySnapshot) -> None:
@@ -128,7 +129,9 @@ class AdmissionGate:
         now = time.monotonic()
         while self._releases and now - self._releases[0][0] > DRAIN_WINDOW_S:
             self._releases.popleft()
-        return sum(blocks for _, blocks in self._releases) / DRAIN_WINDOW_S
+        # Until a whole window has passed, divide by the time observed, not by the window.
+        span = min(DRAIN_WINDOW_S, max(now - self._started, 1.0))
+        return sum(blocks for _, blocks in self._releases) / span
 
     def expected_wait(self, blocks_ahead: int) -> float | None:
         """Seconds for ``blocks_ahead`` blocks to drain at the measured rate; None before any measurement."""
