@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: setup
-	$(PY) -m engine --model tiny --port 8100
+	$(PY) scripts/run_stack.py
 
 test: setup
 	$(PY) -m pytest -q
