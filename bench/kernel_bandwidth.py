@@ -8,7 +8,7 @@ many runs with the L2 cache flushed between them. Bytes = K/V read + queries rea
 the copy moves 2 x its size (a read and a write).
 
     .venv/bin/python bench/kernel_bandwidth.py            # on the GPU, both attention shapes
-    .venv/bin/python bench/kernel_bandwidth.py --smoke    # tiny sizes on CPU, interpreted Triton
+    .venv/bin/python bench/kernel_bandwidth.py --smoke    # tiny sizes; without a GPU, interpreted Triton
 """
 
 from __future__ import annotations
@@ -99,24 +99,27 @@ def main() -> None:
     parser.add_argument(
         "--smoke",
         action="store_true",
-        help="tiny sizes on the CPU in Triton's interpreter: proves the script runs, measures nothing",
+        help="tiny sizes (interpreted Triton without a GPU): proves the script runs, measures nothing",
     )
     args = parser.parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype)
     copy_bytes, repeats = 1 << 30, 20
     if args.smoke:
-        # Toy tensors gain nothing from intra-op threads, and on a busy host their spin-waits cost ~10 ms an op.
+        # Toy tensors gain nothing from intra-op threads; on a busy host their spin-waits cost ~10 ms an op.
         torch.set_num_threads(1)
-    if args.smoke or device.type != "cuda":
-        # The interpreter cannot run bfloat16 dots (triton-lang/triton#11584); fp16 takes the same path.
-        args.shapes, args.batches, args.contexts, dtype = ["qwen2.5-0.5b"], [1, 2], [16, 40], torch.float16
+        args.shapes, args.batches, args.contexts = ["qwen2.5-0.5b"], [1, 2], [16, 40]
         copy_bytes, repeats = 16 << 20, 2
+    if device.type != "cuda":
+        # The interpreter cannot run bfloat16 dots (triton-lang/triton#11584); fp16 takes the same path.
+        dtype = torch.float16
 
     print(f"machine: {describe(device)}")
     print(f"command: {command()}")
+    if args.smoke:
+        print("SMOKE RUN: toy sizes, not a performance figure")
     if device.type != "cuda":
-        print("SMOKE/CPU RUN: interpreted Triton on toy sizes, not a performance figure")
+        print("CPU RUN: interpreted Triton, not a performance figure")
     measure = timer(device, repeats)
     copy = copy_bandwidth(device, copy_bytes, measure)
     cache_dtype = str(dtype).removeprefix("torch.")

@@ -1,10 +1,10 @@
-"""The GPU path's host-side logic, checked on CPU.
+"""The GPU path: padded decode-graph batches, and the memory profile's scratch step.
 
-A CUDA graph cannot be captured without a GPU, so the graph here is a stand-in that replays the captured
-call eagerly into the same static buffers. What is under test is everything around the capture: the
-choice of padded size, the copies into the static buffers, and that padding rows (including rows an
-earlier, larger batch left behind) neither write to the KV cache nor change the real rows' results. The
-memory profile's scratch step is checked for a valid layout the same way.
+On CUDA the real graphs are captured and replayed. Without a GPU the graph is a stand-in that replays the
+captured call eagerly (through the interpreted Triton kernels) into the same static buffers, so what is
+checked there is everything around the capture: the padded size, the copies into the static buffers, and
+that padding rows (including rows an earlier, larger batch left behind) neither write to the KV cache nor
+change the real rows' results.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from engine.memory_profile import scratch_step
 from engine.model import load_model
 from engine.runner import HostBatch
 
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BLOCK_SIZE = 4
 NUM_BLOCKS = 40
 MAX_BLOCKS_PER_SEQ = 8
@@ -49,14 +50,14 @@ class EagerDecodeGraphs(DecodeGraphs):
 
 @pytest.fixture(scope="module")
 def model():
-    return load_model("tiny", torch.device("cpu"), torch.float32, TritonAttentionBackend()).model
+    return load_model("tiny", DEVICE, torch.float32, TritonAttentionBackend()).model
 
 
 def random_caches(model, seed: int) -> list[torch.Tensor]:
     config = model.config
     generator = torch.Generator().manual_seed(seed)
     shape = (2, NUM_BLOCKS, BLOCK_SIZE, config.num_key_value_heads, config.head_dim)
-    return [torch.randn(shape, generator=generator) for _ in range(config.num_hidden_layers)]
+    return [torch.randn(shape, generator=generator).to(DEVICE) for _ in range(config.num_hidden_layers)]
 
 
 def decode_batch(context_lens: list[int], seed: int) -> HostBatch:
@@ -80,24 +81,28 @@ def decode_batch(context_lens: list[int], seed: int) -> HostBatch:
 def eager(model, caches: list[torch.Tensor], batch: HostBatch) -> torch.Tensor:
     n = batch.num_seqs
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(batch.slot_mapping),
-        block_tables=torch.tensor(batch.block_tables, dtype=torch.int32),
-        query_start_loc=torch.arange(n + 1, dtype=torch.int32),
-        seq_lens=torch.tensor(batch.seq_lens, dtype=torch.int32),
+        slot_mapping=torch.tensor(batch.slot_mapping, device=DEVICE),
+        block_tables=torch.tensor(batch.block_tables, dtype=torch.int32, device=DEVICE),
+        query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor(batch.seq_lens, dtype=torch.int32, device=DEVICE),
         query_lens_cpu=batch.query_lens,
         seq_lens_cpu=batch.seq_lens,
         max_query_len=1,
         max_seq_len=max(batch.seq_lens),
     )
-    return model(torch.tensor(batch.input_ids), torch.tensor(batch.positions), caches, meta)
+    inputs = torch.tensor(batch.input_ids, device=DEVICE), torch.tensor(batch.positions, device=DEVICE)
+    return model(*inputs, caches, meta)
 
 
 @torch.inference_mode()
 def test_padded_replays_match_eager_steps_and_padding_writes_nothing(model, monkeypatch) -> None:
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     graph_caches = random_caches(model, seed=0)
     eager_caches = random_caches(model, seed=0)
-    graphs = EagerDecodeGraphs(model, graph_caches, MAX_BLOCKS_PER_SEQ, torch.device("cpu"))
+    if DEVICE.type == "cuda":
+        graphs = DecodeGraphs(model, graph_caches, MAX_BLOCKS_PER_SEQ, DEVICE)
+    else:
+        monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+        graphs = EagerDecodeGraphs(model, graph_caches, MAX_BLOCKS_PER_SEQ, DEVICE)
     # Five rows run padded to 8; then three rows run padded to 4, over rows 3..4 that still hold the first
     # batch's real slots and contexts.
     for context_lens, seed in (([5, 1, 17, 8, 30], 1), ([9, 4, 21], 2)):
