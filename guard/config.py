@@ -101,6 +101,25 @@ class Upstream(Strict):
     client_stall_timeout: PositiveSeconds = 30.0  # a client that reads nothing for this long is dropped
 
 
+class Routing(Strict):
+    """Mode thresholds on saturation = (committed + queued blocks) / pool blocks; see guard/routing.py."""
+
+    pressure_enter: float = Field(0.9, gt=0)
+    pressure_exit: float = Field(0.7, gt=0)
+    degraded_enter: float = Field(1.5, gt=0)
+    degraded_exit: float = Field(1.1, gt=0)
+    min_dwell_s: float = Field(5.0, ge=0)
+    failure_threshold: int = Field(3, ge=1)  # consecutive upstream failures that open a backend's circuit
+    cooldown_s: PositiveSeconds = 2.0  # open circuit: wait this long before a trial request
+    health_interval_s: PositiveSeconds = 0.5
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Routing:
+        if not self.pressure_exit < self.pressure_enter <= self.degraded_exit < self.degraded_enter:
+            raise ValueError("need pressure_exit < pressure_enter <= degraded_exit < degraded_enter")
+        return self
+
+
 class Limits(Strict):
     max_body_bytes: int = Field(1 << 20, gt=0)
     shutdown_timeout: PositiveSeconds = 10.0
@@ -112,6 +131,7 @@ class GuardConfig(Strict):
     fallbacks: list[Backend | StaticFallback] = Field(default_factory=list)
     admission: Admission = Admission()
     upstream: Upstream = Upstream()
+    routing: Routing = Routing()
     limits: Limits = Limits()
     lanes: dict[str, Lane] = Field(default_factory=lambda: dict(DEFAULT_LANES))
     tenants: list[Tenant] = Field(min_length=1)

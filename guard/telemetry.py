@@ -25,6 +25,7 @@ class TelemetrySubscriber:
         session: aiohttp.ClientSession,
         engine_url: str,
         on_snapshot: Callable[[TelemetrySnapshot], None],
+        on_failure: Callable[[], None],
         stale_s: float,
         min_backoff_s: float = 0.05,
         max_backoff_s: float = 2.0,
@@ -32,6 +33,7 @@ class TelemetrySubscriber:
         self.session = session
         self.url = engine_url.rstrip("/") + "/telemetry/stream"
         self.on_snapshot = on_snapshot
+        self.on_failure = on_failure
         # A stream that has sent nothing (not even a heartbeat) for this long is dead, whatever TCP thinks.
         self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=stale_s, sock_read=stale_s)
         self.min_backoff_s = min_backoff_s
@@ -52,6 +54,7 @@ class TelemetrySubscriber:
                             backoff = self.min_backoff_s
             except (aiohttp.ClientError, TimeoutError, ValidationError, ValueError) as exc:
                 log.warning("telemetry stream %s: %s; reconnecting in %.2f s", self.url, exc, backoff)
+                self.on_failure()
             finally:
                 self.connected = False
             await asyncio.sleep(backoff)

@@ -62,10 +62,15 @@ class ParsedRequest:
     def max_tokens_field(self) -> str:
         return getattr(self.model, "max_output_tokens_field", "max_tokens")
 
-    def upstream_body(self, cache_salt: str, max_tokens: int, priority: int) -> bytes:
-        """The body sent to the engine: the client's, with the guard's salt, priority and token bound."""
+    def upstream_body(self, cache_salt: str, max_tokens: int | None, priority: int, model: str | None = None) -> bytes:
+        """The body sent to an engine: the client's, with the guard's salt, priority and token bound (and the
+        fallback engine's model name when it serves a different one)."""
         body = {k: v for k, v in self.body.items() if k not in GUARD_OWNED and k != "max_completion_tokens"}
-        body.update(cache_salt=cache_salt, priority=priority, max_tokens=max_tokens)
+        body.update(cache_salt=cache_salt, priority=priority)
+        if max_tokens is not None:
+            body["max_tokens"] = max_tokens
+        if model is not None:
+            body["model"] = model
         return json.dumps(body).encode()
 
 

@@ -1,0 +1,122 @@
+"""Where a request goes: the primary engine, a fallback, or nowhere, by the guard's mode.
+
+Modes, from the primary engine's health and how saturated it is (``saturation`` = blocks committed plus
+blocks queued in the guard, over the pool)::
+
+    normal --(saturation >= pressure_enter)--> pressure --(>= degraded_enter, or engine down)--> degraded
+      ^                                           |                                                |
+      +--(< pressure_exit, after min_dwell_s)-----+<--(< degraded_exit and engine up, after dwell)--+
+
+Moving up is immediate (an engine that died must not be waited on); moving down waits ``min_dwell_s`` in
+the current mode and needs the lower exit threshold, so the mode does not flap at a boundary.
+
+- normal: everything goes to the primary.
+- pressure: sheddable lanes and tenants holding more than their weighted share go to a fallback first.
+- degraded: new requests go to the fallbacks in config order (an engine fallback while its breaker is
+  closed, then a static message); lanes with ``on_degraded: reject`` get 503 instead.
+
+The primary's circuit breaker opens after ``failure_threshold`` consecutive upstream failures (refused
+connections, 5xx from the engine itself, timeouts) or failed health checks, and closes on the first
+success after ``cooldown_s``. The guard's own 429/503 answers are never failures.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from guard.config import Backend, Lane, Routing, StaticFallback, Tenant
+
+log = logging.getLogger("guard.routing")
+
+
+class CircuitBreaker:
+    def __init__(self, name: str, failure_threshold: int, cooldown_s: float) -> None:
+        self.name = name
+        self.failure_threshold = failure_threshold
+        self.cooldown_s = cooldown_s
+        self.failures = 0
+        self.opened_at: float | None = None
+
+    @property
+    def closed(self) -> bool:
+        return self.opened_at is None
+
+    def allow(self) -> bool:
+        """Closed, or open long enough that one trial request may test the backend (half-open)."""
+        return self.opened_at is None or time.monotonic() - self.opened_at >= self.cooldown_s
+
+    def record_success(self) -> None:
+        if self.opened_at is not None:
+            log.info("backend %s: circuit closed", self.name)
+        self.failures = 0
+        self.opened_at = None
+
+    def record_failure(self) -> None:
+        self.failures += 1
+        if self.failures >= self.failure_threshold:
+            if self.opened_at is None:
+                log.warning("backend %s: circuit opened after %d consecutive failures", self.name, self.failures)
+            self.opened_at = time.monotonic()  # a failed trial restarts the cooldown
+
+
+@dataclass(slots=True, frozen=True)
+class Route:
+    kind: str  # "primary" | "engine" (a fallback engine) | "static" | "reject"
+    name: str
+    backend: Backend | StaticFallback | None = None
+
+
+class ModeMachine:
+    def __init__(self, config: Routing) -> None:
+        self.config = config
+        self.mode = "normal"
+        self.since = time.monotonic()
+
+    def update(self, primary_up: bool, saturation: float) -> tuple[str, str] | None:
+        """Move to the mode the signals call for; returns ``(from, to)`` when the mode changed."""
+        cfg = self.config
+        if not primary_up or saturation >= cfg.degraded_enter:
+            wanted = "degraded"
+        elif saturation >= cfg.pressure_enter:
+            wanted = "pressure"
+        else:
+            wanted = "normal"
+        order = ("normal", "pressure", "degraded")
+        if order.index(wanted) < order.index(self.mode):
+            dwelt = time.monotonic() - self.since >= cfg.min_dwell_s
+            calm = saturation < (cfg.degraded_exit if self.mode == "degraded" else cfg.pressure_exit)
+            if not (dwelt and calm and primary_up):
+                return None
+            if self.mode == "degraded" and saturation >= cfg.pressure_exit:
+                wanted = "pressure"  # step down one mode at a time when still busy
+        if wanted == self.mode:
+            return None
+        change = (self.mode, wanted)
+        self.mode, self.since = wanted, time.monotonic()
+        log.warning("guard mode %s -> %s (primary %s, saturation %.2f)", *change, "up" if primary_up else "down",
+                    saturation)
+        return change
+
+
+class Router:
+    def __init__(self, fallbacks: list[Backend | StaticFallback], breakers: dict[str, CircuitBreaker]) -> None:
+        self.fallbacks = fallbacks
+        self.breakers = breakers
+
+    def route(self, mode: str, tenant: Tenant, lane: Lane, over_share: bool) -> Route:
+        if mode == "normal" or (mode == "pressure" and not (lane.sheddable or over_share)):
+            return Route("primary", "primary")
+        if mode == "degraded" and lane.on_degraded == "reject":
+            return Route("reject", "reject")
+        return self.fallback() or (Route("primary", "primary") if mode == "pressure" else Route("reject", "reject"))
+
+    def fallback(self, exclude: str | None = None) -> Route | None:
+        """The first usable fallback in config order."""
+        for backend in self.fallbacks:
+            if isinstance(backend, StaticFallback):
+                return Route("static", backend.name, backend)
+            if backend.name != exclude and self.breakers[backend.name].allow():
+                return Route("engine", backend.name, backend)
+        return None

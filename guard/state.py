@@ -1,0 +1,68 @@
+"""Everything one guard instance knows, shared by its handlers and background tasks (one event loop)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp import web
+
+from guard.admission import AdmissionGate
+from guard.auth import KeyStore
+from guard.config import GuardConfig, Tenant
+from guard.dispatch import Dispatcher
+from guard.metrics import MODES, GuardMetrics
+from guard.relay import Relay
+from guard.routing import CircuitBreaker, ModeMachine, Router
+from guard.telemetry import TelemetrySubscriber
+from guard.validate import TokenCounter
+
+
+@dataclass(slots=True)
+class GuardState:
+    config: GuardConfig
+    keys: KeyStore
+    gate: AdmissionGate
+    dispatcher: Dispatcher
+    metrics: GuardMetrics
+    modes: ModeMachine
+    router: Router
+    breakers: dict[str, CircuitBreaker]
+    fallback_models: dict[str, str] = field(default_factory=dict)  # engine fallback name -> its model name
+    session: aiohttp.ClientSession | None = None
+    relay: Relay | None = None
+    counter: TokenCounter | None = None
+    subscriber: TelemetrySubscriber | None = None
+    tasks: tuple[asyncio.Task, ...] = ()
+
+    @property
+    def primary(self) -> CircuitBreaker:
+        return self.breakers[self.config.engine.name]
+
+    def primary_up(self) -> bool:
+        return self.primary.closed and self.gate.usable
+
+    def saturation(self) -> float:
+        """Blocks committed plus blocks waiting in the guard's queues, over the pool (0 without telemetry)."""
+        snapshot = self.gate.snapshot
+        if snapshot is None or snapshot.num_blocks == 0:
+            return 0.0
+        return (self.gate.committed() + self.dispatcher.blocks_queued()) / snapshot.num_blocks
+
+    def over_share(self, tenant: Tenant) -> bool:
+        """Holding more than its weighted share of the admission budget."""
+        total = sum(t.weight for t in self.config.tenants)
+        return self.gate.tenant_reserved(tenant.name) > tenant.weight / total * self.gate.budget
+
+    def update_mode(self) -> None:
+        change = self.modes.update(self.primary_up(), self.saturation())
+        if change is not None:
+            self.metrics.mode_transitions.labels(*change).inc()
+            for mode in MODES:
+                self.metrics.mode.labels(mode).set(1.0 if mode == change[1] else 0.0)
+
+
+STATE = web.AppKey("state", GuardState)
+REQUEST_ID = web.RequestKey("request_id", str)
+TENANT = web.RequestKey("tenant", str)
