@@ -215,7 +215,8 @@ def decode_attention(
     """Write into ``out`` the attention of every sequence whose query length is 1; other rows are untouched.
 
     ``query``/``out`` are ``[T, heads, head_dim]``; the cache, block tables, ``seq_lens`` and
-    ``query_start_loc`` follow ``AttentionMetadata``. ``num_splits`` and ``block_n`` are powers of two.
+    ``query_start_loc`` follow ``AttentionMetadata``. ``head_dim`` is contiguous in every tensor (other
+    strides are free). ``num_splits`` and ``block_n`` are powers of two.
     """
     num_seqs = seq_lens.shape[0]
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape

@@ -133,8 +133,9 @@ def prefill_attention(
 ) -> None:
     """Write into ``out`` the attention of every sequence whose query length exceeds 1; others untouched.
 
-    ``block_m`` (query rows per program) and ``block_n`` (keys per tile) are powers of two, by default
-    ``default_tiles``; a program takes ``block_m // group`` tokens (at least one) of a sequence.
+    Layouts as in ``decode_attention`` (``head_dim`` contiguous). ``block_m`` (query rows per program) and
+    ``block_n`` (keys per tile) are powers of two, by default ``default_tiles``; a program takes
+    ``block_m // group`` tokens (at least one) of a sequence.
     """
     num_seqs = seq_lens.shape[0]
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
