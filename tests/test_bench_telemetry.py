@@ -1,0 +1,21 @@
+"""The telemetry-overhead benchmark still runs end to end (a few short rounds; the figures mean nothing)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_telemetry_overhead_benchmark_runs() -> None:
+    command = [sys.executable, str(ROOT / "bench" / "telemetry_overhead.py"), "--rounds", "4", "--round-seconds",
+               "0.3", "--amplify", "2", "--concurrency", "4", "--max-tokens", "16"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("machine: ") and lines[1].startswith("command: ")
+    assert any(line.startswith("1 subscriber (") for line in lines)
+    assert any(line.startswith("2 subscribers (") for line in lines)
+    assert sum("event-loop CPU" in line for line in lines) == 2
