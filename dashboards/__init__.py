@@ -1,0 +1,1 @@
+"""kvguard's Grafana dashboards, generated from plain dicts; ``python -m dashboards [--check]``."""
