@@ -62,6 +62,7 @@ async def completion(request: web.Request) -> web.StreamResponse:
     except Invalid as exc:
         metrics.requests.labels(*labels, "rejected_invalid").inc()
         return exc.response()
+    state.update_mode()  # arrivals move saturation between snapshots
     route = state.router.route(state.modes.mode, tenant, lane, state.over_share(tenant))
     if route.kind != "primary":
         return await serve_elsewhere(request, state, tenant, parsed, route, labels)

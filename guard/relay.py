@@ -123,6 +123,9 @@ class Relay:
             except TimeoutError:
                 return error_response(504, "the engine sent no token within the first-token timeout",
                                       code="upstream_timeout", headers=headers)
+            except aiohttp.ClientError as exc:  # nothing reached the client yet: a plain 502 says it best
+                return error_response(502, f"the engine failed before its first token: {type(exc).__name__}",
+                                      code="upstream_error", headers=headers)
             response = web.StreamResponse(status=200, headers={
                 **headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await response.prepare(client)

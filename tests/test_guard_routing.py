@@ -1,0 +1,142 @@
+"""Degraded-mode routing against real engines: the primary killed and restarted under traffic, and a
+saturated (but healthy) primary pushing sheddable lanes to the fallback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import aiohttp
+import pytest
+from engine_server import ServerThread, request, wait_for
+from guard_server import GuardThread, guard_config
+
+ROUTING = {"min_dwell_s": 1.0, "cooldown_s": 0.5, "health_interval_s": 0.2, "failure_threshold": 2}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def health(url: str) -> int:
+    try:
+        return request(url + "/health")[0]
+    except OSError:
+        return 0
+
+
+def start_engine(port: int) -> subprocess.Popen:
+    process = subprocess.Popen([sys.executable, "-m", "engine", "--model", "tiny", "--port", str(port),
+                                "--num-blocks", "512"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for(lambda: health(f"http://127.0.0.1:{port}") if process.poll() is None else -1,
+             lambda status: status in (200, -1), 60)
+    assert process.poll() is None, "the engine did not start"
+    return process
+
+
+async def stream_once(url: str, body: dict, key: str = "sk-acme", started: asyncio.Event | None = None
+                      ) -> tuple[int, dict, bytes]:
+    """One request; ``started`` is set once the first bytes of the answer have arrived."""
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}) as r:
+            data = await r.content.readany()
+            if started is not None:
+                started.set()
+            return r.status, dict(r.headers), data + await r.read()
+
+
+def test_engine_killed_then_restarted(tmp_path) -> None:
+    port = free_port()
+    primary = start_engine(port)
+    try:
+        with ServerThread(num_blocks=128) as fallback_engine, GuardThread(guard_config(
+                f"http://127.0.0.1:{port}", fallbacks=[{"name": "small", "url": fallback_engine.url}],
+                routing=ROUTING, admission={"telemetry_stale_s": 1.0})) as guard:
+            wait_for(lambda: guard.call(guard.state.primary_up), bool, 10)
+            long_stream = {"model": "tiny", "prompt": "long", "max_tokens": 1900, "stream": True,
+                           "ignore_eos": True}
+
+            async def scenario() -> tuple:
+                started = [asyncio.Event() for _ in range(3)]
+                in_flight = [asyncio.create_task(stream_once(guard.url, long_stream, started=e)) for e in started]
+                await asyncio.gather(*(e.wait() for e in started))  # every stream is under way
+                primary.kill()
+                killed = time.monotonic()
+                streams = await asyncio.wait_for(asyncio.gather(*in_flight), 30)
+                after = await stream_once(guard.url, {"model": "tiny", "prompt": "hi", "max_tokens": 4})
+                return streams, after, time.monotonic() - killed
+
+            streams, after, served_within = asyncio.run(scenario())
+            for status, _, body in streams:
+                assert status == 200
+                assert b"event: error" in body and not body.endswith(b"data: [DONE]\n\n"), body[-200:]
+            status, headers, body = after
+            assert status == 200 and headers["X-Guard-Route"] == "small", body
+            assert served_within < 30
+            wait_for(lambda: guard.call(lambda: guard.state.modes.mode), lambda m: m == "degraded", 2)
+            started = time.monotonic()
+            status, headers, _ = asyncio.run(stream_once(guard.url, {"model": "tiny", "prompt": "x", "max_tokens": 2}))
+            assert status == 200 and headers["X-Guard-Route"] == "small"
+            assert time.monotonic() - started < 1.0, "a new request in degraded mode is served within 1 s"
+
+            restarted = start_engine(port)
+            try:
+                wait_for(lambda: guard.call(lambda: guard.state.modes.mode), lambda m: m == "normal", 15)
+                status, headers, _ = asyncio.run(stream_once(guard.url, {"model": "tiny", "prompt": "x",
+                                                                         "max_tokens": 2}))
+                assert status == 200 and "X-Guard-Route" not in headers
+                assert guard.call(lambda: not guard.state.gate.reservations)
+                transitions = request(guard.url + "/metrics")[1].decode()
+                assert 'guard_mode_transitions_total{from="normal",to="degraded"}' in transitions
+                assert 'guard_mode{mode="normal"} 1.0' in transitions
+            finally:
+                restarted.kill()
+                restarted.wait()
+    finally:
+        primary.kill()
+        primary.wait()
+
+
+@pytest.fixture(scope="module")
+def engines():
+    with ServerThread(num_blocks=48) as primary, ServerThread(num_blocks=128) as fallback:
+        yield primary, fallback
+
+
+def test_saturation_sends_sheddable_lanes_to_the_fallback(engines) -> None:
+    primary, fallback = engines
+    tenants = [{"name": "chat", "api_keys": ["sk-chat"], "lane": "interactive", "weight": 2},
+               {"name": "bulk", "api_keys": ["sk-bulk"], "lane": "batch", "max_queue": 500}]
+    config = guard_config(primary.url, tenants=tenants, routing=ROUTING,
+                          fallbacks=[{"name": "small", "url": fallback.url}])
+    with GuardThread(config) as guard:
+        wait_for(lambda: guard.call(guard.state.primary_up), bool, 10)
+        bulk_body = {"model": "tiny", "prompt": "b" * 40, "max_tokens": 120, "ignore_eos": True}
+
+        async def scenario() -> tuple[list, list]:
+            bulk = []
+            for _ in range(40):  # a steady stream of batch work, more than the pool holds
+                bulk.append(asyncio.create_task(stream_once(guard.url, bulk_body, "sk-bulk")))
+                await asyncio.sleep(0.05)
+            chat = []
+            for _ in range(5):
+                chat.append(await stream_once(guard.url, {"model": "tiny", "prompt": "hello", "max_tokens": 8},
+                                              "sk-chat"))
+            return await asyncio.gather(*bulk), chat
+
+        bulk, chat = asyncio.run(scenario())
+        routes = [h.get("X-Guard-Route") for _, h, _ in bulk]
+        assert all(status == 200 for status, _, _ in bulk + chat)
+        assert routes.count("small") > 0, "sheddable work went to the fallback under pressure"
+        assert all("X-Guard-Route" not in h for _, h, _ in chat), "interactive work stayed on the primary"
+        metrics = request(guard.url + "/metrics")[1].decode()
+        assert 'guard_mode_transitions_total{from="normal",to="pressure"}' in metrics
+        assert json.loads(request(guard.url + "/health")[1])["status"] == "ok"
+        wait_for(lambda: guard.call(lambda: guard.state.modes.mode), lambda m: m == "normal", 10)
+        assert guard.call(lambda: not guard.state.gate.reservations)
