@@ -21,9 +21,8 @@ idle). So subscribers cost one snapshot per interval however many they are, and 
 thread (each wake-up of the event loop takes the GIL from the stepping thread).
 
 Every added request ends in exactly one way: its final output, an error (``RequestFailed`` when a step
-failed under it, ``EngineUnavailable`` when the engine stops), or an abort by its owner. A request stream
-holds only the newest output: outputs are cumulative (all text and token ids so far), so a slow reader
-skips intermediate ones instead of letting a queue grow.
+failed under it, ``EngineUnavailable`` when the engine stops), or an abort by its owner; its
+``RequestStream`` says which.
 """
 
 from __future__ import annotations
@@ -36,13 +35,14 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.metrics import EngineMetrics, EngineReading, LatencyRecorder
 from engine.outputs import RequestOutput
 from engine.protocol import TelemetrySnapshot
+from engine.request_stream import EngineUnavailable, RequestFailed, RequestStream
 from engine.sched.request import Request
 
 log = logging.getLogger("engine.async")
@@ -52,57 +52,6 @@ log = logging.getLogger("engine.async")
 MAX_CONSECUTIVE_STEP_FAILURES = 3
 # While subscribed, a reading is published at most this often while busy (40/s; the contract asks for 20).
 PUBLISH_INTERVAL_S = 0.025
-
-
-class EngineUnavailable(RuntimeError):
-    """The engine is loading, failed, or has stopped: it accepts no request."""
-
-
-class RequestFailed(RuntimeError):
-    """A step failed while this request was in the batch; its blocks have been released."""
-
-
-@dataclass(slots=True, eq=False)
-class RequestStream:
-    """The outputs of one request, newest only, as an async iterator that ends after the final one."""
-
-    request_id: str
-    _latest: RequestOutput | None = None
-    _error: BaseException | None = None
-    _wake: asyncio.Event = field(default_factory=asyncio.Event)
-    done: bool = False  # the final output or the error has been taken
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.done:
-            raise StopAsyncIteration
-        while self._latest is None and self._error is None:
-            self._wake.clear()
-            await self._wake.wait()
-        if self._latest is not None:
-            output, self._latest = self._latest, None
-            self.done = output.finished
-            return output
-        self.done = True
-        raise self._error  # type: ignore[misc]
-
-    async def final(self) -> RequestOutput:
-        """Wait for the request to finish and return its last output."""
-        output = None
-        async for output in self:
-            pass
-        assert output is not None and output.finished
-        return output
-
-    def _push(self, output: RequestOutput) -> None:
-        self._latest = output
-        self._wake.set()
-
-    def _fail(self, error: BaseException) -> None:
-        self._error = error
-        self._wake.set()
 
 
 @dataclass(slots=True)
@@ -267,7 +216,7 @@ class AsyncEngine:
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is not None:
-                stream._push(output)
+                stream.push(output)
                 if output.finished:
                     del self._streams[output.request_id]
         if reading is not None:
@@ -280,7 +229,7 @@ class AsyncEngine:
         for request_id in request_ids:
             stream = self._streams.pop(request_id, None)
             if stream is not None:
-                stream._fail(error)
+                stream.fail(error)
 
     def _fail_all(self, error: BaseException) -> None:
         self._fail_requests(list(self._streams), error)

@@ -14,8 +14,8 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 from pydantic import ValidationError
 
-from engine.async_engine import EngineUnavailable, RequestFailed
 from engine.protocol import ErrorDetail, ErrorResponse, validation_error_param
+from engine.request_stream import EngineUnavailable, RequestFailed
 
 log = logging.getLogger("engine.server")
 

@@ -20,7 +20,7 @@ from typing import Protocol, TypeVar, cast
 from aiohttp import web
 from pydantic import ValidationError
 
-from engine.async_engine import AsyncEngine, EngineUnavailable, RequestFailed
+from engine.async_engine import AsyncEngine
 from engine.chat_template import ChatTemplate, ChatTemplateError
 from engine.core import EngineCore
 from engine.http_errors import ApiError
@@ -44,6 +44,7 @@ from engine.protocol import (
     TokenizeResponse,
     Usage,
 )
+from engine.request_stream import EngineUnavailable, RequestFailed
 from engine.sampling_params import SamplingParams
 from engine.sched.request import Request
 from engine.sse import DONE, open_stream, send_data, send_error

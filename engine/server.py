@@ -18,7 +18,7 @@ import time
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from engine.async_engine import AsyncEngine, EngineUnavailable
+from engine.async_engine import AsyncEngine
 from engine.chat_template import DEFAULT_TEMPLATE, ChatTemplate
 from engine.config import EngineConfig
 from engine.http_errors import ApiError, openai_errors
@@ -26,6 +26,7 @@ from engine.metrics import EngineReading
 from engine.model.loader import TINY
 from engine.openai_api import OpenAIHandlers
 from engine.protocol import ModelCard, ModelList
+from engine.request_stream import EngineUnavailable
 from engine.sse import open_stream, send_comment, send_data, send_error
 
 # The telemetry stream sends what the engine publishes (see PUBLISH_INTERVAL_S in async_engine), plus a
