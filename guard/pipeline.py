@@ -63,7 +63,7 @@ async def completion(request: web.Request) -> web.StreamResponse:
         metrics.requests.labels(*labels, "rejected_invalid").inc()
         return exc.response()
     state.update_mode()  # arrivals move saturation between snapshots
-    route = state.router.route(state.modes.mode, tenant, lane, state.over_share(tenant))
+    route = state.router.route(state.modes.mode, lane, state.over_share(tenant), state.primary_up())
     if route.kind != "primary":
         return await serve_elsewhere(request, state, tenant, parsed, route, labels)
     try:

@@ -26,7 +26,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from guard.config import Backend, Lane, Routing, StaticFallback, Tenant
+from guard.config import Backend, Lane, Routing, StaticFallback
 
 log = logging.getLogger("guard.routing")
 
@@ -105,12 +105,13 @@ class Router:
         self.fallbacks = fallbacks
         self.breakers = breakers
 
-    def route(self, mode: str, tenant: Tenant, lane: Lane, over_share: bool) -> Route:
+    def route(self, mode: str, lane: Lane, over_share: bool, primary_up: bool) -> Route:
         if mode == "normal" or (mode == "pressure" and not (lane.sheddable or over_share)):
             return Route("primary", "primary")
         if mode == "degraded" and lane.on_degraded == "reject":
             return Route("reject", "reject")
-        return self.fallback() or (Route("primary", "primary") if mode == "pressure" else Route("reject", "reject"))
+        # With no usable fallback a saturated but live primary still beats a refusal: its queue has deadlines.
+        return self.fallback() or (Route("primary", "primary") if primary_up else Route("reject", "reject"))
 
     def fallback(self, exclude: str | None = None) -> Route | None:
         """The first usable fallback in config order."""
