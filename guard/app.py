@@ -15,6 +15,7 @@ from engine.protocol import TelemetrySnapshot
 from guard.admission import AdmissionGate
 from guard.auth import KeyStore
 from guard.config import Backend, GuardConfig
+from guard.detector import Detector
 from guard.dispatch import Dispatcher, Rejected
 from guard.errors import error_response
 from guard.metrics import GuardMetrics
@@ -85,8 +86,12 @@ def create_app(config: GuardConfig) -> web.Application:
     engines = [config.engine] + [f for f in config.fallbacks if isinstance(f, Backend)]
     breakers = {b.name: CircuitBreaker(b.name, config.routing.failure_threshold, config.routing.cooldown_s)
                 for b in engines}
+    detector = Detector({t.name: t.weight for t in config.tenants})
     state = GuardState(config, KeyStore(config.tenants, config.secret), gate, dispatcher, metrics,
-                       ModeMachine(config.routing), Router(config.fallbacks, breakers), breakers)
+                       ModeMachine(config.routing), Router(config.fallbacks, breakers), breakers, detector)
+    for tenant in config.tenants:
+        metrics.suspicion.labels(tenant.name).set(0.0)
+        metrics.fs_state.labels(tenant.name).set(0.0)
     # Body size is enforced by parse_request with a JSON 413; aiohttp's own cap is only a backstop.
     app = web.Application(middlewares=[identify], client_max_size=config.limits.max_body_bytes + 1024)
     app[STATE] = state
@@ -111,6 +116,7 @@ async def _start(app: web.Application) -> None:
 
     def on_snapshot(snapshot: TelemetrySnapshot) -> None:
         state.gate.update(snapshot)
+        state.detector.on_telemetry(snapshot)
         state.dispatcher.pump()
         state.update_mode()
 

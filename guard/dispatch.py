@@ -61,6 +61,7 @@ class Dispatcher:
         self.config = config
         self.gate = gate
         self.on_service = on_service  # (tenant, service charged): feeds guard_service_tokens_total
+        self.block_caps: dict[str, float] = {}  # tenant -> share of the budget, tighter than its config
         self.fair: FairQueue[Ticket] = FairQueue()
         for tenant in config.tenants:
             self.fair.tenant(tenant.name, tenant.weight)
@@ -109,7 +110,7 @@ class Dispatcher:
             queue = min(candidates, key=lambda t: t.counter)
             ticket = queue.head()
             assert ticket is not None
-            cap = int(ticket.tenant.max_blocks_share * self.gate.budget)
+            cap = int(self.block_caps.get(queue.name, ticket.tenant.max_blocks_share) * self.gate.budget)
             if self.gate.tenant_reserved(queue.name) and self.gate.tenant_reserved(queue.name) + ticket.blocks > cap:
                 capped.add(queue.name)
                 continue

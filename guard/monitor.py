@@ -49,4 +49,5 @@ async def monitor(state: GuardState) -> None:
                 breaker.record_failure()
             state.metrics.backend_healthy.labels(backend.name).set(1.0 if breaker.closed else 0.0)
         state.update_mode()
+        state.update_detector()
         await asyncio.sleep(cfg.routing.health_interval_s)

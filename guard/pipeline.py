@@ -20,7 +20,7 @@ from guard.dispatch import Rejected, Ticket
 from guard.errors import error_response
 from guard.relay import StreamObserver, UpstreamUnavailable
 from guard.routing import Route
-from guard.state import REQUEST_ID, STATE, TENANT, GuardState
+from guard.state import REQUEST_ID, STATE, SUSPECT_MAX_TOKENS, TENANT, GuardState
 from guard.static import static_response
 from guard.validate import Invalid, ParsedRequest, parse_request
 
@@ -99,6 +99,16 @@ async def serve_primary(
             raise UpstreamUnavailable(exc.message) from None
         metrics.requests.labels(*labels, "rejected_invalid" if exc.status < 500 else "rejected_overload").inc()
         return exc.response()
+    state.detector.on_request(tenant.name, limits.max_tokens)
+    suspicion = state.detector.state(tenant.name)
+    if suspicion == "confirmed":
+        metrics.requests.labels(*labels, "rejected_quota").inc()
+        return error_response(429, "requests from this key match a Fill-and-Squeeze attack pattern",
+                              code="abuse_suspected", retry_after=60)
+    if suspicion == "suspect":  # escalate: fewer tokens, a smaller share of blocks, served last
+        limits.max_tokens = min(limits.max_tokens, SUSPECT_MAX_TOKENS)
+        blocks = state.gate.blocks_for(limits.prompt_tokens, limits.max_tokens, parsed.n) or blocks
+        lane = lane.model_copy(update={"priority": max(ln.priority for ln in state.config.lanes.values()) + 1})
 
     ticket = Ticket(request[REQUEST_ID], tenant, lane, limits.prompt_tokens, limits.max_tokens, blocks)
     observer = StreamObserver(

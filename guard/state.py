@@ -11,6 +11,7 @@ from aiohttp import web
 from guard.admission import AdmissionGate
 from guard.auth import KeyStore
 from guard.config import GuardConfig, Tenant
+from guard.detector import STATES, Detector
 from guard.dispatch import Dispatcher
 from guard.metrics import MODES, GuardMetrics
 from guard.relay import Relay
@@ -29,6 +30,7 @@ class GuardState:
     modes: ModeMachine
     router: Router
     breakers: dict[str, CircuitBreaker]
+    detector: Detector
     fallback_models: dict[str, str] = field(default_factory=dict)  # engine fallback name -> its model name
     session: aiohttp.ClientSession | None = None
     relay: Relay | None = None
@@ -62,6 +64,27 @@ class GuardState:
             for mode in MODES:
                 self.metrics.mode.labels(mode).set(1.0 if mode == change[1] else 0.0)
 
+    def update_detector(self) -> None:
+        """Re-score every tenant; apply the escalation of each state change (see guard/detector.py)."""
+        snapshot = self.gate.snapshot
+        free_share = snapshot.free_blocks / snapshot.num_blocks if snapshot and snapshot.num_blocks else 1.0
+        waiting = {name for name, queue in self.dispatcher.fair.tenants.items() if len(queue)}
+        for tenant, _, new in self.detector.evaluate(dict(self.gate.reserved_by_tenant), self.gate.budget, waiting,
+                                                     free_share):
+            self.metrics.detections.labels(tenant, new).inc()
+            if new == "normal":
+                self.dispatcher.block_caps.pop(tenant, None)
+            else:
+                self.dispatcher.block_caps[tenant] = SUSPECT_BLOCK_SHARE
+        for name, signals in self.detector.tenants.items():
+            self.metrics.suspicion.labels(name).set(signals.score)
+            self.metrics.fs_state.labels(name).set(STATES.index(signals.state))
+
+
+# Escalation for a suspect tenant: its reservations may use this share of the budget at most, its requests
+# this many output tokens, and it is served after every configured lane.
+SUSPECT_BLOCK_SHARE = 0.25
+SUSPECT_MAX_TOKENS = 256
 
 STATE = web.AppKey("state", GuardState)
 REQUEST_ID = web.RequestKey("request_id", str)

@@ -1,0 +1,160 @@
+"""Fill-and-Squeeze detection: per-tenant signals over sliding windows, a suspicion score, and states with
+hysteresis that drive escalation.
+
+The attack (reference 001): probe inter-token latency with tiny requests, *fill* the free blocks with long
+generations when the probes say there is room, then *squeeze* with a stream of micro-requests at the memory
+edge so the scheduler thrashes. Each phase leaves a trace the guard can see:
+
+- ``probe``: tiny requests (``max_tokens <= probe_max_tokens``) at a high, regular rate;
+- ``share``: the tenant holds more than its weighted share of reserved blocks while others wait;
+- ``switch``: long generations held, then a burst of short requests while free blocks are near the edge;
+- ``victims``: other tenants get preempted while this tenant holds a large part of the pool.
+
+``suspicion = min(1, 0.3 probe + 0.3 share + 0.3 switch + 0.2 victims)``: no single signal reaches
+``suspect`` (0.5) on its own, so a bursty chat, a long-document tenant or a chatty agent stay ``normal``;
+the combination of phases does. States move up when the score crosses a threshold and down only after it
+stays low for a while::
+
+    normal --(>= 0.5)--> suspect --(>= 0.8)--> confirmed
+       ^   (< 0.3 for 10 s)  |  ^  (< 0.4 for 30 s)  |
+       +---------------------+  +--------------------+
+
+Escalation by state: ``suspect`` clamps ``max_tokens``, caps the tenant's reserved blocks and lowers its
+priority; ``confirmed`` rejects with 429 ``abuse_suspected``.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.protocol import TelemetrySnapshot
+
+log = logging.getLogger("guard.detector")
+
+WINDOW_S = 10.0
+PROBE_MAX_TOKENS = 4
+SHORT_MAX_TOKENS = 16
+LONG_MAX_TOKENS = 256
+EDGE_FREE_SHARE = 0.15  # "near the edge": fewer free blocks than this share of the pool
+STATES = ("normal", "suspect", "confirmed")
+SUSPECT_AT, CONFIRM_AT = 0.5, 0.8
+CLEAR_SUSPECT_BELOW, CLEAR_SUSPECT_AFTER_S = 0.3, 10.0
+CLEAR_CONFIRMED_BELOW, CLEAR_CONFIRMED_AFTER_S = 0.4, 30.0
+
+
+@dataclass(slots=True)
+class TenantSignals:
+    arrivals: deque[tuple[float, int]] = field(default_factory=deque)  # (time, max_tokens)
+    last_preemptions: int = 0
+    victim_events: deque[tuple[float, int]] = field(default_factory=deque)  # (time, others' new preemptions)
+    state: str = "normal"
+    score: float = 0.0
+    low_since: float | None = None  # when the score last dropped below the current state's clear level
+    evidence: dict[str, float] = field(default_factory=dict)
+
+
+class Detector:
+    def __init__(self, weights: dict[str, float]) -> None:
+        self.weights = weights  # tenant -> weight, for fair shares
+        self.tenants = {name: TenantSignals() for name in weights}
+        self.transitions: list[tuple[float, str, str, str, dict[str, float]]] = []  # (time, tenant, from, to, why)
+
+    def state(self, tenant: str) -> str:
+        return self.tenants[tenant].state
+
+    def on_request(self, tenant: str, max_tokens: int, now: float | None = None) -> None:
+        self.tenants[tenant].arrivals.append((now if now is not None else time.monotonic(), max_tokens))
+
+    def on_telemetry(self, snapshot: TelemetrySnapshot, now: float | None = None) -> None:
+        """Attribute new preemptions of each tenant to everyone else holding blocks at the time."""
+        now = now if now is not None else time.monotonic()
+        new = {}
+        for name, signals in self.tenants.items():
+            usage = snapshot.tenants.get(name)
+            total = usage.preemptions_total if usage else 0
+            new[name] = max(0, total - signals.last_preemptions)
+            signals.last_preemptions = total
+        for name, signals in self.tenants.items():
+            others = sum(count for other, count in new.items() if other != name)
+            if others:
+                signals.victim_events.append((now, others))
+
+    def evaluate(self, reserved: dict[str, int], budget: int, waiting: set[str], free_share: float,
+                 now: float | None = None) -> list[tuple[str, str, str]]:
+        """Recompute every tenant's score and state; returns the transitions ``(tenant, from, to)``."""
+        now = now if now is not None else time.monotonic()
+        total_weight = sum(self.weights.values())
+        changes = []
+        for name, signals in self.tenants.items():
+            _trim(signals.arrivals, now)
+            _trim(signals.victim_events, now)
+            fair = self.weights[name] / total_weight * budget if budget else 0.0
+            held = reserved.get(name, 0)
+            others_wait = bool(waiting - {name})
+            evidence = {
+                "probe": _probe_signal(signals.arrivals),
+                "share": min(1.0, max(0.0, (held / fair - 1.0) / 2.0)) if fair and others_wait else 0.0,
+                "switch": _switch_signal(signals.arrivals, held, budget, free_share),
+                "victims": min(1.0, sum(c for _, c in signals.victim_events) / 5.0) if held > 0.3 * budget else 0.0,
+            }
+            score = min(1.0, 0.3 * evidence["probe"] + 0.3 * evidence["share"] + 0.3 * evidence["switch"]
+                        + 0.2 * evidence["victims"])
+            signals.score, signals.evidence = score, evidence
+            new_state = self._next_state(signals, score, now)
+            if new_state != signals.state:
+                changes.append((name, signals.state, new_state))
+                self.transitions.append((now, name, signals.state, new_state, evidence))
+                log.warning("tenant %s: %s -> %s (suspicion %.2f; evidence %s)", name, signals.state, new_state,
+                            score, {k: round(v, 2) for k, v in evidence.items()})
+                signals.state, signals.low_since = new_state, None
+        return changes
+
+    @staticmethod
+    def _next_state(signals: TenantSignals, score: float, now: float) -> str:
+        state = signals.state
+        if score >= CONFIRM_AT and state != "confirmed":
+            return "confirmed" if state == "suspect" else "suspect"
+        if score >= SUSPECT_AT and state == "normal":
+            return "suspect"
+        clear_below, clear_after = ((CLEAR_CONFIRMED_BELOW, CLEAR_CONFIRMED_AFTER_S) if state == "confirmed"
+                                    else (CLEAR_SUSPECT_BELOW, CLEAR_SUSPECT_AFTER_S))
+        if state == "normal" or score >= clear_below:
+            signals.low_since = None
+            return state
+        if signals.low_since is None:
+            signals.low_since = now
+        if now - signals.low_since >= clear_after:
+            return STATES[STATES.index(state) - 1]
+        return state
+
+
+def _trim(events: deque, now: float) -> None:
+    while events and now - events[0][0] > WINDOW_S:
+        events.popleft()
+
+
+def _probe_signal(arrivals: deque[tuple[float, int]]) -> float:
+    """High for tiny requests arriving often and regularly (a latency probe), 0 below one per 2 s."""
+    times = [t for t, max_tokens in arrivals if max_tokens <= PROBE_MAX_TOKENS]
+    if len(times) < 5:
+        return 0.0
+    rate = min(1.0, len(times) / WINDOW_S / 2.0)  # saturates at 2 probes per second
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    mean = statistics.fmean(gaps)
+    regular = 1.0 if mean <= 0 else max(0.0, 1.0 - statistics.pstdev(gaps) / mean)  # 1 - coefficient of variation
+    return rate * (0.5 + 0.5 * regular)
+
+
+def _switch_signal(arrivals: deque[tuple[float, int]], held: int, budget: int, free_share: float) -> float:
+    """Long generations held, then short requests at a rate, while the pool is near its edge."""
+    if not budget or held < 0.3 * budget or free_share > EDGE_FREE_SHARE:
+        return 0.0
+    shorts = [t for t, max_tokens in arrivals if max_tokens <= SHORT_MAX_TOKENS]
+    longs = [t for t, max_tokens in arrivals if max_tokens >= LONG_MAX_TOKENS]
+    if not longs or len(shorts) < 5 or shorts[-1] < longs[-1]:
+        return 0.0
+    return min(1.0, len(shorts) / WINDOW_S / 2.0)
