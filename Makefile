@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 TORCH_VERSION := 2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup run test clean
+.PHONY: setup run test test-slow clean
 
 setup: $(STAMP)
 
@@ -24,6 +24,10 @@ run: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# Minutes-long runs (e.g. 2-minute benign traffic for the attack detector); not part of make test.
+test-slow: setup
+	$(PY) -m pytest -q -m slow
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -6,7 +6,8 @@ generations when the probes say there is room, then *squeeze* with a stream of m
 edge so the scheduler thrashes. Each phase leaves a trace the guard can see:
 
 - ``probe``: tiny requests (``max_tokens <= probe_max_tokens``) at a high, regular rate;
-- ``share``: the tenant holds more than its weighted share of reserved blocks while others wait;
+- ``share``: the tenant holds more than its weighted share of reserved blocks while others wait (1 at twice
+  its share);
 - ``switch``: long generations held, then a burst of short requests while free blocks are near the edge;
 - ``victims``: other tenants get preempted while this tenant holds a large part of the pool.
 
@@ -15,7 +16,7 @@ edge so the scheduler thrashes. Each phase leaves a trace the guard can see:
 the combination of phases does. States move up when the score crosses a threshold and down only after it
 stays low for a while::
 
-    normal --(>= 0.5)--> suspect --(>= 0.8)--> confirmed
+    normal --(>= 0.5)--> suspect --(>= 0.75)--> confirmed
        ^   (< 0.3 for 10 s)  |  ^  (< 0.4 for 30 s)  |
        +---------------------+  +--------------------+
 
@@ -39,9 +40,9 @@ WINDOW_S = 10.0
 PROBE_MAX_TOKENS = 4
 SHORT_MAX_TOKENS = 16
 LONG_MAX_TOKENS = 256
-EDGE_FREE_SHARE = 0.15  # "near the edge": fewer free blocks than this share of the pool
+EDGE_FREE_SHARE = 0.2  # "near the edge": less of the pool uncommitted than this share
 STATES = ("normal", "suspect", "confirmed")
-SUSPECT_AT, CONFIRM_AT = 0.5, 0.8
+SUSPECT_AT, CONFIRM_AT = 0.5, 0.75
 CLEAR_SUSPECT_BELOW, CLEAR_SUSPECT_AFTER_S = 0.3, 10.0
 CLEAR_CONFIRMED_BELOW, CLEAR_CONFIRMED_AFTER_S = 0.4, 30.0
 
@@ -97,7 +98,7 @@ class Detector:
             others_wait = bool(waiting - {name})
             evidence = {
                 "probe": _probe_signal(signals.arrivals),
-                "share": min(1.0, max(0.0, (held / fair - 1.0) / 2.0)) if fair and others_wait else 0.0,
+                "share": min(1.0, max(0.0, held / fair - 1.0)) if fair and others_wait else 0.0,
                 "switch": _switch_signal(signals.arrivals, held, budget, free_share),
                 "victims": min(1.0, sum(c for _, c in signals.victim_events) / 5.0) if held > 0.3 * budget else 0.0,
             }

@@ -67,7 +67,8 @@ class GuardState:
     def update_detector(self) -> None:
         """Re-score every tenant; apply the escalation of each state change (see guard/detector.py)."""
         snapshot = self.gate.snapshot
-        free_share = snapshot.free_blocks / snapshot.num_blocks if snapshot and snapshot.num_blocks else 1.0
+        # The edge as the guard sees it: what is left uncommitted (engine blocks stay free under admission).
+        free_share = 1.0 - self.gate.committed() / snapshot.num_blocks if snapshot and snapshot.num_blocks else 1.0
         waiting = {name for name, queue in self.dispatcher.fair.tenants.items() if len(queue)}
         for tenant, _, new in self.detector.evaluate(dict(self.gate.reserved_by_tenant), self.gate.budget, waiting,
                                                      free_share):

@@ -108,7 +108,8 @@ def test_lanes_order_work_inside_a_tenant() -> None:
     assert [fair.pop(t) for _ in range(3)] == ["interactive-1", "batch-1", "batch-2"]
 
 
-def snapshot(num_blocks: int = 100, free: int = 100, block_size: int = 16, **tenants: int) -> TelemetrySnapshot:
+def snapshot(num_blocks: int = 100, free: int = 100, block_size: int = 16,
+             tenants_usage: dict[str, TenantUsage] | None = None, **tenants: int) -> TelemetrySnapshot:
     return TelemetrySnapshot(
         time=0, step=0, model="tiny", block_size=block_size, num_blocks=num_blocks, free_blocks=free,
         cached_blocks=0, swap_blocks=0, swap_used_blocks=0, num_running=0, num_waiting=0, num_swapped=0,
@@ -116,7 +117,7 @@ def snapshot(num_blocks: int = 100, free: int = 100, block_size: int = 16, **ten
         prefix_cache_queries_total=0, prefix_cache_hits_total=0, prompt_tokens_total=0,
         generation_tokens_total=0, step_time_s=0, itl_s=0, tokens_per_s=0, bytes_moved_per_s=0,
         peak_bandwidth_bytes_per_s=1, bandwidth_utilization=0, healthy=True,
-        tenants={name: TenantUsage(blocks=b) for name, b in tenants.items()})
+        tenants=tenants_usage or {name: TenantUsage(blocks=b) for name, b in tenants.items()})
 
 
 def test_gate_commits_against_live_usage_with_hysteresis() -> None:
