@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 TORCH_VERSION := 2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup run test test-slow clean
+.PHONY: setup monitoring-tools run test test-slow clean
 
 setup: $(STAMP)
 
@@ -19,10 +19,19 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e ".[test,dev]"
 	touch $(STAMP)
 
+# promtool, amtool, Prometheus and Alertmanager for the alert tests and the live-stack test (Debian's
+# packages; CI runs as root). Skipped when the binaries are already there.
+MONITORING_BINARIES := promtool amtool prometheus prometheus-alertmanager
+APT_MONITORING := DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+	prometheus prometheus-alertmanager
+monitoring-tools:
+	@for b in $(MONITORING_BINARIES); do command -v $$b >/dev/null || missing=1; done; \
+	if [ -n "$$missing" ]; then $(APT_MONITORING) || { apt-get update && $(APT_MONITORING); }; fi
+
 run: setup
 	$(PY) scripts/run_stack.py
 
-test: setup
+test: setup monitoring-tools
 	$(PY) -m pytest -q
 
 # Minutes-long runs (e.g. 2-minute benign traffic for the attack detector); not part of make test.
