@@ -1,0 +1,97 @@
+"""docker-compose.yml and the Dockerfile, without a Docker engine (CI has none).
+
+The file is validated against the Compose Specification's JSON schema (vendored in tests/schemas), then
+checked for what a schema cannot know: the engine gets a GPU and its models, every `service_healthy`
+dependency has a healthcheck to wait for, bind mounts exist, and the services run the same config files
+as `make stack`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from jsonschema import Draft202012Validator
+from prometheus_tools import ROOT
+
+SCHEMA = Path(__file__).resolve().parent / "schemas" / "compose-spec.json"
+
+
+@pytest.fixture(scope="module")
+def validator() -> Draft202012Validator:
+    schema = json.loads(SCHEMA.read_text())
+    Draft202012Validator.check_schema(schema)
+    return Draft202012Validator(schema)
+
+
+@pytest.fixture
+def compose() -> dict:
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+def test_compose_file_follows_the_compose_specification(validator: Draft202012Validator, compose: dict) -> None:
+    errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(compose)]
+    assert errors == []
+
+
+@pytest.mark.parametrize(("path", "value"), [
+    (("services", "engine", "healthcheck", "intervall"), "5s"),
+    (("services", "guard", "depends_on", "engine", "condition"), "service_ready"),
+    (("services", "engine", "deploy", "resources", "reservations", "devices", 0, "capabilites"), "gpu"),
+])
+def test_the_schema_rejects_a_broken_file(validator: Draft202012Validator, compose: dict,
+                                          path: tuple, value: str) -> None:
+    """The validation has teeth: a misspelt key or an unknown condition fails it."""
+    target = compose
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    assert list(validator.iter_errors(compose))
+
+
+def test_the_engine_reserves_a_gpu_and_mounts_the_model_directory(compose: dict) -> None:
+    engine = compose["services"]["engine"]
+    devices = engine["deploy"]["resources"]["reservations"]["devices"]
+    assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+    assert any(v.endswith(":/models:ro") for v in engine["volumes"])
+
+
+def test_every_service_has_a_healthcheck_and_healthy_dependencies_can_be_waited_on(compose: dict) -> None:
+    services = compose["services"]
+    assert set(services) == {"engine", "fallback", "guard", "prometheus", "alertmanager", "grafana"}
+    for name, service in services.items():
+        assert service["healthcheck"]["test"][0] == "CMD", name
+        for dependency, condition in service.get("depends_on", {}).items():
+            assert dependency in services, f"{name} depends on unknown {dependency}"
+            assert condition["condition"] in ("service_healthy", "service_started"), name
+    assert services["guard"]["depends_on"]["engine"]["condition"] == "service_healthy"
+    assert services["grafana"]["depends_on"]["prometheus"]["condition"] == "service_healthy"
+
+
+def test_bind_mounts_exist_and_the_services_run_the_repository_configs(compose: dict) -> None:
+    for name, service in compose["services"].items():
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            if source.startswith("./"):
+                assert (ROOT / source).exists(), f"{name}: {source} does not exist"
+    prometheus = compose["services"]["prometheus"]
+    assert "--config.file=/etc/kvguard/alerts/prometheus.yml" in prometheus["command"]
+    assert "./alerts:/etc/kvguard/alerts:ro" in prometheus["volumes"]
+    assert "--config.file=/etc/kvguard/alerts/alertmanager.yml" in compose["services"]["alertmanager"]["command"]
+    assert "./guard.example.yaml:/etc/kvguard/guard.yaml:ro" in compose["services"]["guard"]["volumes"]
+
+
+def test_grafana_is_provisioned_with_the_generated_dashboards(compose: dict) -> None:
+    mounts = compose["services"]["grafana"]["volumes"]
+    provider = yaml.safe_load((ROOT / "dashboards/provisioning/dashboards/kvguard.yml").read_text())
+    assert f"./dashboards/json:{provider['providers'][0]['options']['path']}:ro" in mounts
+    assert "./dashboards/provisioning:/etc/grafana/provisioning:ro" in mounts
+
+
+def test_the_image_pins_the_torch_the_makefile_installs() -> None:
+    makefile = re.search(r"^TORCH_VERSION\s*:=\s*(\S+)", (ROOT / "Makefile").read_text(), re.MULTILINE)
+    dockerfile = re.search(r"^ARG TORCH_VERSION=(\S+)", (ROOT / "Dockerfile").read_text(), re.MULTILINE)
+    assert makefile and dockerfile and makefile[1] == dockerfile[1]
