@@ -18,6 +18,7 @@ from typing import Generic, Iterator, TypeVar
 
 INPUT_COST = 1.0
 OUTPUT_COST = 2.0
+JAIN_WINDOW_S = 30.0  # the longest window the fairness index looks back over
 
 Item = TypeVar("Item")
 
@@ -84,23 +85,28 @@ class FairQueue(Generic[Item]):
         service = INPUT_COST * input_tokens + OUTPUT_COST * output_tokens
         tenant.counter += service / tenant.weight
         tenant.service += service
-        self._service_log.append((time.monotonic(), tenant.name, service / tenant.weight))
+        now = time.monotonic()
+        self._service_log.append((now, tenant.name, service / tenant.weight))
+        self._trim(now)  # here too, not only when the index is read: nobody may scrape for hours
         return service
 
-    def jain_index(self, window_s: float = 30.0) -> float:
+    def _trim(self, now: float) -> None:
+        while self._service_log and now - self._service_log[0][0] > JAIN_WINDOW_S:
+            self._service_log.popleft()
+
+    def jain_index(self, window_s: float = JAIN_WINDOW_S) -> float:
         """Jain's fairness index over the service per unit of weight that backlogged tenants got in the last
         window: 1.0 when service is exactly proportional to weight, 1/n when one tenant got everything. With fewer than two backlogged tenants
         there is nobody to be unfair to, so the index is 1.
         """
         now = time.monotonic()
-        while self._service_log and now - self._service_log[0][0] > window_s:
-            self._service_log.popleft()
+        self._trim(now)
         names = {t.name for t in self.backlogged()}
         if len(names) < 2:
             return 1.0
         service = dict.fromkeys(names, 0.0)
-        for _, name, amount in self._service_log:
-            if name in service:
+        for at, name, amount in self._service_log:
+            if name in service and now - at <= window_s:
                 service[name] += amount
         values = list(service.values())
         total = sum(values)
