@@ -13,6 +13,7 @@ server up.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 from aiohttp import web
@@ -108,7 +109,8 @@ class TelemetryHandlers:
                         await send_comment(response, "heartbeat")
                     reading = published
         except EngineUnavailable as exc:
-            await send_error(response, ApiError.from_engine(exc))
+            with contextlib.suppress(ConnectionResetError):  # at shutdown the subscriber may be gone already
+                await send_error(response, ApiError.from_engine(exc))
         except ConnectionResetError:
             pass  # the subscriber left
         return response
