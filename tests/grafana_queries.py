@@ -42,8 +42,9 @@ def custom_values(dashboard: dict[str, Any]) -> dict[str, str]:
 
 
 def all_of(values: list[str]) -> str:
-    """What Grafana puts in a regex matcher for "All" of a multi-value variable."""
-    return "(" + "|".join(re.escape(v) for v in values) + ")"
+    """What Grafana puts in a regex matcher for "All" of a multi-value variable: each value regex-escaped,
+    with the backslashes doubled for the PromQL string literal the matcher is written in."""
+    return "(" + "|".join(re.escape(v).replace("\\", "\\\\") for v in values) + ")"
 
 
 def substitute(text: str, values: dict[str, str]) -> str:
