@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 TORCH_VERSION := 2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup monitoring-tools run test test-slow clean
+.PHONY: setup monitoring-tools run stack test test-slow clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,10 @@ monitoring-tools:
 
 run: setup
 	$(PY) scripts/run_stack.py
+
+# `make run` plus Prometheus, Alertmanager and an alert printer, with the configs docker-compose.yml uses.
+stack: setup monitoring-tools
+	$(PY) scripts/monitoring_stack.py
 
 test: setup monitoring-tools
 	$(PY) -m pytest -q

@@ -31,7 +31,8 @@ def healthy(url: str) -> bool:
         return False
 
 
-def main() -> int:
+def main(processes: list[tuple[str, list[str], str]] = PROCESSES, more_urls: str = "") -> int:
+    """Run ``processes`` until Ctrl-C; ``more_urls`` adds lines to the list of URLs printed when up."""
     running: list[tuple[str, subprocess.Popen]] = []
     stop = False
 
@@ -42,7 +43,7 @@ def main() -> int:
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
     try:
-        for name, command, url in PROCESSES:
+        for name, command, url in processes:
             process = subprocess.Popen(command, cwd=ROOT)
             running.append((name, process))
             deadline = time.monotonic() + 120
@@ -53,7 +54,7 @@ def main() -> int:
                 time.sleep(0.2)
         print("\nkvguard is up:\n  guard     http://127.0.0.1:8000/v1  (OpenAI-compatible; /metrics, /health)\n"
               "  engine    http://127.0.0.1:8100       (/telemetry, /telemetry/stream, /metrics)\n"
-              "  fallback  http://127.0.0.1:8101\n"
+              "  fallback  http://127.0.0.1:8101\n" + more_urls +
               "demo API keys: sk-acme-demo (acme, weight 2), sk-globex-demo (globex), sk-bulk-demo (bulk)\n"
               "try: curl -s http://127.0.0.1:8000/v1/completions -H 'Authorization: Bearer sk-acme-demo' "
               "-H 'Content-Type: application/json' -d '{\"model\": \"tiny\", \"prompt\": \"Hello\", \"max_tokens\": 16}'\n"

@@ -8,6 +8,7 @@ as `make stack`.
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 from pathlib import Path
@@ -95,3 +96,15 @@ def test_the_image_pins_the_torch_the_makefile_installs() -> None:
     makefile = re.search(r"^TORCH_VERSION\s*:=\s*(\S+)", (ROOT / "Makefile").read_text(), re.MULTILINE)
     dockerfile = re.search(r"^ARG TORCH_VERSION=(\S+)", (ROOT / "Dockerfile").read_text(), re.MULTILINE)
     assert makefile and dockerfile and makefile[1] == dockerfile[1]
+
+
+def test_make_stack_runs_what_compose_runs(compose: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`make stack` starts Prometheus and Alertmanager on the files and addresses the compose services use."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    native = {name: command for name, command, _ in importlib.import_module("monitoring_stack").monitoring(Path("/d"))}
+    for service in ("prometheus", "alertmanager"):
+        in_compose = compose["services"][service]["command"]
+        config = next(a for a in in_compose if a.startswith("--config.file="))
+        assert config.replace("/etc/kvguard/alerts/", f"{ROOT / 'alerts'}/") in native[service]
+        listen = next(a for a in in_compose if a.startswith("--web.listen-address="))
+        assert listen in native[service]
