@@ -8,34 +8,40 @@ from dashboards.queries import quantile, rate, ratio, sel
 
 UID = "kvguard-engine"
 UP_DOWN = {0: ("down", "red"), 1: ("up", "green")}
+PREFIX_HITS = "engine_prefix_cache_hits_tokens_total"
+PREFIX_QUERIES = "engine_prefix_cache_queries_tokens_total"
+PREFIX_EVICTIONS = "engine_prefix_cache_evictions_blocks_total"
+TENANT_PREEMPTIONS = sel("engine_tenant_preemptions_total", tenant=True)
 RECLAIMABLE = 'state=~"free|cached"'  # what a new request can get: free blocks and cached ones
 
 
 def build() -> dict:
     return dashboard(
         UID, "kvguard / Engine KV cache & scheduler",
-        "The engine's paged KV pool, scheduler queues, preemptions, prefix cache, step time, tokens/s and MBU.",
+        "The engine's paged KV pool, scheduler queues, preemptions, prefix cache, step time, tokens/s and "
+        "MBU.",
         scope_variables('label_values(engine_tenant_kv_blocks{job=~"$job", instance=~"$instance"}, tenant)'),
         [
             Row("KV cache", [
                 timeseries("KV blocks by state",
-                           "Device KV blocks: used (held by running sequences), cached (reclaimable, still holding a "
-                           "prefix a later request may reuse) and free. The three sum to the pool's capacity.",
+                           "Device KV blocks: used (held by running sequences), cached (reclaimable, still "
+                           "holding a prefix a later request may reuse) and free. The three sum to the "
+                           "pool's capacity.",
                            "short", Target(f"sum by (instance, state) ({sel('engine_kv_blocks')})",
                                            "{{instance}} {{state}}"), stacked=True),
                 stat("KV usage", "Share of the pool held by running sequences. The guard commits at most its "
-                     "safe_utilization (0.85 by default), so a value above it means traffic bypasses the guard or "
-                     "reservations are too small.", "percentunit",
+                     "safe_utilization (0.85 by default), so a value above it means traffic bypasses the "
+                     "guard or reservations are too small.", "percentunit",
                      Target(f"max by (instance) ({sel('engine_kv_usage_ratio')})", "{{instance}}"),
                      min=0, max=1, thresholds=[(0.85, "orange"), (0.95, "red")]),
-                stat("Free headroom", "Free plus cached blocks over capacity: what a new request can get without "
-                     "preempting anyone. Target: above 15 %.", "percentunit",
+                stat("Free headroom", "Free plus cached blocks over capacity: what a new request can get "
+                     "without preempting anyone. Target: above 15 %.", "percentunit",
                      Target(ratio(f"sum by (instance) ({sel('engine_kv_blocks', RECLAIMABLE)})",
                                   f"sum by (instance) ({sel('engine_kv_blocks_capacity')})"), "{{instance}}"),
                      min=0, max=1, base="red", thresholds=[(0.05, "orange"), (0.15, "green")]),
                 timeseries("KV blocks per tenant",
-                           "Device blocks each tenant holds right now. One tenant holding most of the pool while "
-                           "others queue is a noisy neighbour (or the fill phase of Fill-and-Squeeze).",
+                           "Device blocks each tenant holds right now. One tenant holding most of the pool "
+                           "while others queue is a noisy neighbour (or the fill phase of Fill-and-Squeeze).",
                            "short", Target(f"sum by (tenant) ({sel('engine_tenant_kv_blocks', tenant=True)})",
                                            "{{tenant}}"), stacked=True),
                 timeseries("Host swap space", "Host swap blocks in use and free (swap preemption mode only).",
@@ -44,20 +50,19 @@ def build() -> dict:
             ]),
             Row("Scheduler", [
                 timeseries("Sequences by queue",
-                           "Sequences running, waiting for blocks, and swapped out. Behind the guard the waiting "
-                           "queue stays short: the guard holds the backlog in its own fair queues.",
+                           "Sequences running, waiting for blocks, and swapped out. Behind the guard the "
+                           "waiting queue stays short: the guard holds the backlog in its own fair queues.",
                            "short", Target(f"sum by (instance, state) ({sel('engine_requests')})",
                                            "{{instance}} {{state}}"), stacked=True),
                 timeseries("Preemptions by mode",
-                           "Sequences evicted to make room, by recompute or swap. Target: 0; any sustained rate "
-                           "means the engine runs beyond its stable capacity.", "ops",
+                           "Sequences evicted to make room, by recompute or swap. Target: 0; any sustained "
+                           "rate means the engine runs beyond its stable capacity.", "ops",
                            Target(f"sum by (instance, mode) ({rate(sel('engine_preemptions_total'))})",
                                   "{{instance}} {{mode}}")),
                 timeseries("Preemptions per tenant",
-                           "Whose sequences get evicted. A victim tenant preempted over and over while another "
-                           "fills the pool is the squeeze phase of Fill-and-Squeeze.", "ops",
-                           Target(f"sum by (tenant) ({rate(sel('engine_tenant_preemptions_total', tenant=True))})",
-                                  "{{tenant}}")),
+                           "Whose sequences get evicted. A victim tenant preempted over and over while "
+                           "another fills the pool is the squeeze phase of Fill-and-Squeeze.", "ops",
+                           Target(f"sum by (tenant) ({rate(TENANT_PREEMPTIONS)})", "{{tenant}}")),
                 timeseries("Swap traffic", "KV bytes copied between device and host, per direction. Both "
                            "directions busy at once is swap thrashing.", "Bps",
                            Target(f"sum by (instance, direction) ({rate(sel('engine_swap_bytes_total'))})",
@@ -65,18 +70,18 @@ def build() -> dict:
             ]),
             Row("Prefix cache", [
                 timeseries("Prefix cache hit rate",
-                           "Prompt tokens served from the prefix cache over prompt tokens looked up. Target: above "
-                           "40 % for templated traffic; a sudden drop is a miss storm (a template changed).",
+                           "Prompt tokens served from the prefix cache over prompt tokens looked up. Target: "
+                           "above 40 % for templated traffic; a sudden drop is a miss storm (a template "
+                           "changed).",
                            "percentunit",
-                           Target(ratio(f"sum by (instance) ({rate(sel('engine_prefix_cache_hits_tokens_total'))})",
-                                        f"sum by (instance) "
-                                        f"({rate(sel('engine_prefix_cache_queries_tokens_total'))})"),
+                           Target(ratio(f"sum by (instance) ({rate(sel(PREFIX_HITS))})",
+                                        f"sum by (instance) ({rate(sel(PREFIX_QUERIES))})"),
                                   "{{instance}}"), min=0, max=1),
                 timeseries("Prefix cache evictions",
-                           "Cached prefix blocks reclaimed for new KV. Target: below 1 block/s; more means the "
-                           "working set of prefixes does not fit the pool.", "suffix: blocks/s",
-                           Target(f"sum by (instance) ({rate(sel('engine_prefix_cache_evictions_blocks_total'))})",
-                                  "{{instance}}"), thresholds=[(1, "red")]),
+                           "Cached prefix blocks reclaimed for new KV. Target: below 1 block/s; more means "
+                           "the working set of prefixes does not fit the pool.", "suffix: blocks/s",
+                           Target(f"sum by (instance) ({rate(sel(PREFIX_EVICTIONS))})", "{{instance}}"),
+                           thresholds=[(1, "red")]),
             ]),
             Row("Throughput and latency", [
                 timeseries("Tokens per second", "Prompt tokens prefilled and tokens generated per second.",
@@ -87,7 +92,8 @@ def build() -> dict:
                                   "{{instance}} generated")),
                 timeseries("Step time", "Wall time of one engine step (a batch of prefill chunks and decode "
                            "tokens), median and p99.", "s",
-                           Target(quantile(0.5, "engine_step_duration_seconds", ("instance",)), "{{instance}} p50"),
+                           Target(quantile(0.5, "engine_step_duration_seconds", ("instance",)),
+                                  "{{instance}} p50"),
                            Target(quantile(0.99, "engine_step_duration_seconds", ("instance",)),
                                   "{{instance}} p99")),
                 timeseries("Memory bandwidth utilization (MBU)",
@@ -96,8 +102,8 @@ def build() -> dict:
                            "percentunit",
                            Target(f"max by (instance) ({sel('engine_bandwidth_utilization_ratio')})",
                                   "{{instance}}"), min=0, max=1),
-                timeseries("Memory bandwidth", "Bytes moved per second of step time: weights read, KV read and "
-                           "written.", "Bps",
+                timeseries("Memory bandwidth", "Bytes moved per second of step time: weights read, KV read "
+                           "and written.", "Bps",
                            Target(f"max by (instance) ({sel('engine_memory_bandwidth_bytes_per_second')})",
                                   "{{instance}}")),
                 timeseries("Engine TTFT p95 and ITL p99",

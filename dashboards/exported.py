@@ -1,4 +1,5 @@
-"""The series our code exports, read from the metric definitions in ``engine/metrics.py`` and ``guard/metrics.py``.
+"""The series our code exports, read from the metric definitions in ``engine/metrics.py`` and
+``guard/metrics.py``.
 
 Read with ``ast`` rather than imported: the engine's state metrics exist only while a scrape renders them,
 and importing the engine would pull in torch. A definition is any call that names a ``prometheus_client``

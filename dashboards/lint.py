@@ -49,5 +49,6 @@ def lint_expr(expr: str, series: dict[str, str], counters: set[str]) -> list[str
                 for name in sorted({use.name for use in metric_uses(expr)} - series.keys())]
     problems += [f"counter {name} read outside rate()/increase()"
                  for name in counters_outside_readers(expr, counters)]
-    problems += [f"division by a denominator that may be zero: / {text}" for text in unguarded_divisions(expr)]
+    problems += [f"division by a denominator that may be zero: / {text}"
+                 for text in unguarded_divisions(expr)]
     return problems

@@ -36,52 +36,59 @@ def build() -> dict:
                          "Share of valid requests that must be served; 1 minus it is the error budget.")],
         [
             Row("Latency per tenant and lane", [
-                timeseries("Time to first token", "Arrival at the guard to the first streamed token, queueing "
-                           "included: p50, p95, p99 per tenant and lane. Reference target for interactive "
-                           "lanes: p95 below 200 ms.", "s",
-                           *(Target(lane_quantile(q, TTFT), f"p{round(q * 100)} {{{{tenant}}}} · {{{{lane}}}}")
+                timeseries("Time to first token", "Arrival at the guard to the first streamed token, "
+                           "queueing included: p50, p95, p99 per tenant and lane. Reference target for "
+                           "interactive lanes: p95 below 200 ms.", "s",
+                           *(Target(lane_quantile(q, TTFT), percentile_legend(q))
                              for q in (0.5, 0.95, 0.99))),
-                timeseries("Inter-token latency", "Gap between streamed tokens: p50 and p99 per tenant and lane. "
-                           "Reference target: p99 below 20 ms; spikes mid-stream are stalls or preemptions.", "s",
-                           *(Target(lane_quantile(q, ITL), f"p{round(q * 100)} {{{{tenant}}}} · {{{{lane}}}}")
-                             for q in (0.5, 0.99))),
+                timeseries("Inter-token latency", "Gap between streamed tokens: p50 and p99 per tenant and "
+                           "lane. Reference target: p99 below 20 ms; spikes mid-stream are stalls or "
+                           "preemptions.", "s",
+                           *(Target(lane_quantile(q, ITL), percentile_legend(q)) for q in (0.5, 0.99))),
                 timeseries("Queue wait p95", "Arrival to admission per tenant and lane, the guard's share of "
                            "TTFT.", "s", Target(lane_quantile(0.95, "guard_queue_wait_seconds"),
                                                  "{{tenant}} · {{lane}}")),
-                timeseries("End-to-end latency (engine)", "Arrival at the engine to the last token of finished "
-                           "requests, p50/p95/p99 per engine. Not split per tenant: no tenant-labelled end-to-end "
-                           "histogram is exported.", "s",
+                timeseries("End-to-end latency (engine)", "Arrival at the engine to the last token of "
+                           "finished requests, p50/p95/p99 per engine. Not split per tenant: no "
+                           "tenant-labelled end-to-end histogram is exported.", "s",
                            *(Target(quantile(q, "engine_e2e_request_latency_seconds", ("instance",)),
                                     f"p{round(q * 100)} {{{{instance}}}}") for q in (0.5, 0.95, 0.99))),
             ]),
             Row("SLO attainment", [
-                timeseries("First tokens within $ttft_slo s", "Share of requests whose first token came within "
-                           "the TTFT target, per tenant and lane.", "percentunit",
-                           Target(per_lane(within(TTFT, "$ttft_slo")), "{{tenant}} · {{lane}}"), min=0, max=1),
-                timeseries("Token gaps within $itl_slo s", "Share of inter-token gaps within the ITL target, per "
-                           "tenant and lane.", "percentunit",
-                           Target(per_lane(within(ITL, "$itl_slo")), "{{tenant}} · {{lane}}"), min=0, max=1),
+                timeseries("First tokens within $ttft_slo s", "Share of requests whose first token came "
+                           "within the TTFT target, per tenant and lane.", "percentunit",
+                           Target(per_lane(within(TTFT, "$ttft_slo")), "{{tenant}} · {{lane}}"),
+                           min=0, max=1),
+                timeseries("Token gaps within $itl_slo s", "Share of inter-token gaps within the ITL target, "
+                           "per tenant and lane.", "percentunit",
+                           Target(per_lane(within(ITL, "$itl_slo")), "{{tenant}} · {{lane}}"),
+                           min=0, max=1),
                 timeseries("Availability", "Good over valid requests per tenant and lane (see the dashboard "
                            "description for what counts).", "percentunit",
                            Target(per_lane(f"1 - {bad_ratio('$__rate_interval', by='tenant')}"),
                                   "{{tenant}} · {{lane}}"), max=1),
             ]),
             Row("Error budget", [
-                stat("Error budget remaining", "1 - (bad / valid) / (1 - SLO) over the dashboard's time range: "
-                     "100 % untouched, 0 % spent, negative overspent.", "percentunit",
+                stat("Error budget remaining", "1 - (bad / valid) / (1 - SLO) over the dashboard's time "
+                     "range: 100 % untouched, 0 % spent, negative overspent.", "percentunit",
                      Target(f"1 - {bad_ratio('$__range')} / (1 - $availability_slo)"),
                      base="red", thresholds=[(0, "orange"), (0.25, "green")]),
-                timeseries("Burn rate", "How fast the budget burns: 1 spends it exactly over the SLO period. "
-                           "The burn-rate alert pages at 14.4 over 1 h (and 5 m) and 6 over 6 h (and 30 m).",
-                           "none", *(Target(f"{bad_ratio(window)} / (1 - $availability_slo)", f"{window} window")
-                                     for window in ("5m", "1h", "6h")),
+                timeseries("Burn rate", "How fast the budget burns: 1 spends it exactly over the SLO "
+                           "period. The burn-rate alert pages at 14.4 over 1 h (and 5 m) and 6 over 6 h (and "
+                           "30 m).", "none",
+                           *(Target(f"{bad_ratio(window)} / (1 - $availability_slo)", f"{window} window")
+                             for window in ("5m", "1h", "6h")),
                            thresholds=[(6, "orange"), (14.4, "red")]),
                 timeseries("Bad requests", "Requests that spent budget, per tenant and outcome.", "reqps",
-                           Target(zero_filled(f"sum by (tenant, outcome) ({bad})", f"sum by (tenant) ({valid})"),
-                                  "{{tenant}} {{outcome}}")),
+                           Target(zero_filled(f"sum by (tenant, outcome) ({bad})",
+                                              f"sum by (tenant) ({valid})"), "{{tenant}} {{outcome}}")),
             ]),
         ],
     )
+
+
+def percentile_legend(q: float) -> str:
+    return f"p{round(q * 100)} {{{{tenant}}}} · {{{{lane}}}}"
 
 
 def within(histogram: str, bound: str) -> str:

@@ -38,7 +38,8 @@ def query_variables(dashboard: dict[str, Any]) -> list[tuple[str, str, str]]:
 
 
 def custom_values(dashboard: dict[str, Any]) -> dict[str, str]:
-    return {v["name"]: v["current"]["value"] for v in dashboard["templating"]["list"] if v["type"] == "custom"}
+    variables = dashboard["templating"]["list"]
+    return {v["name"]: v["current"]["value"] for v in variables if v["type"] == "custom"}
 
 
 def all_of(values: list[str]) -> str:
@@ -48,7 +49,8 @@ def all_of(values: list[str]) -> str:
 
 
 def substitute(text: str, values: dict[str, str]) -> str:
-    """Replace ``$name`` and ``${name}``; longer names first, so ``$__range`` never eats ``$__rate_interval``."""
+    """Replace ``$name`` and ``${name}``, longer names first (``$__range`` must not eat
+    ``$__rate_interval``)."""
     for name in sorted(values, key=len, reverse=True):
         text = text.replace("${" + name + "}", values[name]).replace("$" + name, values[name])
     leftover = re.search(r"\$\{?\w+", text)

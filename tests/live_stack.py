@@ -67,10 +67,11 @@ def prometheus_config(ports: Ports, rules_dir: Path) -> dict[str, Any]:
     interval = f"{SCRAPE_INTERVAL_S}s"
     config["global"].update(scrape_interval=interval, scrape_timeout=interval, evaluation_interval=interval)
     config["rule_files"] = [str(rules_dir / "*.yml")]
-    config["alerting"]["alertmanagers"][0]["static_configs"] = [{"targets": [f"127.0.0.1:{ports.alertmanager}"]}]
+    alertmanager = {"targets": [f"127.0.0.1:{ports.alertmanager}"]}
+    config["alerting"]["alertmanagers"][0]["static_configs"] = [alertmanager]
     targets = {"engine": ports.engine, "guard": ports.guard}
     config["scrape_configs"] = [job for job in config["scrape_configs"] if job["job_name"] in targets]
-    assert len(config["scrape_configs"]) == len(targets), "a job this test scrapes is gone from prometheus.yml"
+    assert len(config["scrape_configs"]) == len(targets), "a job the test scrapes is gone from prometheus.yml"
     for job in config["scrape_configs"]:
         job["static_configs"] = [{"targets": [f"127.0.0.1:{targets[job['job_name']]}"]}]
     return config
@@ -195,7 +196,7 @@ def _answers(url: str) -> bool:
 
 
 class Prometheus:
-    """The HTTP API calls the test makes; queries are POSTed (panel queries are long), metadata is GET only."""
+    """The HTTP API calls the test makes: queries POSTed (panel queries are long), metadata by GET."""
 
     def __init__(self, port: int) -> None:
         self.url = f"http://127.0.0.1:{port}/api/v1/"
@@ -267,7 +268,8 @@ class WebhookReceiver:
             self._received.notify_all()
         return web.Response(status=200)
 
-    def wait_for(self, matches: Callable[[str, dict], bool], since: float, timeout: float) -> tuple[str, dict]:
+    def wait_for(self, matches: Callable[[str, dict], bool], since: float,
+                 timeout: float) -> tuple[str, dict]:
         """The first notification after ``since`` (wall time) whose path and payload match."""
         deadline = time.monotonic() + timeout
         with self._received:
@@ -277,5 +279,5 @@ class WebhookReceiver:
                         return path, payload
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise AssertionError(f"no matching notification within {timeout} s; got {self.notifications}")
+                    raise AssertionError(f"no matching notification in {timeout} s: {self.notifications}")
                 self._received.wait(remaining)

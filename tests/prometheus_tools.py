@@ -19,8 +19,8 @@ def binary(name: str) -> str:
     for candidate in NAMES.get(name, (name,)):
         if path := shutil.which(candidate):
             return path
-    pytest.fail(f"{name} is not installed: `make test` installs Debian's prometheus and prometheus-alertmanager "
-                "(apt-get install -y --no-install-recommends prometheus prometheus-alertmanager)")
+    pytest.fail(f"{name} is not installed: `make test` installs Debian's packages (apt-get install -y "
+                "--no-install-recommends prometheus prometheus-alertmanager)")
 
 
 def run(*command: str | Path, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:

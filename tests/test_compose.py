@@ -33,7 +33,8 @@ def compose() -> dict:
     return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 
 
-def test_compose_file_follows_the_compose_specification(validator: Draft202012Validator, compose: dict) -> None:
+def test_compose_file_follows_the_compose_specification(validator: Draft202012Validator,
+                                                        compose: dict) -> None:
     errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(compose)]
     assert errors == []
 
@@ -81,7 +82,8 @@ def test_bind_mounts_exist_and_the_services_run_the_repository_configs(compose: 
     prometheus = compose["services"]["prometheus"]
     assert "--config.file=/etc/kvguard/alerts/prometheus.yml" in prometheus["command"]
     assert "./alerts:/etc/kvguard/alerts:ro" in prometheus["volumes"]
-    assert "--config.file=/etc/kvguard/alerts/alertmanager.yml" in compose["services"]["alertmanager"]["command"]
+    alertmanager = compose["services"]["alertmanager"]
+    assert "--config.file=/etc/kvguard/alerts/alertmanager.yml" in alertmanager["command"]
     assert "./guard.example.yaml:/etc/kvguard/guard.yaml:ro" in compose["services"]["guard"]["volumes"]
 
 
@@ -101,7 +103,8 @@ def test_the_image_pins_the_torch_the_makefile_installs() -> None:
 def test_make_stack_runs_what_compose_runs(compose: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     """`make stack` starts Prometheus and Alertmanager on the files and addresses the compose services use."""
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
-    native = {name: command for name, command, _ in importlib.import_module("monitoring_stack").monitoring(Path("/d"))}
+    stack = importlib.import_module("monitoring_stack")
+    native = {name: command for name, command, _ in stack.monitoring(Path("/data"))}
     for service in ("prometheus", "alertmanager"):
         in_compose = compose["services"][service]["command"]
         config = next(a for a in in_compose if a.startswith("--config.file="))

@@ -18,7 +18,8 @@ from engine.metrics import EngineMetrics, EngineReading
 from guard.metrics import GuardMetrics
 
 # The sample names each family type exposes (the "_created" timestamps, which no query reads, left out).
-SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count"), "info": ("_info",)}
+SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count"),
+            "info": ("_info",)}
 
 
 def test_committed_dashboards_are_current_and_pass_the_check() -> None:
@@ -52,7 +53,8 @@ def test_the_inventory_matches_what_the_code_exports(llm) -> None:
 
 @pytest.mark.parametrize(("expr", "complaint"), [
     ("sum(guard_requests_total)", "counter guard_requests_total read outside rate()/increase()"),
-    ("sum(rate(guard_requests_total[5m])) / sum(rate(guard_requests_total[5m]))", "denominator that may be zero"),
+    ("sum(rate(guard_requests_total[5m])) / sum(rate(guard_requests_total[5m]))",
+     "denominator that may be zero"),
     ("sum(rate(guard_requests_totals[5m]))", "guard_requests_totals is not exported"),
     ("histogram_quantile(0.9, sum by (le) (guard_queue_wait_seconds_bucket))", "counter guard_queue_wait"),
     ("max_over_time(engine_preemptions_total[5m])", "counter engine_preemptions_total read outside"),

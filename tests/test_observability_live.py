@@ -26,7 +26,8 @@ EVENT_ONLY = {"guard_detections_total": "the Fill-and-Squeeze detector's transit
 STEP_S = 1
 # Grafana's $__rate_interval: max($__interval + scrape interval, 4 x scrape interval).
 RATE_INTERVAL = f"{max(STEP_S + SCRAPE_INTERVAL_S, 4 * SCRAPE_INTERVAL_S)}s"
-SHARED_PREFIX = "You are a careful assistant. Answer in one short sentence, without preamble. "  # > 1 KV block
+# Longer than one KV block, so that requests sharing it hit the prefix cache.
+SHARED_PREFIX = "You are a careful assistant. Answer in one short sentence, without preamble. "
 REQUESTS_PER_TENANT = 6
 
 
@@ -46,9 +47,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Ports, Pro
 def post(ports: Ports, key: str, body: dict, headers: dict[str, str] | None = None) -> tuple[int, str]:
     """POST a completion to the guard and read the whole answer (a stream to its end): the status, and
     the fallback that served it ("" for the engine)."""
-    request = urllib.request.Request(f"http://127.0.0.1:{ports.guard}/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}",
-                                              **(headers or {})})
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{ports.guard}/v1/completions", data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}", **(headers or {})})
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
             response.read()
@@ -63,12 +64,13 @@ def drive_traffic(ports: Ports, indices: range) -> None:
     client retries), one request with an unknown key and one invalid request."""
     def one(tenant: tuple[str, str, int, str], i: int) -> tuple[int, str]:
         _, key, _, _ = tenant
-        body = {"model": "tiny", "prompt": f"{SHARED_PREFIX}Question {i}?", "max_tokens": 12, "temperature": 0,
-                "ignore_eos": True, "stream": i % 3 != 2}
+        body = {"model": "tiny", "prompt": f"{SHARED_PREFIX}Question {i}?", "max_tokens": 12,
+                "temperature": 0, "ignore_eos": True, "stream": i % 3 != 2}
         return post(ports, key, body, {"X-Stainless-Retry-Count": "1"} if i % 3 == 0 else None)
 
     with ThreadPoolExecutor(max_workers=4) as pool:
-        statuses = list(pool.map(one, [t for t in TENANTS for _ in indices], [i for _ in TENANTS for i in indices]))
+        work = [(tenant, i) for tenant in TENANTS for i in indices]
+        statuses = list(pool.map(lambda job: one(*job), work))
     assert statuses == [(200, "")] * len(statuses), "every request served by the engine"
     assert post(ports, "sk-nobody", {"model": "tiny", "prompt": "hi", "max_tokens": 4})[0] == 401
     assert post(ports, TENANTS[0][1], {"model": "tiny", "prompt": "hi", "max_tokens": -1})[0] == 400
@@ -84,8 +86,8 @@ def wait_scraped(prometheus: Prometheus, completed: int) -> None:
 def resolve_variables(prometheus: Prometheus, dashboard: dict, start: float, end: float) -> dict[str, str]:
     """Every template variable as Grafana fills it by default: "All" of its label values, or its current
     custom value; plus the built-in interval variables."""
-    values = {"__rate_interval": RATE_INTERVAL, "__interval": f"{STEP_S}s", "__range": f"{math.ceil(end - start)}s",
-              **custom_values(dashboard)}
+    values = {"__rate_interval": RATE_INTERVAL, "__interval": f"{STEP_S}s",
+              "__range": f"{math.ceil(end - start)}s", **custom_values(dashboard)}
     for name, selector, label in query_variables(dashboard):
         found = prometheus.label_values(label, substitute(selector, values), start, end)
         assert found, f"{dashboard['uid']}: variable {name} has no values"
