@@ -44,6 +44,9 @@ class AdmissionGate:
         self.reservations: dict[str, Reservation] = {}
         self.reserved_by_tenant: dict[str, int] = {}
         self._releases: deque[tuple[float, int]] = deque()  # (time, blocks) over the last DRAIN_WINDOW_S
+        # Their sum, kept as releases enter and leave the window: every submit asks for the drain rate, and
+        # summing a window that holds one entry per request made each request O(requests per window).
+        self._released_blocks = 0
         self._started = time.monotonic()
 
     # -- telemetry -------------------------------------------------------------------------------------
@@ -119,6 +122,7 @@ class AdmissionGate:
         else:
             del self.reserved_by_tenant[reservation.tenant]
         self._releases.append((time.monotonic(), reservation.blocks))
+        self._released_blocks += reservation.blocks
         return True
 
     def tenant_reserved(self, tenant: str) -> int:
@@ -128,10 +132,10 @@ class AdmissionGate:
         """Blocks released per second over the last ``DRAIN_WINDOW_S`` (0 when nothing was released)."""
         now = time.monotonic()
         while self._releases and now - self._releases[0][0] > DRAIN_WINDOW_S:
-            self._releases.popleft()
+            self._released_blocks -= self._releases.popleft()[1]
         # Until a whole window has passed, divide by the time observed, not by the window.
         span = min(DRAIN_WINDOW_S, max(now - self._started, 1.0))
-        return sum(blocks for _, blocks in self._releases) / span
+        return self._released_blocks / span
 
     def expected_wait(self, blocks_ahead: int) -> float | None:
         """Seconds for ``blocks_ahead`` blocks to drain at the measured rate; None before any measurement."""

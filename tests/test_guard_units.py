@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
@@ -136,6 +137,22 @@ def test_gate_commits_against_live_usage_with_hysteresis() -> None:
     assert gate.try_reserve("r2", "acme", 20) and gate.open
     gate.received_at -= 10
     assert not gate.try_reserve("r3", "acme", 1), "stale telemetry counts as full"
+
+
+def test_drain_rate_counts_only_the_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [1000.0]
+    monkeypatch.setattr("guard.admission.time", SimpleNamespace(monotonic=lambda: clock[0]))
+    gate = AdmissionGate(Admission(), {"acme"})
+    for i, blocks in enumerate((3, 4, 5)):  # released at 1000, 1004 and 1008
+        clock[0] = 1000.0 + 4 * i
+        gate.update(snapshot(free=100))
+        assert gate.try_reserve(f"r{i}", "acme", blocks) and gate.release(f"r{i}")
+    clock[0] = 1009.0
+    assert gate.drain_rate() == pytest.approx(12 / 9), "9 s observed so far"
+    clock[0] = 1012.0
+    assert gate.drain_rate() == pytest.approx(9 / 10), "the first release left the 10 s window"
+    clock[0] = 1030.0
+    assert gate.drain_rate() == 0 and gate.expected_wait(5) is None
 
 
 @settings(max_examples=60, deadline=None)
