@@ -25,7 +25,7 @@ from engine.protocol import TelemetrySnapshot
 from engine.runner import ModelRunner
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
-from engine.sched.request import Request, Sequence, SeqStatus
+from engine.sched.request import Request, SeqStatus, Sequence
 from engine.sched.scheduler import Scheduler, SchedulerOutput
 from engine.telemetry import EngineStats
 from engine.validation import is_int, require

@@ -28,7 +28,7 @@ class LLM:
         self.core = EngineCore(EngineConfig(model=model, **options))  # type: ignore[arg-type]
 
     @property
-    def tokenizer(self):  # noqa: ANN201 - engine.model.Tokenizer, or None for a model without one
+    def tokenizer(self):
         return self.core.tokenizer
 
     def generate(

@@ -31,7 +31,7 @@ log = logging.getLogger("guard")
 
 
 @web.middleware
-async def identify(request: web.Request, handler) -> web.StreamResponse:  # noqa: ANN001 - aiohttp handler
+async def identify(request: web.Request, handler) -> web.StreamResponse:
     """Stamp every response, errors included, with the request id and the tenant."""
     request[REQUEST_ID] = request_id = f"req-{uuid.uuid4().hex[:16]}"
     try:

@@ -178,7 +178,7 @@ _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
 def load_config(path: str | Path) -> GuardConfig:
     path = Path(path)
     try:
-        raw = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+        raw = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
     except ConfigError as exc:

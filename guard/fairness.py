@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Generic, Iterator, TypeVar
+from typing import Generic, TypeVar
 
 INPUT_COST = 1.0
 OUTPUT_COST = 2.0

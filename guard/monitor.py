@@ -42,9 +42,9 @@ async def monitor(state: GuardState) -> None:
             breaker = state.breakers[backend.name]
             if ok:
                 breaker.record_success()
-                if backend is not cfg.engine and backend.name not in state.fallback_models:
-                    if model := await fetch_model(state.session, backend, timeout):
-                        state.fallback_models[backend.name] = model
+                wanted = backend is not cfg.engine and backend.name not in state.fallback_models
+                if wanted and (model := await fetch_model(state.session, backend, timeout)):
+                    state.fallback_models[backend.name] = model
             else:
                 breaker.record_failure()
             state.metrics.backend_healthy.labels(backend.name).set(1.0 if breaker.closed else 0.0)

@@ -3,9 +3,10 @@ benign pattern alone does not, and states come down only after the score stays l
 
 from __future__ import annotations
 
+from test_guard_units import snapshot
+
 from engine.protocol import TenantUsage
 from guard.detector import CLEAR_SUSPECT_AFTER_S, Detector
-from test_guard_units import snapshot
 
 BUDGET = 100
 
@@ -25,7 +26,7 @@ def run(detector: Detector, seconds: float, step: float, act, reserved, waiting,
 
 def test_probe_fill_squeeze_is_confirmed() -> None:
     d = Detector({"attacker": 1, "victim": 1})
-    probe = lambda now: d.on_request("attacker", 2, now)  # noqa: E731 - tiny regular probes
+    probe = lambda now: d.on_request("attacker", 2, now)
     now, changes = run(d, 5, 0.25, probe, lambda _: {}, set(), lambda _: 0.9)
     assert d.state("attacker") == "normal", "probing alone is not an attack"
 

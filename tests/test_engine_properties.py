@@ -7,12 +7,11 @@ from __future__ import annotations
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from invariants import assert_all_blocks_back, check_block_accounting
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.sampling_params import SamplingParams
-from engine.sched.request import SeqStatus
-from invariants import assert_all_blocks_back, check_block_accounting
 
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9, 9, 9, 9], []]
 

@@ -33,9 +33,8 @@ def metric(guard: GuardThread, name: str, **labels: str) -> float:
     _, body = request(guard.url + "/metrics")
     total = 0.0
     for line in body.decode().splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            if all(f'{k}="{v}"' in line for k, v in labels.items()):
-                total += float(line.rsplit(" ", 1)[1])
+        if line.startswith((name + "{", name + " ")) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
     return total
 
 

@@ -43,12 +43,13 @@ def start_engine(port: int) -> subprocess.Popen:
 async def stream_once(url: str, body: dict, key: str = "sk-acme", started: asyncio.Event | None = None
                       ) -> tuple[int, dict, bytes]:
     """One request; ``started`` is set once the first bytes of the answer have arrived."""
-    async with aiohttp.ClientSession() as session:
-        async with session.post(url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}) as r:
-            data = await r.content.readany()
-            if started is not None:
-                started.set()
-            return r.status, dict(r.headers), data + await r.read()
+    headers = {"Authorization": f"Bearer {key}"}
+    async with aiohttp.ClientSession() as session, session.post(url + "/v1/completions", json=body,
+                                                                 headers=headers) as r:
+        data = await r.content.readany()
+        if started is not None:
+            started.set()
+        return r.status, dict(r.headers), data + await r.read()
 
 
 def test_engine_killed_then_restarted(tmp_path) -> None:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from invariants import assert_all_blocks_back
 
 from engine import LLM, SamplingParams
-from invariants import assert_all_blocks_back
 
 PROMPTS = [f"Request {i}: " + "abcdefghij"[: i + 1] * (i % 3 + 1) for i in range(10)]
 

@@ -8,8 +8,8 @@ removes it from the middle of the queue, which is why the queue is linked rather
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 
 @dataclass(slots=True, eq=False)

@@ -9,7 +9,7 @@ always ``num_blocks``.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from engine.kv.block import FreeBlockQueue, KVBlock
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def root_hash(cache_salt: str | None) -> bytes:

@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.kv.manager import BlockCopies, KVCacheManager
-from engine.sched.request import Sequence, SeqStatus
+from engine.sched.request import SeqStatus, Sequence
 from engine.telemetry import EngineStats
 
 
