@@ -87,7 +87,9 @@ class Relay:
         try:
             async with asyncio.timeout(self.config.first_token_timeout):
                 return await self.session.post(url, data=body, headers=headers, timeout=self.timeout)
-        except aiohttp.ClientConnectorError as exc:
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+            # Refused, or not accepted within connect_timeout: no byte of the request left, so another
+            # backend may take it (a hung host must not cost the client more than the connect budget).
             raise UpstreamUnavailable(str(exc)) from exc
 
     async def unary(self, upstream: aiohttp.ClientResponse, headers: dict[str, str]) -> tuple[web.Response, dict | None]:
