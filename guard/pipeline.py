@@ -206,5 +206,7 @@ async def forward(
         observer.completion_tokens = int(((answer or {}).get("usage") or {}).get("completion_tokens", 0) or 0)
         return response, "completed" if response.status == 200 else "upstream_error"
     response = await state.relay.stream(request, upstream, out_headers, observer)
+    if observer.client_gone:
+        return response, "cancelled"
     ok = response.status == 200 and not observer.failed
     return response, "completed" if ok else "upstream_error"

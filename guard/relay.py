@@ -1,7 +1,8 @@
 """Relays one admitted request to a backend and its answer, byte for byte, to the client.
 
 Streams are copied chunk by chunk as they arrive (never buffered whole); reading the upstream waits for
-each write to the client, so a slow reader holds at most one chunk plus the socket buffers. Time limits:
+each write to the client, so a slow reader holds at most one chunk plus the socket buffers, and one that
+takes nothing for ``client_stall_timeout`` is reset (its stream ends, its blocks go back). Time limits:
 the first byte of the answer must come within ``first_token_timeout`` (else 504), each later read within
 ``idle_timeout``; there is no total timeout, so a legitimate long stream is never cut. A stream that fails
 after its first byte ends with an SSE ``error`` event and no ``[DONE]``; a client that leaves closes the
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,8 +26,8 @@ from guard.config import Upstream
 from guard.errors import error_response, sse_error_event
 
 
-class ClientStalled(ConnectionError):
-    """The client stopped reading; its connection is closed (a ``ConnectionError``, like a client that left)."""
+class ClientGone(Exception):
+    """The client left, or stalled and was dropped: nobody reads the stream any more."""
 
 
 class UpstreamUnavailable(Exception):
@@ -40,6 +43,7 @@ class StreamObserver:
     events: int = 0
     finished: bool = False  # ``[DONE]`` went to the client: whatever happens next, it got its answer
     failed: bool = False  # the stream ended with an error event instead of its natural end
+    client_gone: bool = False  # the client left or was dropped before the end: nobody got the rest
     completion_tokens: int | None = None  # from a usage chunk, when the client asked for one
     _partial: bytes = b""
     _last: float = field(default=0.0)
@@ -138,6 +142,9 @@ class Relay:
                     await self._write(client, response, chunk)
                     chunk = await upstream.content.readany()
                 completed = upstream.content.is_eof()
+            except ClientGone:
+                observer.client_gone = True
+                return response
             except (aiohttp.ClientError, TimeoutError) as exc:  # the engine failed or went quiet mid-stream
                 observer.failed = True
                 await _try_write(response, sse_error_event(502, f"the engine stream failed: {type(exc).__name__}",
@@ -157,13 +164,25 @@ class Relay:
                 upstream.release()
 
     async def _write(self, client: web.Request, response: web.StreamResponse, chunk: bytes) -> None:
+        """Write one chunk; raises ``ClientGone`` if the client left or read nothing for the stall timeout."""
         try:
             async with asyncio.timeout(self.config.client_stall_timeout):
                 await response.write(chunk)
+        except ConnectionError:
+            raise ClientGone("the client left") from None
         except TimeoutError:
             if client.transport is not None:
-                client.transport.close()  # a reader that stalls this long is dropped, freeing its stream
-            raise ClientStalled(f"the client read nothing for {self.config.client_stall_timeout:g} s") from None
+                _reset(client.transport)
+            raise ClientGone(f"the client read nothing for {self.config.client_stall_timeout:g} s") from None
+
+
+def _reset(transport: asyncio.BaseTransport) -> None:
+    """Drop a connection at once with a TCP reset. A plain close would wait for the unread buffer to drain
+    and then queue a FIN behind megabytes the stalled reader never takes, so the kernel would keep them."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
 
 
 async def _try_write(response: web.StreamResponse, data: bytes) -> None:
