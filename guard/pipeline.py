@@ -192,8 +192,10 @@ async def forward(
     except (TimeoutError, aiohttp.ClientError) as exc:
         state.metrics.upstream_requests.labels(backend, "error").inc()
         breaker.record_failure()
-        status = 504 if isinstance(exc, TimeoutError) else 502
-        return error_response(status, f"the engine failed: {type(exc).__name__}", code="upstream_error"), \
+        if isinstance(exc, TimeoutError):  # as relay.stream says it when the headers came but no token
+            return error_response(504, "the engine sent no token within the first-token timeout",
+                                  code="upstream_timeout"), "upstream_error"
+        return error_response(502, f"the engine failed: {type(exc).__name__}", code="upstream_error"), \
             "upstream_error"
     state.metrics.upstream_requests.labels(backend, str(upstream.status)).inc()
     if upstream.status >= 500:

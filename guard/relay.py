@@ -98,8 +98,12 @@ class Relay:
 
     async def unary(self, upstream: aiohttp.ClientResponse, headers: dict[str, str]) -> tuple[web.Response, dict | None]:
         """A non-streaming answer: forwarded as is when it is JSON, else a 502. Returns the parsed body too."""
-        async with upstream:
-            raw = await upstream.read()
+        try:
+            async with upstream:
+                raw = await upstream.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:  # the engine died or went quiet mid-body
+            return error_response(502, f"the engine's answer broke off: {type(exc).__name__}",
+                                  code="upstream_error", headers=headers), None
         try:
             parsed = json.loads(raw)
             if not isinstance(parsed, dict):
