@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import sys
 
@@ -26,7 +27,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"guard listening on http://{config.listen.host}:{config.listen.port} -> engine {config.engine.url}",
           flush=True)
-    web.run_app(create_app(config), host=config.listen.host, port=config.listen.port, print=None,
+    app = create_app(config)
+    # What exists now (modules, pydantic schemas, the app) lives as long as the process: keep it out of the
+    # collector's reach, so that a full collection walks only what requests left behind. Walking ~50k
+    # startup objects made every gen-2 pass (one every few seconds under load) stall all streams 35-140 ms.
+    gc.freeze()
+    web.run_app(app, host=config.listen.host, port=config.listen.port, print=None,
                 handler_cancellation=True, shutdown_timeout=config.limits.shutdown_timeout)
     return 0
 
