@@ -1,7 +1,8 @@
 """Request validation before anything is queued or forwarded.
 
 The body is read with a hard size cap (413), must be JSON of the right content type and pass the engine's
-own pydantic request models (400 with ``param`` naming the field). The prompt is counted by the engine's
+own pydantic request models (400 with ``param`` naming the field: ``Content-Type`` or ``body`` when the
+fault is not in one field, so that every 400 points somewhere). The prompt is counted by the engine's
 tokenizer (``POST /tokenize`` on the engine, chat template included), so the guard never loads a model, and
 prompt plus ``max_tokens`` is checked against the context window. Client-sent ``cache_salt``, ``priority``
 and tenant hints are dropped: the guard sets them from the tenant.
@@ -80,7 +81,7 @@ async def parse_request(request: web.Request, max_body_bytes: int) -> ParsedRequ
                       "limit", code="request_too_large")
     if request.content_type != "application/json":
         raise Invalid(400, f"Content-Type must be application/json, got {request.content_type!r}",
-                      code="invalid_content_type")
+                      param="Content-Type", code="invalid_content_type")
     raw = bytearray()
     async for chunk in request.content.iter_chunked(64 * 1024):
         raw += chunk
@@ -89,9 +90,9 @@ async def parse_request(request: web.Request, max_body_bytes: int) -> ParsedRequ
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise Invalid(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
+        raise Invalid(400, f"the body is not valid JSON: {exc}", param="body", code="invalid_json") from None
     if not isinstance(body, dict):
-        raise Invalid(400, "the body must be a JSON object", code="invalid_json")
+        raise Invalid(400, "the body must be a JSON object", param="body", code="invalid_json")
     try:
         model = MODELS[request.path].model_validate(body)  # type: ignore[assignment]
     except ValidationError as exc:
