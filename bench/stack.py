@@ -1,0 +1,115 @@
+"""The processes a benchmark stands up: engine, guard or any server, each on a free loopback port.
+
+Every process writes to its own log file, never to a pipe: a pipe nobody reads fills up and stalls the
+process mid-benchmark. A process counts as started once its health URL answers 200 (and, for the guard,
+once it has engine telemetry, without which it admits nothing). ``taskset`` pins a process to CPUs when a
+benchmark needs to know which core does what.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass(slots=True)
+class Service:
+    name: str
+    process: subprocess.Popen
+    url: str
+    log: Path
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGINT first (the graceful path every server here implements), SIGKILL if it hangs."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+    def tail(self, lines: int = 20) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def free_port() -> int:
+    """A port that was free a moment ago (the tiny race with other programs is harmless on loopback)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def pinned(command: list[str], cpus: str | None) -> list[str]:
+    return ["taskset", "-c", cpus, *command] if cpus else command
+
+
+def get_json(url: str, timeout: float = 2.0) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return json.load(response)
+
+
+def healthy(url: str) -> bool:
+    """``GET /health`` answers 200."""
+    with urllib.request.urlopen(url + "/health", timeout=2.0) as response:
+        return response.status == 200
+
+
+def guard_has_telemetry(url: str) -> bool:
+    """The guard's contract metric ``guard_telemetry_age_seconds`` says it has a fresh engine snapshot."""
+    with urllib.request.urlopen(url + "/metrics", timeout=2.0) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith("guard_telemetry_age_seconds "):
+                return float(line.split()[1]) < 1.0
+    return False
+
+
+def start(name: str, command: list[str], url: str, workdir: Path, ready: Callable[[str], bool] = healthy,
+          timeout: float = 120.0) -> Service:
+    """Start ``command``, a server at ``url``, and wait until ``ready(url)`` holds."""
+    log = workdir / f"{name}.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    service = Service(name, process, url, log)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if ready(url):
+                return service
+        except (OSError, ValueError):  # not listening yet, or 503 while loading
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            service.stop()
+            raise RuntimeError(f"{name} did not start (exit status {process.returncode}):\n{service.tail()}")
+        time.sleep(0.1)
+
+
+def start_engine(workdir: Path, flags: list[str], cpus: str | None = None) -> Service:
+    port = free_port()
+    command = pinned([sys.executable, "-m", "engine", "--port", str(port), *flags], cpus)
+    return start("engine", command, f"http://127.0.0.1:{port}", workdir)
+
+
+def start_guard(workdir: Path, config: dict[str, Any], cpus: str | None = None) -> Service:
+    """The guard with ``config`` (``listen`` is filled in), logging warnings only: at INFO, aiohttp's access
+    log would format a line per request, work a benchmark should not charge to the guard (nginx runs with
+    ``access_log off`` for the same reason)."""
+    port = free_port()
+    path = workdir / "guard.yaml"
+    path.write_text(yaml.safe_dump({**config, "listen": {"host": "127.0.0.1", "port": port}}))
+    command = pinned([sys.executable, "-m", "guard", "--config", str(path), "--log-level", "WARNING"], cpus)
+    return start("guard", command, f"http://127.0.0.1:{port}", workdir, ready=guard_has_telemetry)
