@@ -1,0 +1,64 @@
+"""The guard benchmarks still run: each one's ``--quick`` mode as its own process, and its report's shape.
+
+No timing is asserted (on a shared machine a figure says nothing about the code); what is checked is that
+every configuration was measured and reported, so the scripts cannot rot between the runs that matter.
+nginx and wrk are Debian packages that a fresh machine may lack: without nginx the overhead benchmark
+compares the guard with direct only, without wrk it uses its Python load generator, and the test checks
+that the report says which.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_quick(script: str, tmp_path: Path) -> tuple[str, dict]:
+    result_file = tmp_path / "result.json"
+    command = [sys.executable, str(ROOT / "bench" / script), "--quick", "--json", str(result_file)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=180, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "QUICK RUN" in done.stdout
+    return done.stdout, json.loads(result_file.read_text())
+
+
+def test_noisy_neighbour_quick(tmp_path: Path) -> None:
+    out, report = run_quick("noisy_neighbour.py", tmp_path)
+    phases = report["phases"]
+    assert [(p["label"][:3], p["target"], p["b_share"]) for p in phases] == [
+        ("(a)", "guard", None), ("(b)", "guard", 0.3), ("(c)", "engine", None)]
+    assert phases[0]["b"]["sent"] == 0 and phases[1]["b"]["sent"] > 0 and phases[2]["b"]["sent"] > 0
+    for phase in phases:
+        assert phase["a"]["sent"] > 0
+        for tenant in ("a", "b"):  # every request sent ends in exactly one reported status
+            assert sum(phase[tenant]["statuses"].values()) == phase[tenant]["sent"]
+        assert set(phase["a"]["ttft"]) == {"n", "mean_ms", "p50_ms", "p90_ms", "p99_ms", "max_ms"}
+        assert set(phase["ttft_over_a"]) == {"mean", "p50", "p99"}
+    assert [v["label"][:3] for v in report["verdicts"]] == ["(b)", "(c)"]
+    assert "(c) A + B, straight to the engine" in out and "p99/(a)" in out
+
+
+def test_guard_overhead_quick(tmp_path: Path) -> None:
+    out, report = run_quick("guard_overhead.py", tmp_path)
+    has_nginx = shutil.which("nginx") is not None
+    assert report["load_generator"] == ("wrk" if shutil.which("wrk") else "python")
+    targets = {"direct", "guard", "nginx"} if has_nginx else {"direct", "guard"}
+    assert set(report["summary"]) == {"unary", "stream", "firehose"}
+    for workload, by_target in report["summary"].items():
+        assert set(by_target) == targets, workload
+        for target, row in by_target.items():
+            assert row["requests_per_s"] > 0, (workload, target)
+            assert (row["added_p99_ms"] is None) == (target == "direct")
+        if workload != "unary":
+            assert all(row["events_per_s"] > 0 for row in by_target.values())
+    share = report["verdicts"]["guard_rps_share_of_nginx"]
+    if has_nginx:
+        assert share is not None and report["nginx"].startswith("nginx")
+    else:
+        assert share is None and "not installed" in report["nginx"]
+        assert "n/a (nginx not installed)" in out
