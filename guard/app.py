@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 
 import aiohttp
@@ -21,7 +22,7 @@ from guard.errors import error_response
 from guard.metrics import GuardMetrics
 from guard.monitor import monitor
 from guard.pipeline import authenticate, completion
-from guard.relay import Relay
+from guard.relay import SHUTTING_DOWN, Relay
 from guard.routing import CircuitBreaker, ModeMachine, Router
 from guard.state import REQUEST_ID, STATE, TENANT, GuardState
 from guard.telemetry import TelemetrySubscriber
@@ -32,12 +33,16 @@ log = logging.getLogger("guard")
 
 @web.middleware
 async def identify(request: web.Request, handler) -> web.StreamResponse:
-    """Stamp every response, errors included, with the request id and the tenant."""
+    """Stamp every response, errors included, with the request id and the tenant; count what is in flight."""
     request[REQUEST_ID] = request_id = f"req-{uuid.uuid4().hex[:16]}"
+    state = request.app[STATE]
+    state.in_flight += 1
     try:
         response = await handler(request)
     except web.HTTPException as exc:
         response = error_response(exc.status, exc.reason)
+    finally:
+        state.in_flight -= 1
     if not response.prepared:
         response.headers["X-Request-Id"] = request_id
         if TENANT in request:
@@ -131,8 +136,20 @@ async def _start(app: web.Application) -> None:
 
 
 async def _shutdown(app: web.Application) -> None:
-    """The listener is already closed: queued requests get 503 now; running ones get the shutdown timeout."""
-    app[STATE].dispatcher.reject_all(Rejected(503, "shutting_down", "the guard is shutting down", 1))
+    """The listener is already closed. Queued requests, and any that would queue from now on, get 503 now;
+    running ones get ``shutdown_timeout`` to finish. Then every upstream connection is dropped, so that each
+    stream still open ends with an error event (and each unary request with a 503) before aiohttp, after
+    waiting as long again, would cancel the handlers and cut the streams short."""
+    state = app[STATE]
+    state.dispatcher.reject_all(Rejected(503, "shutting_down", SHUTTING_DOWN, 1))
+    deadline = time.monotonic() + state.config.limits.shutdown_timeout
+    while state.in_flight and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if state.in_flight and state.relay is not None and state.session is not None:
+        log.warning("shutdown: %d requests still running after %g s; ending them", state.in_flight,
+                    state.config.limits.shutdown_timeout)
+        state.relay.close_all()
+        await state.session.close()  # requests still waiting for their answer's headers
 
 
 async def _cleanup(app: web.Application) -> None:

@@ -62,6 +62,7 @@ class Dispatcher:
         self.gate = gate
         self.on_service = on_service  # (tenant, service charged): feeds guard_service_tokens_total
         self.block_caps: dict[str, float] = {}  # tenant -> share of the budget, tighter than its config
+        self.closed: Rejected | None = None  # set by reject_all: what every later submit gets
         self.fair: FairQueue[Ticket] = FairQueue()
         for tenant in config.tenants:
             self.fair.tenant(tenant.name, tenant.weight)
@@ -74,6 +75,8 @@ class Dispatcher:
 
     async def submit(self, ticket: Ticket) -> None:
         """Queue ``ticket`` and wait for admission. Raises ``Rejected``; on cancellation nothing is held."""
+        if self.closed is not None:
+            raise self.closed
         queue = self.queue_of(ticket.tenant)
         ahead = self.blocks_queued() + ticket.blocks
         wait = self.gate.expected_wait(max(0, self.gate.committed() + ahead - self.gate.budget))
@@ -134,7 +137,8 @@ class Dispatcher:
         ticket.state = TicketState.DONE
 
     def reject_all(self, reason: Rejected) -> None:
-        """Fail every queued ticket with ``reason`` (shutdown); admitted ones run on."""
+        """Fail every queued ticket with ``reason``, and every later one (shutdown); admitted ones run on."""
+        self.closed = reason
         for queue in self.fair.tenants.values():
             for lane in queue.lanes.values():
                 while lane:

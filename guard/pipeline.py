@@ -193,9 +193,9 @@ async def forward(
         state.metrics.upstream_requests.labels(backend, "error").inc()
         breaker.record_failure()
         if isinstance(exc, TimeoutError):  # as relay.stream says it when the headers came but no token
-            return error_response(504, "the engine sent no token within the first-token timeout",
-                                  code="upstream_timeout"), "upstream_error"
-        return error_response(502, f"the engine failed: {type(exc).__name__}", code="upstream_error"), \
+            return state.relay.failure(504, "the engine sent no token within the first-token timeout",
+                                       "upstream_timeout"), "upstream_error"
+        return state.relay.failure(502, f"the engine failed: {type(exc).__name__}", "upstream_error"), \
             "upstream_error"
     state.metrics.upstream_requests.labels(backend, str(upstream.status)).inc()
     if upstream.status >= 500:

@@ -6,7 +6,8 @@ takes nothing for ``client_stall_timeout`` is reset (its stream ends, its blocks
 the first byte of the answer must come within ``first_token_timeout`` (else 504), each later read within
 ``idle_timeout``; there is no total timeout, so a legitimate long stream is never cut. A stream that fails
 after its first byte ends with an SSE ``error`` event and no ``[DONE]``; a client that leaves closes the
-upstream connection at once (the engine then aborts the request and frees its blocks).
+upstream connection at once (the engine then aborts the request and frees its blocks). Once ``closing`` is
+set (shutdown), the failures that follow are the guard's own: 503 ``shutting_down``, not the engine's fault.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from aiohttp import web
 
 from guard.config import Upstream
 from guard.errors import error_response, sse_error_event
+
+SHUTTING_DOWN = "the guard is shutting down; retry shortly"
 
 
 class ClientGone(Exception):
@@ -83,6 +86,8 @@ class Relay:
     def __init__(self, session: aiohttp.ClientSession, config: Upstream) -> None:
         self.session = session
         self.config = config
+        self.closing = False  # the guard is shutting down and drops its upstream connections itself
+        self._open: set[aiohttp.ClientResponse] = set()  # answers being relayed, for close_all
         self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout,
                                              sock_read=config.idle_timeout)
 
@@ -90,11 +95,20 @@ class Relay:
         """Send the request and wait for the answer's headers (within the first-token timeout)."""
         try:
             async with asyncio.timeout(self.config.first_token_timeout):
-                return await self.session.post(url, data=body, headers=headers, timeout=self.timeout)
+                upstream = await self.session.post(url, data=body, headers=headers, timeout=self.timeout)
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
             # Refused, or not accepted within connect_timeout: no byte of the request left, so another
             # backend may take it (a hung host must not cost the client more than the connect budget).
             raise UpstreamUnavailable(str(exc)) from exc
+        self._open.add(upstream)  # until unary() or stream() is done with it
+        return upstream
+
+    def close_all(self) -> None:
+        """Shutdown: end every answer being relayed now (each stream with its error event). Closing the
+        session would not do: aiohttp drops a closed connection's reader without waking it."""
+        self.closing = True
+        for upstream in list(self._open):
+            upstream.close()
 
     async def unary(self, upstream: aiohttp.ClientResponse, headers: dict[str, str]) -> tuple[web.Response, dict | None]:
         """A non-streaming answer: forwarded as is when it is JSON, else a 502. Returns the parsed body too."""
@@ -102,8 +116,10 @@ class Relay:
             async with upstream:
                 raw = await upstream.read()
         except (aiohttp.ClientError, TimeoutError) as exc:  # the engine died or went quiet mid-body
-            return error_response(502, f"the engine's answer broke off: {type(exc).__name__}",
-                                  code="upstream_error", headers=headers), None
+            return self.failure(502, f"the engine's answer broke off: {type(exc).__name__}", "upstream_error",
+                                headers), None
+        finally:
+            self._open.discard(upstream)
         try:
             parsed = json.loads(raw)
             if not isinstance(parsed, dict):
@@ -134,8 +150,8 @@ class Relay:
                 return error_response(504, "the engine sent no token within the first-token timeout",
                                       code="upstream_timeout", headers=headers)
             except aiohttp.ClientError as exc:  # nothing reached the client yet: a plain 502 says it best
-                return error_response(502, f"the engine failed before its first token: {type(exc).__name__}",
-                                      code="upstream_error", headers=headers)
+                return self.failure(502, f"the engine failed before its first token: {type(exc).__name__}",
+                                    "upstream_error", headers)
             response = web.StreamResponse(status=200, headers={
                 **headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await response.prepare(client)
@@ -151,21 +167,32 @@ class Relay:
                 return response
             except (aiohttp.ClientError, TimeoutError) as exc:  # the engine failed or went quiet mid-stream
                 observer.failed = True
-                await _try_write(response, sse_error_event(502, f"the engine stream failed: {type(exc).__name__}",
-                                                           "upstream_stream_error"))
+                await _try_write(response, self.failure_event(f"the engine stream failed: {type(exc).__name__}"))
                 return response
             if not completed:
                 observer.failed = True
-                await _try_write(response, sse_error_event(502, "the engine stream ended early",
-                                                           "upstream_stream_error"))
+                await _try_write(response, self.failure_event("the engine stream ended early"))
             else:
                 await response.write_eof()
             return response
         finally:
+            self._open.discard(upstream)
             if not completed:
                 upstream.close()  # drop the connection: the engine sees the disconnect and aborts
             else:
                 upstream.release()
+
+    def failure(self, status: int, message: str, code: str, headers: dict[str, str] | None = None) -> web.Response:
+        """The answer to a request whose upstream failed before its first byte reached the client."""
+        if self.closing:
+            return error_response(503, SHUTTING_DOWN, code="shutting_down", retry_after=1, headers=headers)
+        return error_response(status, message, code=code, headers=headers)
+
+    def failure_event(self, message: str) -> bytes:
+        """The event that ends a stream whose upstream failed after it started."""
+        if self.closing:
+            return sse_error_event(503, SHUTTING_DOWN, "shutting_down")
+        return sse_error_event(502, message, "upstream_stream_error")
 
     async def _write(self, client: web.Request, response: web.StreamResponse, chunk: bytes) -> None:
         """Write one chunk; raises ``ClientGone`` if the client left or read nothing for the stall timeout."""

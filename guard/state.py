@@ -37,6 +37,7 @@ class GuardState:
     counter: TokenCounter | None = None
     subscriber: TelemetrySubscriber | None = None
     tasks: tuple[asyncio.Task, ...] = ()
+    in_flight: int = 0  # requests whose handler is running (shutdown waits for them)
 
     @property
     def primary(self) -> CircuitBreaker:
