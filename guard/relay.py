@@ -127,6 +127,8 @@ class Relay:
         except ValueError:
             return error_response(502, f"the engine answered {upstream.status} with a body that is not JSON",
                                   code="bad_upstream_response", headers=headers), None
+        if upstream.status in (429, 503):  # the guard's contract: every 429 and 503 says when to come back
+            headers = {**headers, "Retry-After": upstream.headers.get("Retry-After", "1")}
         return web.Response(body=raw, status=upstream.status, content_type="application/json",
                             headers=headers), parsed
 
