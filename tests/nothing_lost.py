@@ -62,12 +62,17 @@ class Client:
     tally: Tally
     key: str = "sk-acme"
 
-    async def call(self, body: dict[str, Any] | None = None, *, key: str | None = None, data: bytes | None = None,
-                   headers: dict[str, str] | None = None, path: str = "/v1/completions") -> Answer:
+    async def call(self, body: dict[str, Any] | None = None, *, key: str | None = None, data: Any = None,
+                   headers: dict[str, str] | None = None, path: str = "/v1/completions",
+                   started: asyncio.Event | None = None) -> Answer:
+        """One request, read to its end; ``started`` is set once the answer's headers have arrived (for a
+        stream from the guard, that is with its first token)."""
         all_headers = {"Authorization": f"Bearer {key or self.key}", **(headers or {})}
         self.tally.sent += 1
         async with aiohttp.ClientSession() as session, \
                 session.post(self.url + path, json=body, data=data, headers=all_headers) as response:
+            if started is not None:
+                started.set()
             payload = await response.read()
         self.tally.answered += 1
         return Answer(response.status, CIMultiDict(response.headers), payload)

@@ -5,39 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import subprocess
-import sys
 import time
 
 import aiohttp
 import pytest
 from engine_server import ServerThread, request, wait_for
 from guard_server import GuardThread, guard_config
+from processes import EngineProcess
 
 ROUTING = {"min_dwell_s": 1.0, "cooldown_s": 0.5, "health_interval_s": 0.2, "failure_threshold": 2}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def health(url: str) -> int:
-    try:
-        return request(url + "/health")[0]
-    except OSError:
-        return 0
-
-
-def start_engine(port: int) -> subprocess.Popen:
-    process = subprocess.Popen([sys.executable, "-m", "engine", "--model", "tiny", "--port", str(port),
-                                "--num-blocks", "512"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_for(lambda: health(f"http://127.0.0.1:{port}") if process.poll() is None else -1,
-             lambda status: status in (200, -1), 60)
-    assert process.poll() is None, "the engine did not start"
-    return process
 
 
 async def stream_once(url: str, body: dict, key: str = "sk-acme", started: asyncio.Event | None = None
@@ -53,11 +29,10 @@ async def stream_once(url: str, body: dict, key: str = "sk-acme", started: async
 
 
 def test_engine_killed_then_restarted(tmp_path) -> None:
-    port = free_port()
-    primary = start_engine(port)
+    primary = EngineProcess("--num-blocks", "512").start()
     try:
         with ServerThread(num_blocks=128) as fallback_engine, GuardThread(guard_config(
-                f"http://127.0.0.1:{port}", fallbacks=[{"name": "small", "url": fallback_engine.url}],
+                primary.url, fallbacks=[{"name": "small", "url": fallback_engine.url}],
                 routing=ROUTING, admission={"telemetry_stale_s": 1.0})) as guard:
             wait_for(lambda: guard.call(guard.state.primary_up), bool, 10)
             long_stream = {"model": "tiny", "prompt": "long", "max_tokens": 1900, "stream": True,
@@ -67,7 +42,7 @@ def test_engine_killed_then_restarted(tmp_path) -> None:
                 started = [asyncio.Event() for _ in range(3)]
                 in_flight = [asyncio.create_task(stream_once(guard.url, long_stream, started=e)) for e in started]
                 await asyncio.gather(*(e.wait() for e in started))  # every stream is under way
-                primary.kill()
+                primary.stop()
                 killed = time.monotonic()
                 streams = await asyncio.wait_for(asyncio.gather(*in_flight), 30)
                 after = await stream_once(guard.url, {"model": "tiny", "prompt": "hi", "max_tokens": 4})
@@ -86,22 +61,17 @@ def test_engine_killed_then_restarted(tmp_path) -> None:
             assert status == 200 and headers["X-Guard-Route"] == "small"
             assert time.monotonic() - started < 1.0, "a new request in degraded mode is served within 1 s"
 
-            restarted = start_engine(port)
-            try:
-                wait_for(lambda: guard.call(lambda: guard.state.modes.mode), lambda m: m == "normal", 15)
-                status, headers, _ = asyncio.run(stream_once(guard.url, {"model": "tiny", "prompt": "x",
-                                                                         "max_tokens": 2}))
-                assert status == 200 and "X-Guard-Route" not in headers
-                assert guard.call(lambda: not guard.state.gate.reservations)
-                transitions = request(guard.url + "/metrics")[1].decode()
-                assert 'guard_mode_transitions_total{from="normal",to="degraded"}' in transitions
-                assert 'guard_mode{mode="normal"} 1.0' in transitions
-            finally:
-                restarted.kill()
-                restarted.wait()
+            primary.start()  # on the same port
+            wait_for(lambda: guard.call(lambda: guard.state.modes.mode), lambda m: m == "normal", 15)
+            status, headers, _ = asyncio.run(stream_once(guard.url, {"model": "tiny", "prompt": "x",
+                                                                     "max_tokens": 2}))
+            assert status == 200 and "X-Guard-Route" not in headers
+            assert guard.call(lambda: not guard.state.gate.reservations)
+            transitions = request(guard.url + "/metrics")[1].decode()
+            assert 'guard_mode_transitions_total{from="normal",to="degraded"}' in transitions
+            assert 'guard_mode{mode="normal"} 1.0' in transitions
     finally:
-        primary.kill()
-        primary.wait()
+        primary.stop()
 
 
 @pytest.fixture(scope="module")
