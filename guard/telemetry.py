@@ -49,6 +49,8 @@ class TelemetrySubscriber:
                         raise aiohttp.ClientResponseError(response.request_info, (), status=response.status)
                     self.connected = True
                     async for line in response.content:
+                        if line.startswith(b"event: error"):  # the engine is stopping: its data is no snapshot
+                            raise ValueError(f"the engine ended the stream: {await response.content.readline()!r}")
                         if line.startswith(b"data:"):
                             self.on_snapshot(TelemetrySnapshot.model_validate_json(line[5:]))
                             backoff = self.min_backoff_s
