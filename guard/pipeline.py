@@ -151,6 +151,9 @@ async def serve_elsewhere(
     try:
         if route.kind == "reject":
             outcome = "rejected_overload"
+            if route.name == "no_backend":
+                return error_response(503, "the engine is unavailable and no fallback is usable",
+                                      code="engine_unavailable", retry_after=1)
             return error_response(503, "the service is degraded and this lane does not use fallbacks",
                                   code="degraded", retry_after=5)
         headers = stamp_headers(request, route.name)

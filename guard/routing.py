@@ -64,7 +64,7 @@ class CircuitBreaker:
 @dataclass(slots=True, frozen=True)
 class Route:
     kind: str  # "primary" | "engine" (a fallback engine) | "static" | "reject"
-    name: str
+    name: str  # the backend's name; for "reject", why: "lane" (on_degraded: reject) or "no_backend"
     backend: Backend | StaticFallback | None = None
 
 
@@ -109,9 +109,9 @@ class Router:
         if mode == "normal" or (mode == "pressure" and not (lane.sheddable or over_share)):
             return Route("primary", "primary")
         if mode == "degraded" and lane.on_degraded == "reject":
-            return Route("reject", "reject")
+            return Route("reject", "lane")
         # With no usable fallback a saturated but live primary still beats a refusal: its queue has deadlines.
-        return self.fallback() or (Route("primary", "primary") if primary_up else Route("reject", "reject"))
+        return self.fallback() or (Route("primary", "primary") if primary_up else Route("reject", "no_backend"))
 
     def fallback(self, exclude: str | None = None) -> Route | None:
         """The first usable fallback in config order."""
