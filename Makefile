@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --upgrade pip
 	# CPU torch first when there is no GPU: a bare `torch` requirement would pull GBs of CUDA wheels.
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==$(TORCH_VERSION)
-	$(PIP) install -q -e ".[test,dev]"
+	$(PIP) install -q -e ".[test,dev,bench]"
 	touch $(STAMP)
 
 # promtool, amtool, Prometheus and Alertmanager for the alert tests and the live-stack test (Debian's

@@ -1,0 +1,248 @@
+"""Fill-and-Squeeze (reference 001, issue 8) against our engine: straight, then through the guard.
+
+One engine process (``python -m engine --model tiny --num-blocks 96``: a small pool, so the tiny CPU model
+reaches its memory edge) serves two runs, one after the other; a guard process stands in front of it for
+the second only. Each run has two phases over time:
+
+    baseline   the victims alone: their no-attack TTFT, measured in the same run
+    attack     the victims go on; the attacker probes, fills and squeezes (bench/attacks/attacker.py)
+
+  (1) unguarded: every tenant straight to the engine, named by ``X-Tenant-Id``
+  (2) guarded:   every tenant through the guard with its own API key, all in the interactive lane; the
+                 victims with weight ``--victim-weight``, the attacker with ``--attacker-weight``, and the
+                 same ``max_blocks_share`` (``--block-share``) for every tenant: an operator's policy, not a
+                 rule aimed at the attacker
+
+The victims (bench/attacks/victims.py) send the same seeded Poisson arrivals in both runs. While a run goes
+on, the engine's ``/telemetry`` and the guard's ``/metrics`` are read every 0.25 s (timeline.py). The report
+(report.py, plots.py) gives the victims' TTFT mean and p99 in the attack phase over the baseline phase, the
+engine preemptions in each phase (``preemptions_total`` deltas; the attack's include the drain), the time
+from the attacker's first long request to the first scrape showing
+``guard_fill_squeeze_state{tenant="attacker"} 2``, and plots of victim TTFT, engine free blocks and the
+attacker's detector state over time, checked against issue 8's targets: unguarded, mean TTFT >= 5x baseline
+and preemptions climb; guarded, p99 TTFT <= 1.5x baseline, preemptions <= 10% of the unguarded run's,
+``confirmed`` within 10 s of the fill starting.
+
+    .venv/bin/python -m bench.attacks.fill_squeeze [--out bench/results/fill_squeeze] [--attack 40] ...
+    .venv/bin/python -m bench.attacks.fill_squeeze --quick     # a few seconds per phase: checks that it runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shlex
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import asdict
+from pathlib import Path
+
+import aiohttp
+import torch
+
+from bench.attacks import report as figures
+from bench.attacks.attacker import KINDS, Attacker, AttackPlan
+from bench.attacks.client import Outcome, Target, engine_target, guard_target, stream_completion
+from bench.attacks.plots import write_plots
+from bench.attacks.timeline import Sample, sample_until, table, telemetry
+from bench.attacks.victims import VictimLoad, VictimRequest, victim_traffic
+from bench.run_info import describe
+from bench.stack import REPO, Service, start_engine, start_guard
+
+ATTACKER = "attacker"
+VICTIMS = ("victim-1", "victim-2")
+KEYS = {name: f"sk-bench-{name}" for name in (*VICTIMS, ATTACKER)}
+DEFAULT_PLAN = AttackPlan()
+
+
+def guard_config(engine_url: str, args: argparse.Namespace) -> dict:
+    tenants = [{"name": name, "api_keys": [KEYS[name]], "lane": "interactive",
+                "weight": args.attacker_weight if name == ATTACKER else args.victim_weight,
+                "max_blocks_share": args.block_share} for name in (*VICTIMS, ATTACKER)]
+    return {"engine": {"name": "primary", "url": engine_url}, "admission": {"safe_utilization": 0.85},
+            "secret": "bench-fill-squeeze", "tenants": tenants}
+
+
+def attack_plan(args: argparse.Namespace) -> AttackPlan:
+    return AttackPlan(probe_interval_s=args.probe_interval, long_max_tokens=args.long_max_tokens,
+                      max_longs=args.max_longs, micro_rate=args.micro_rate,
+                      micro_max_tokens=args.micro_max_tokens)
+
+
+async def wait_idle(session: aiohttp.ClientSession, engine_url: str, timeout: float = 60.0) -> dict:
+    """The first snapshot with nothing left in the engine and every block free (the next run starts clean)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        snap = await telemetry(session, engine_url)
+        if snap["num_running"] + snap["num_waiting"] + snap["num_swapped"] == 0 and \
+                snap["free_blocks"] == snap["num_blocks"]:
+            return snap
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the engine is still busy {timeout:g} s after the run: {snap}")
+        await asyncio.sleep(0.1)
+
+
+async def run_scenario(target: Target, engine_url: str, guard_url: str | None,
+                       args: argparse.Namespace) -> dict:
+    """Baseline, then attack, against ``target``; the run's record, its times in seconds since it began."""
+    samples: list[Sample] = []
+    victims: list[VictimRequest] = []
+    stop = asyncio.Event()
+    sampler = asyncio.create_task(sample_until(stop, engine_url, guard_url, ATTACKER, samples))
+    # No connection cap on the clients' side: it would be a queue of its own, in front of the one under test.
+    async with aiohttp.ClientSession() as control, \
+            aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as victim_session, \
+            aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as attacker_session:
+        origin = time.monotonic() + 0.1
+        attack_start, end = origin + args.baseline, origin + args.baseline + args.attack
+        at_origin = await telemetry(control, engine_url)
+        load = VictimLoad(VICTIMS, args.victim_rate, args.victim_max_tokens)
+        schedule = asyncio.create_task(
+            victim_traffic(victim_session, target, load, args.seed, origin, end, victims))
+        await asyncio.sleep(max(0.0, attack_start - time.monotonic()))
+        at_attack = await telemetry(control, engine_url)
+        attacker = Attacker(attack_plan(args), attacker_session, target, ATTACKER, args.seed)
+        await attacker.run(end)  # and hangs up on its own requests when the attack phase ends
+        tasks = await schedule
+        if pending := [task for task in tasks if not task.done()]:
+            await asyncio.wait(pending, timeout=args.drain)
+        cut = time.monotonic()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        at_end = await wait_idle(control, engine_url)
+    stop.set()
+    await sampler
+
+    def since(t: float | None) -> float | None:
+        return None if t is None else round(t - origin, 3)
+
+    return {
+        "target": target.name,
+        "phases_s": {"baseline": [0.0, since(attack_start)], "attack": [since(attack_start), since(end)],
+                     "cut": since(cut)},
+        "victims": {"baseline": figures.victim_summary(victims, origin, attack_start, cut),
+                    "attack": figures.victim_summary(victims, attack_start, end, cut)},
+        "engine_preemptions": {"baseline": at_attack["preemptions_total"] - at_origin["preemptions_total"],
+                               "attack": at_end["preemptions_total"] - at_attack["preemptions_total"]},
+        "attacker": {
+            "fill_start_s": since(attacker.fill_start), "squeeze_start_s": since(attacker.squeeze_start),
+            "room_limits_ms": [round(1e3 * v, 1) for v in attacker.limits or ()],
+            **{kind: dict(Counter(r.outcome.label for r in attacker.requests if r.kind == kind))
+               for kind in KINDS}},
+        "detection": figures.detection(samples, attacker.fill_start, origin) if guard_url else None,
+        "timeline": table(samples, origin),
+        "victim_requests": [[since(o.sent), None if o.ttft is None else round(o.ttft, 4), o.label]
+                            for o in (r.outcome for r in victims)],
+    }
+
+
+async def warm_up(target: Target, engine_url: str) -> None:
+    """A few requests, not counted: first connections and first engine steps are slow."""
+    async with aiohttp.ClientSession() as session:
+        for index in range(3):
+            body = {"model": "tiny", "prompt": f"warm-up {index}", "max_tokens": 4, "ignore_eos": True}
+            await stream_completion(session, target, VICTIMS[0], body, Outcome(sent=time.monotonic()))
+        await wait_idle(session, engine_url)
+
+
+def detector_log(guard: Service) -> list[str]:
+    """The guard's own account of the attacker's transitions, with their evidence (guard/detector.py)."""
+    lines = guard.log.read_text(errors="replace").splitlines()
+    return [line.split("guard.detector", 1)[-1].strip(" :-") for line in lines
+            if f"tenant {ATTACKER}:" in line]
+
+
+def command() -> str:
+    """The command line that produced the report, as it could be pasted back into a shell."""
+    return shlex.join([os.path.relpath(sys.executable), "-m", "bench.attacks.fill_squeeze", *sys.argv[1:]])
+
+
+async def run(args: argparse.Namespace, workdir: Path) -> dict:
+    engine_flags = ["--model", "tiny", "--device", "cpu", "--num-blocks", str(args.num_blocks)]
+    engine = start_engine(workdir, engine_flags)
+    try:
+        direct = engine_target(engine.url, [*VICTIMS, ATTACKER])
+        await warm_up(direct, engine.url)
+        unguarded = await run_scenario(direct, engine.url, None, args)
+        config = guard_config(engine.url, args)
+        guard = start_guard(workdir, config)
+        try:
+            via_guard = guard_target(guard.url, KEYS)
+            await warm_up(via_guard, engine.url)
+            guarded = await run_scenario(via_guard, engine.url, guard.url, args)
+        finally:
+            guard.stop()
+        guarded["detector_log"] = detector_log(guard)
+    finally:
+        engine.stop()
+    for result in (unguarded, guarded):
+        result["ttft_ratios"] = figures.ttft_ratios(result)
+    return {
+        "benchmark": "fill_squeeze",
+        "quick": args.quick,
+        "machine": describe(torch.device("cpu")),
+        "command": command(),
+        "load_average_1m": os.getloadavg()[0],
+        "engine_flags": engine_flags,
+        "guard_config": {**config, "engine": {"name": "primary", "url": "(the engine above)"}},
+        "victims": {"tenants": list(VICTIMS), "rate_per_s_each": args.victim_rate,
+                    "max_tokens": args.victim_max_tokens, "streamed": True, "ignore_eos": True},
+        "attack_plan": asdict(attack_plan(args)),
+        "phases_s": {"baseline": args.baseline, "attack": args.attack, "drain": args.drain},
+        "targets": figures.TARGETS,
+        "runs": {"unguarded": unguarded, "guarded": guarded},
+        "verdicts": figures.verdicts(unguarded, guarded),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "fill_squeeze",
+                        help="directory for report.json and the PNGs")
+    parser.add_argument("--quick", action="store_true", help="a few seconds per phase: checks that it runs")
+    parser.add_argument("--baseline", type=float, default=30.0, help="seconds of victims alone, per run")
+    parser.add_argument("--attack", type=float, default=40.0, help="seconds of attack, per run")
+    parser.add_argument("--drain", type=float, default=15.0, help="seconds the victims' last requests get")
+    parser.add_argument("--num-blocks", type=int, default=96, help="the engine's KV pool (16-token blocks)")
+    parser.add_argument("--victim-rate", type=float, default=2.0, help="requests per second, per victim")
+    parser.add_argument("--victim-max-tokens", type=int, default=16)
+    parser.add_argument("--probe-interval", type=float, default=DEFAULT_PLAN.probe_interval_s)
+    parser.add_argument("--long-max-tokens", type=int, default=DEFAULT_PLAN.long_max_tokens)
+    parser.add_argument("--max-longs", type=int, default=DEFAULT_PLAN.max_longs)
+    parser.add_argument("--micro-rate", type=float, default=DEFAULT_PLAN.micro_rate, help="per second")
+    parser.add_argument("--micro-max-tokens", type=int, default=DEFAULT_PLAN.micro_max_tokens)
+    parser.add_argument("--victim-weight", type=float, default=2.0)
+    parser.add_argument("--attacker-weight", type=float, default=1.0)
+    parser.add_argument("--block-share", type=float, default=0.5,
+                        help="max_blocks_share of every tenant in the guard (the same for all)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    if args.quick:
+        args.baseline, args.attack, args.drain = 2.0, 5.0, 2.0
+    with tempfile.TemporaryDirectory(prefix="fill-squeeze-") as workdir:
+        report = asyncio.run(run(args, Path(workdir)))
+    args.out.mkdir(parents=True, exist_ok=True)
+    figures.write_json(report, args.out / "report.json")
+    plots = write_plots(report, args.out)
+    print(f"machine: {report['machine']}; load average {report['load_average_1m']:.2f}")
+    print(f"command: {report['command']}")
+    if args.quick:
+        print("QUICK RUN: phases of a few seconds, not a measurement")
+    print(figures.table(report))
+    print("\n".join(figures.verdict_lines(report)))
+    for name, result in report["runs"].items():
+        attacker = result["attacker"]
+        print(f"{name} attacker: fill at {attacker['fill_start_s']} s, squeeze at "
+              f"{attacker['squeeze_start_s']} s; " + "; ".join(f"{kind} {attacker[kind]}" for kind in KINDS))
+    for line in report["runs"]["guarded"]["detector_log"]:
+        print(f"guard: {line}")
+    print(f"report: {args.out / 'report.json'}; plots: {', '.join(str(p) for p in plots)}")
+
+
+if __name__ == "__main__":
+    main()

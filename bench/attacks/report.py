@@ -1,0 +1,137 @@
+"""The Fill-and-Squeeze report: figures from the raw runs, verdicts against issue 8's targets, the text
+table, and the JSON file.
+
+A victim's TTFT runs from its scheduled arrival to its first token. One still without a token when the run
+is cut waited at least until then and counts with that lower bound; one refused (429, 503) has no TTFT and
+shows up in the statuses instead.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+from bench.attacks.timeline import Sample
+from bench.attacks.victims import VictimRequest
+from bench.latency import summarize
+
+TARGETS = {"unguarded_mean_ttft_ratio_min": 5.0, "guarded_p99_ttft_ratio_max": 1.5,
+           "guarded_preemptions_share_max": 0.10, "confirmed_within_s": 10.0}
+
+
+def victim_summary(victims: list[VictimRequest], start: float, end: float, cut: float) -> dict:
+    """The victims' requests that arrived in ``[start, end)``."""
+    arrived = [r.outcome for r in victims if start <= r.outcome.sent < end]
+    waiting = [o for o in arrived if o.first_token is None and o.finished is None]
+    ttfts = [o.ttft for o in arrived if o.ttft is not None] + [cut - o.sent for o in waiting]
+    return {"sent": len(arrived), "statuses": dict(Counter(o.label for o in arrived)),
+            "no_token_by_cut": len(waiting), "ttft": summarize(ttfts)}
+
+
+def detection(samples: list[Sample], fill_start: float | None, origin: float) -> dict:
+    """When the scrapes first showed the attacker ``suspect`` and ``confirmed``: seconds after the fill
+    began (the attacker's first long request), and since the run began."""
+    first = {level: next((s.at for s in samples if s.state is not None and s.state >= level), None)
+             for level in (1, 2)}
+
+    def after(t: float | None, start: float | None) -> float | None:
+        return None if t is None or start is None else round(t - start, 3)
+
+    return {"suspect_after_fill_s": after(first[1], fill_start),
+            "confirmed_after_fill_s": after(first[2], fill_start), "confirmed_at_s": after(first[2], origin)}
+
+
+def ttft_ratios(run: dict) -> dict[str, float | None]:
+    """The attack phase's victim TTFT over the same run's baseline phase: mean, p50, p99."""
+    base, attack = run["victims"]["baseline"]["ttft"], run["victims"]["attack"]["ttft"]
+    return {f: attack[f"{f}_ms"] / base[f"{f}_ms"] if attack[f"{f}_ms"] is not None and base[f"{f}_ms"]
+            else None for f in ("mean", "p50", "p99")}
+
+
+def verdicts(unguarded: dict, guarded: dict) -> dict[str, bool]:
+    preempted = unguarded["engine_preemptions"]
+    share = guarded["engine_preemptions"]["attack"] / max(1, preempted["attack"])
+    return {
+        "unguarded_mean_ttft_ratio": _at_least(unguarded["ttft_ratios"]["mean"],
+                                               TARGETS["unguarded_mean_ttft_ratio_min"]),
+        "unguarded_preemptions_climb": preempted["attack"] > preempted["baseline"],
+        "guarded_p99_ttft_ratio": _at_most(guarded["ttft_ratios"]["p99"],
+                                           TARGETS["guarded_p99_ttft_ratio_max"]),
+        "guarded_preemptions_share": share <= TARGETS["guarded_preemptions_share_max"],
+        "confirmed_within_10_s": _at_most(guarded["detection"]["confirmed_after_fill_s"],
+                                          TARGETS["confirmed_within_s"]),
+    }
+
+
+def _at_least(value: float | None, bound: float) -> bool:
+    return value is not None and value >= bound
+
+
+def _at_most(value: float | None, bound: float) -> bool:
+    return value is not None and value <= bound
+
+
+def table(report: dict) -> str:
+    head = (f"{'run':10} {'phase':9} {'victims':>7} {'ok':>4} {'TTFT mean':>9} {'p50':>7} {'p99':>7} "
+            f"{'max':>7} {'preempt':>7}")
+    rows = [head, "-" * len(head)]
+    for name, run in report["runs"].items():
+        for phase in ("baseline", "attack"):
+            victims, ttft = run["victims"][phase], run["victims"][phase]["ttft"]
+            rows.append(f"{name:10} {phase:9} {victims['sent']:>7} {victims['statuses'].get('200', 0):>4} "
+                        f"{_ms(ttft['mean_ms']):>9} {_ms(ttft['p50_ms']):>7} {_ms(ttft['p99_ms']):>7} "
+                        f"{_ms(ttft['max_ms']):>7} {run['engine_preemptions'][phase]:>7}")
+    return "\n".join(rows)
+
+
+def verdict_lines(report: dict) -> list[str]:
+    unguarded, guarded = report["runs"]["unguarded"], report["runs"]["guarded"]
+    ok, found = report["verdicts"], guarded["detection"]
+    return [
+        (f"unguarded: victim mean TTFT {_x(unguarded['ttft_ratios']['mean'])} its baseline (target >= 5x) "
+         f"{_mark(ok['unguarded_mean_ttft_ratio'])}; engine preemptions "
+         f"{unguarded['engine_preemptions']['baseline']} in the baseline, "
+         f"{unguarded['engine_preemptions']['attack']} in the attack "
+         f"{_mark(ok['unguarded_preemptions_climb'])}"),
+        (f"guarded: victim p99 TTFT {_x(guarded['ttft_ratios']['p99'])} its baseline (target <= 1.5x) "
+         f"{_mark(ok['guarded_p99_ttft_ratio'])}; engine preemptions "
+         f"{guarded['engine_preemptions']['attack']} vs "
+         f"{unguarded['engine_preemptions']['attack']} unguarded (target <= 10%) "
+         f"{_mark(ok['guarded_preemptions_share'])}"),
+        (f"detection: suspect {_s(found['suspect_after_fill_s'])}, confirmed "
+         f"{_s(found['confirmed_after_fill_s'])} after the fill began (target <= 10 s) "
+         f"{_mark(ok['confirmed_within_10_s'])}"),
+    ]
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+def _x(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}x"
+
+
+def _s(value: float | None) -> str:
+    return "never" if value is None else f"{value:.1f} s"
+
+
+def _mark(passed: bool) -> str:
+    return "PASS" if passed else "MISS"
+
+
+def write_json(report: dict, path: Path) -> None:
+    """Indented, except that each row of a table (a list of lists) takes one line: the timelines stay small
+    enough to commit and still read as tables."""
+    path.write_text(_dumps(report, "") + "\n")
+
+
+def _dumps(value: object, pad: str) -> str:
+    inner = pad + " "
+    if isinstance(value, dict) and value:
+        items = (f"{inner}{json.dumps(key)}: {_dumps(item, inner)}" for key, item in value.items())
+        return "{\n" + ",\n".join(items) + "\n" + pad + "}"
+    if isinstance(value, list) and value and all(isinstance(row, list) for row in value):
+        return "[\n" + ",\n".join(inner + json.dumps(row) for row in value) + "\n" + pad + "]"
+    return json.dumps(value)

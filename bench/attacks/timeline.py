@@ -1,0 +1,93 @@
+"""What the engine and the guard show over a run, sampled at a fixed interval.
+
+Each sample reads the engine's ``/telemetry`` (free blocks, preemptions, the attacker's blocks) and, when a
+guard is in front, its ``/metrics`` (the attacker's Fill-and-Squeeze state and suspicion, its reserved
+blocks, the guard's queues), as an operator's scraper would: the harness never looks inside either process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import astuple, dataclass, fields
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+INTERVAL_S = 0.25
+GUARD_GAUGES = {"guard_fill_squeeze_state", "guard_fill_squeeze_suspicion", "guard_reserved_blocks",
+                "guard_queue_depth"}
+
+
+@dataclass(slots=True)
+class Sample:
+    at: float  # monotonic
+    free_blocks: int
+    num_blocks: int
+    preemptions_total: int
+    num_running: int
+    num_waiting: int
+    attacker_blocks: int  # held in the engine
+    state: int | None = None  # guard_fill_squeeze_state of the attacker: 0 normal, 1 suspect, 2 confirmed
+    suspicion: float | None = None  # guard_fill_squeeze_suspicion of the attacker
+    attacker_reserved: float | None = None  # guard_reserved_blocks of the attacker
+    attacker_queued: float | None = None  # guard_queue_depth of the attacker
+    others_queued: float | None = None  # guard_queue_depth of every other tenant, summed
+
+    def as_row(self, origin: float) -> list:
+        """The sample as a row of ``table``, its time in seconds since ``origin``."""
+        values = astuple(self)[1:]
+        return [round(self.at - origin, 3), *(round(v, 3) if isinstance(v, float) else v for v in values)]
+
+
+def table(samples: list[Sample], origin: float) -> dict:
+    """``{"columns": [...], "rows": [[...], ...]}``: compact enough to keep in a committed report."""
+    return {"columns": [f.name for f in fields(Sample)], "rows": [s.as_row(origin) for s in samples]}
+
+
+async def telemetry(session: aiohttp.ClientSession, engine_url: str) -> dict:
+    async with session.get(engine_url + "/telemetry") as answer:
+        return await answer.json()
+
+
+async def guard_readings(session: aiohttp.ClientSession, guard_url: str, tenant: str) -> dict[str, float]:
+    """``tenant``'s values of ``GUARD_GAUGES``, and ``others_queued``."""
+    async with session.get(guard_url + "/metrics") as answer:
+        text = await answer.text()
+    readings = {"others_queued": 0.0}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples if family.name in GUARD_GAUGES else ():
+            if sample.labels.get("tenant") == tenant:
+                readings[sample.name] = sample.value
+            elif sample.name == "guard_queue_depth":
+                readings["others_queued"] += sample.value
+    return readings
+
+
+async def sample_until(stop: asyncio.Event, engine_url: str, guard_url: str | None, attacker: str,
+                       samples: list[Sample]) -> None:
+    """Append a sample every ``INTERVAL_S`` until ``stop`` is set (a failed read skips that tick)."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as session:
+        tick = time.monotonic()
+        while not stop.is_set():
+            try:
+                snap = await telemetry(session, engine_url)
+                guard = await guard_readings(session, guard_url, attacker) if guard_url else {}
+            except (aiohttp.ClientError, TimeoutError, ValueError):
+                snap = None
+            if snap is not None:
+                state = guard.get("guard_fill_squeeze_state")
+                samples.append(Sample(
+                    at=time.monotonic(), free_blocks=snap["free_blocks"], num_blocks=snap["num_blocks"],
+                    preemptions_total=snap["preemptions_total"], num_running=snap["num_running"],
+                    num_waiting=snap["num_waiting"],
+                    attacker_blocks=snap["tenants"].get(attacker, {}).get("blocks", 0),
+                    state=None if state is None else int(state),
+                    suspicion=guard.get("guard_fill_squeeze_suspicion"),
+                    attacker_reserved=guard.get("guard_reserved_blocks"),
+                    attacker_queued=guard.get("guard_queue_depth"), others_queued=guard.get("others_queued")))
+            tick += INTERVAL_S
+            try:
+                await asyncio.wait_for(stop.wait(), max(0.0, tick - time.monotonic()))
+            except TimeoutError:
+                pass
