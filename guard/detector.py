@@ -3,12 +3,15 @@ hysteresis that drive escalation.
 
 The attack (reference 001): probe inter-token latency with tiny requests, *fill* the free blocks with long
 generations when the probes say there is room, then *squeeze* with a stream of micro-requests at the memory
-edge so the scheduler thrashes. Each phase leaves a trace the guard can see:
+edge so the scheduler thrashes. Behind the guard the edge an attacker can reach is its own: a tenant's block
+cap keeps the pool away from the engine's edge, so its requests queue at the cap, and that queueing is what
+its probes read as "full". Each phase leaves a trace the guard can see:
 
 - ``probe``: tiny requests (``max_tokens <= probe_max_tokens``) at a high, regular rate;
-- ``share``: the tenant holds more than its weighted share of reserved blocks while others wait (1 at twice
-  its share);
-- ``switch``: long generations held, then a burst of short requests while free blocks are near the edge;
+- ``share``: the tenant holds more than its weighted share of reserved blocks while others wait, or while
+  its own requests wait for more (1 at twice its share);
+- ``switch``: long generations held, then a burst of short requests at the edge: the pool's (little of it
+  uncommitted), or the tenant's own (its requests wait in the guard's queue);
 - ``victims``: other tenants get preempted while this tenant holds a large part of the pool.
 
 ``suspicion = min(1, 0.3 probe + 0.3 share + 0.3 switch + 0.2 victims)``: no single signal reaches
@@ -96,10 +99,12 @@ class Detector:
             fair = self.weights[name] / total_weight * budget if budget else 0.0
             held = reserved.get(name, 0)
             others_wait = bool(waiting - {name})
+            pressing = name in waiting  # at its own edge: its cap (or a full pool) holds its requests back
+            at_edge = free_share <= EDGE_FREE_SHARE or pressing
             evidence = {
                 "probe": _probe_signal(signals.arrivals),
-                "share": min(1.0, max(0.0, held / fair - 1.0)) if fair and others_wait else 0.0,
-                "switch": _switch_signal(signals.arrivals, held, budget, free_share),
+                "share": min(1.0, max(0.0, held / fair - 1.0)) if fair and (others_wait or pressing) else 0.0,
+                "switch": _switch_signal(signals.arrivals, held, budget, at_edge),
                 "victims": min(1.0, sum(c for _, c in signals.victim_events) / 5.0) if held > 0.3 * budget else 0.0,
             }
             score = min(1.0, 0.3 * evidence["probe"] + 0.3 * evidence["share"] + 0.3 * evidence["switch"]
@@ -150,9 +155,9 @@ def _probe_signal(arrivals: deque[tuple[float, int]]) -> float:
     return rate * (0.5 + 0.5 * regular)
 
 
-def _switch_signal(arrivals: deque[tuple[float, int]], held: int, budget: int, free_share: float) -> float:
-    """Long generations held, then short requests at a rate, while the pool is near its edge."""
-    if not budget or held < 0.3 * budget or free_share > EDGE_FREE_SHARE:
+def _switch_signal(arrivals: deque[tuple[float, int]], held: int, budget: int, at_edge: bool) -> float:
+    """Long generations held, then short requests at a rate, at the edge (the pool's or the tenant's own)."""
+    if not budget or held < 0.3 * budget or not at_edge:
         return 0.0
     shorts = [t for t, max_tokens in arrivals if max_tokens <= SHORT_MAX_TOKENS]
     longs = [t for t, max_tokens in arrivals if max_tokens >= LONG_MAX_TOKENS]
