@@ -53,7 +53,9 @@ CLEAR_CONFIRMED_BELOW, CLEAR_CONFIRMED_AFTER_S = 0.4, 30.0
 @dataclass(slots=True)
 class TenantSignals:
     arrivals: deque[tuple[float, int]] = field(default_factory=deque)  # (time, max_tokens)
-    last_preemptions: int = 0
+    # None until the first snapshot: an engine that ran before the guard came up (or before a restart of the
+    # guard) reports its whole history, and none of it is news to attribute to anyone.
+    last_preemptions: int | None = None
     victim_events: deque[tuple[float, int]] = field(default_factory=deque)  # (time, others' new preemptions)
     state: str = "normal"
     score: float = 0.0
@@ -80,7 +82,7 @@ class Detector:
         for name, signals in self.tenants.items():
             usage = snapshot.tenants.get(name)
             total = usage.preemptions_total if usage else 0
-            new[name] = max(0, total - signals.last_preemptions)
+            new[name] = 0 if signals.last_preemptions is None else max(0, total - signals.last_preemptions)
             signals.last_preemptions = total
         for name, signals in self.tenants.items():
             others = sum(count for other, count in new.items() if other != name)

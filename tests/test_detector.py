@@ -73,3 +73,15 @@ def test_preemptions_of_others_count_against_the_holder() -> None:
     d.evaluate({"holder": 60}, BUDGET, set(), 0.5, now=6.0)
     assert d.tenants["holder"].evidence["victims"] == 1.0
     assert d.tenants["victim"].evidence["victims"] == 0.0
+
+
+def test_preemptions_from_before_the_guard_came_up_are_history() -> None:
+    """The first snapshot is a baseline: a guard (re)started in front of an engine with a past attributes
+    none of the engine's old preemptions to whoever holds blocks now."""
+    d = Detector({"holder": 1, "victim": 1})
+    d.on_telemetry(snapshot(tenants_usage={"victim": TenantUsage(preemptions_total=50)}), now=0.0)
+    d.evaluate({"holder": 60}, BUDGET, set(), 0.5, now=0.5)
+    assert d.tenants["holder"].evidence["victims"] == 0.0
+    d.on_telemetry(snapshot(tenants_usage={"victim": TenantUsage(preemptions_total=55)}), now=1.0)
+    d.evaluate({"holder": 60}, BUDGET, set(), 0.5, now=1.5)
+    assert d.tenants["holder"].evidence["victims"] == 1.0
