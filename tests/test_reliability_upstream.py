@@ -83,7 +83,8 @@ async def test_02_all_upstreams_down_gives_503_with_retry_after_within_the_conne
                 answer = await client.call(completion(stream=stream))
                 elapsed = time.monotonic() - started_at
                 assert_openai_error(answer, 503, "engine_unavailable")
-                assert elapsed < connect_timeout + 0.5, f"{elapsed:.2f} s is beyond the connect budget"
+                # The budget plus slack for a loaded machine; without it, the first-token timeout (60 s) would bound.
+                assert elapsed < connect_timeout + 1.0, f"{elapsed:.2f} s is beyond the connect budget"
                 await assert_nothing_lost(guard, tally, [])
     finally:
         filler.close()
