@@ -104,12 +104,13 @@ def start_engine(workdir: Path, flags: list[str], cpus: str | None = None) -> Se
     return start("engine", command, f"http://127.0.0.1:{port}", workdir)
 
 
-def start_guard(workdir: Path, config: dict[str, Any], cpus: str | None = None) -> Service:
+def start_guard(workdir: Path, config: dict[str, Any], cpus: str | None = None,
+                name: str = "guard") -> Service:
     """The guard with ``config`` (``listen`` is filled in), logging warnings only: at INFO, aiohttp's access
     log would format a line per request, work a benchmark should not charge to the guard (nginx runs with
-    ``access_log off`` for the same reason)."""
+    ``access_log off`` for the same reason). ``name`` tells several guards' files apart."""
     port = free_port()
-    path = workdir / "guard.yaml"
+    path = workdir / f"{name}.yaml"
     path.write_text(yaml.safe_dump({**config, "listen": {"host": "127.0.0.1", "port": port}}))
     command = pinned([sys.executable, "-m", "guard", "--config", str(path), "--log-level", "WARNING"], cpus)
-    return start("guard", command, f"http://127.0.0.1:{port}", workdir, ready=guard_has_telemetry)
+    return start(name, command, f"http://127.0.0.1:{port}", workdir, ready=guard_has_telemetry)

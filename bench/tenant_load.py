@@ -78,8 +78,7 @@ async def send(session: aiohttp.ClientSession, target: Target, tenant: str, body
 
 
 async def arrivals(rate: float, seed: int, start: float, duration: float,
-                   fire: Callable[[int, Result], Awaitable[None]],
-                   results: list[Result]) -> list[asyncio.Task]:
+                   fire: Callable[[Result], Awaitable[None]], results: list[Result]) -> list[asyncio.Task]:
     """Poisson arrivals at ``rate`` per second over ``duration`` seconds from ``start``, each a task;
     the same ``seed`` gives the same arrival times."""
     rng = random.Random(seed)
@@ -88,7 +87,7 @@ async def arrivals(rate: float, seed: int, start: float, duration: float,
         await asyncio.sleep(max(0.0, at - time.monotonic()))
         result = Result(arrival=at)
         results.append(result)
-        tasks.append(asyncio.create_task(fire(len(results) - 1, result)))
+        tasks.append(asyncio.create_task(fire(result)))
     return tasks
 
 
