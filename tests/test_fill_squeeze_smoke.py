@@ -32,6 +32,7 @@ def test_fill_squeeze_quick(tmp_path: Path) -> None:
             assert set(victims["ttft"]) == TTFT_FIGURES
             assert isinstance(run["engine_preemptions"][phase], int)
         assert set(run["ttft_ratios"]) == {"mean", "p50", "p99"}
+        assert set(run["longest_sampling_gap_s"]) == {"baseline", "attack"}
         assert sum(run["attacker"]["probe"].values()) > 0, name  # the attacker did attack
         columns, rows = run["timeline"]["columns"], run["timeline"]["rows"]
         assert rows and all(len(row) == len(columns) for row in rows)

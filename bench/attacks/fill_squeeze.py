@@ -128,6 +128,8 @@ async def run_scenario(target: Target, engine_url: str, guard_url: str | None,
                     "attack": figures.victim_summary(victims, attack_start, end, cut)},
         "engine_preemptions": {"baseline": at_attack["preemptions_total"] - at_origin["preemptions_total"],
                                "attack": at_end["preemptions_total"] - at_attack["preemptions_total"]},
+        "longest_sampling_gap_s": {"baseline": figures.longest_gap(samples, origin, attack_start),
+                                   "attack": figures.longest_gap(samples, attack_start, end)},
         "attacker": {
             "fill_start_s": since(attacker.fill_start), "squeeze_start_s": since(attacker.squeeze_start),
             "room_limits_ms": [round(1e3 * v, 1) for v in attacker.limits or ()],

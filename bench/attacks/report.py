@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from itertools import pairwise
 from pathlib import Path
 
 from bench.attacks.timeline import Sample
@@ -27,6 +28,14 @@ def victim_summary(victims: list[VictimRequest], start: float, end: float, cut: 
     ttfts = [o.ttft for o in arrived if o.ttft is not None] + [cut - o.sent for o in waiting]
     return {"sent": len(arrived), "statuses": dict(Counter(o.label for o in arrived)),
             "no_token_by_cut": len(waiting), "ttft": summarize(ttfts)}
+
+
+def longest_gap(samples: list[Sample], start: float, end: float) -> float | None:
+    """The longest time between two readings in ``[start, end)``, which the sampler takes every 0.25 s: well
+    above that, the harness's own process stalled (a shared machine's other load), and every victim sent
+    meanwhile was sent late, its TTFT charged with the stall."""
+    gaps = [b - a for a, b in pairwise(s.at for s in samples if start <= s.at < end)]
+    return round(max(gaps), 3) if gaps else None
 
 
 def detection(samples: list[Sample], fill_start: float | None, origin: float) -> dict:
@@ -73,15 +82,18 @@ def _at_most(value: float | None, bound: float) -> bool:
 
 
 def table(report: dict) -> str:
+    """Victims' TTFT (ms) per run and phase, engine preemptions, and the longest gap between two readings
+    ("stall": how long the harness itself was held up; 0.25 s when it never was)."""
     head = (f"{'run':10} {'phase':9} {'victims':>7} {'ok':>4} {'TTFT mean':>9} {'p50':>7} {'p99':>7} "
-            f"{'max':>7} {'preempt':>7}")
+            f"{'max':>7} {'preempt':>7} {'stall s':>7}")
     rows = [head, "-" * len(head)]
     for name, run in report["runs"].items():
         for phase in ("baseline", "attack"):
             victims, ttft = run["victims"][phase], run["victims"][phase]["ttft"]
             rows.append(f"{name:10} {phase:9} {victims['sent']:>7} {victims['statuses'].get('200', 0):>4} "
                         f"{_ms(ttft['mean_ms']):>9} {_ms(ttft['p50_ms']):>7} {_ms(ttft['p99_ms']):>7} "
-                        f"{_ms(ttft['max_ms']):>7} {run['engine_preemptions'][phase]:>7}")
+                        f"{_ms(ttft['max_ms']):>7} {run['engine_preemptions'][phase]:>7} "
+                        f"{run['longest_sampling_gap_s'][phase] or 0:>7.2f}")
     return "\n".join(rows)
 
 
