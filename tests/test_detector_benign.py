@@ -84,7 +84,10 @@ def run_benign(names: list[str], seconds: float) -> None:
         transitions = guard.call(lambda: list(guard.state.detector.transitions))
         assert not transitions, transitions
         assert states == {(t["name"], "normal") for t in TENANTS}
-        assert statuses and all(status == 200 for status in statuses), sorted(set(statuses))
+        # A loaded machine may shed some work (503 past a lane's deadline); what must never appear is a 429,
+        # the only answer the detector's escalation gives.
+        assert statuses and 429 not in statuses, sorted(set(statuses))
+        assert statuses.count(200) >= 0.9 * len(statuses), sorted(set(statuses))
         assert guard.call(lambda: not guard.state.gate.reservations)
 
 
