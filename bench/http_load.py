@@ -1,7 +1,8 @@
 """A closed-loop HTTP load generator in Python, for machines without ``wrk``: the same model and report.
 
 ``--connections`` clients each send the next request as soon as the previous answer has been read to its
-end (for a stream, through ``[DONE]``), for ``--duration`` seconds. It prints one line, ``RESULT {json}``,
+end (for a stream, through ``[DONE]``), for ``--duration`` seconds, the first one after a random
+0..``--stagger`` seconds. It prints one line, ``RESULT {json}``,
 with the fields bench/guard_overhead.py reads from wrk: requests completed, duration, bytes, errors
 (non-2xx counted as ``status``) and latency percentiles in microseconds. Being Python, it saturates long
 before wrk does; the report says which generator produced a figure.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import time
 from pathlib import Path
 
@@ -22,7 +24,8 @@ from latency import summarize
 
 
 async def client(session: aiohttp.ClientSession, url: str, body: bytes, until: float, latencies: list[float],
-                 counts: dict[str, int]) -> None:
+                 counts: dict[str, int], stagger: float) -> None:
+    await asyncio.sleep(random.uniform(0.0, stagger))
     while (start := time.perf_counter()) < until:
         try:
             async with session.post(url, data=body) as response:
@@ -46,7 +49,7 @@ async def run(args: argparse.Namespace) -> dict:
                                      timeout=aiohttp.ClientTimeout(total=args.timeout)) as session:
         start = time.perf_counter()
         until = start + args.duration
-        await asyncio.gather(*(client(session, args.url, body, until, latencies, counts)
+        await asyncio.gather(*(client(session, args.url, body, until, latencies, counts, args.stagger)
                                for _ in range(args.connections)))
         elapsed = time.perf_counter() - start
     figures = summarize(latencies)
@@ -66,6 +69,8 @@ def main() -> None:
     parser.add_argument("--connections", type=int, default=64)
     parser.add_argument("--duration", type=float, default=10.0)
     parser.add_argument("--timeout", type=float, default=30.0)
+    parser.add_argument("--stagger", type=float, default=0.0,
+                        help="each connection's first request waits a random 0..stagger seconds")
     print("RESULT", json.dumps(asyncio.run(run(parser.parse_args()))), flush=True)
 
 
