@@ -73,12 +73,19 @@ class Dispatcher:
     def blocks_queued(self) -> int:
         return sum(t.blocks for q in self.fair.tenants.values() for lane in q.lanes.values() for t in lane)
 
+    def blocks_ahead_of(self, ticket: Ticket) -> int:
+        """Blocks queued that this ticket surely waits for: its own tenant's, in lanes served before or with
+        its own. Other tenants' backlogs are not ahead of it: VTC serves the tenant with the least service."""
+        queue = self.queue_of(ticket.tenant)
+        return sum(t.blocks for priority, lane in queue.lanes.items() if priority <= ticket.lane.priority
+                   for t in lane)
+
     async def submit(self, ticket: Ticket) -> None:
         """Queue ``ticket`` and wait for admission. Raises ``Rejected``; on cancellation nothing is held."""
         if self.closed is not None:
             raise self.closed
         queue = self.queue_of(ticket.tenant)
-        ahead = self.blocks_queued() + ticket.blocks
+        ahead = self.blocks_ahead_of(ticket) + ticket.blocks
         wait = self.gate.expected_wait(max(0, self.gate.committed() + ahead - self.gate.budget))
         if wait is not None and wait > ticket.lane.timeout:
             raise Rejected(503, "overloaded", f"the expected queueing time ({wait:.1f} s) exceeds this lane's "

@@ -245,3 +245,25 @@ def test_dispatcher_never_leaks_a_reservation(tmp_path_factory, plan) -> None:
         assert all(len(q) == 0 for q in dispatcher.fair.tenants.values())
 
     asyncio.run(scenario())
+
+
+async def test_another_tenants_backlog_does_not_get_a_newcomer_refused(tmp_path: Path) -> None:
+    dispatcher, config = make_dispatcher(tmp_path)  # budget 85 blocks
+    gate = dispatcher.gate
+    assert gate.try_reserve("done", "bulk", 10) and gate.release("done")  # a slow measured drain rate
+    hog = ticket(config, 1, 80, "hog")
+    await dispatcher.submit(hog)
+    backlog = [asyncio.create_task(dispatcher.submit(ticket(config, 1, 80, f"b{i}"))) for i in range(20)]
+    await asyncio.sleep(0.01)
+    # 1,600 blocks of bulk's backlog would take minutes to drain, but VTC serves acme first: it must queue.
+    newcomer = ticket(config, 0, 10, "newcomer")
+    waiting = asyncio.create_task(dispatcher.submit(newcomer))
+    await asyncio.sleep(0.01)
+    assert newcomer.state is TicketState.QUEUED
+    dispatcher.finish(hog)
+    await waiting
+    assert newcomer.state is TicketState.ADMITTED
+    for task in backlog:
+        task.cancel()
+    await asyncio.gather(*backlog, return_exceptions=True)
+    dispatcher.finish(newcomer)
