@@ -1,7 +1,8 @@
 """The reliability tests' counted client and the check each of them ends with: nothing was lost.
 
-``Tally`` counts what a test sends and what comes back; ``call`` makes one counted request and returns the
-whole answer (a truncated body raises, so it can never be counted as answered). ``assert_nothing_lost``:
+``ready_guard`` starts a guard that has seen its engine; ``Tally`` counts what a test sends and what comes
+back; ``Client.call`` makes one counted request and returns the whole answer (a truncated body raises, so
+it can never be counted as answered). ``assert_nothing_lost``:
 
 - requests in = responses out: every request came back whole (a status and its entire body; for a stream,
   through ``[DONE]`` or an ``error`` event) or was abandoned by the test on purpose, and the guard recorded
@@ -16,7 +17,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -24,6 +26,8 @@ import aiohttp
 from engine_server import request
 from guard_server import GuardThread
 from multidict import CIMultiDict
+
+from guard.config import GuardConfig
 
 T = TypeVar("T")
 ERROR_KEYS = {"message", "type", "param", "code"}
@@ -122,6 +126,14 @@ async def until(probe: Callable[[], T], done: Callable[[T], bool], timeout: floa
             raise AssertionError(f"still not done after {timeout} s: {value}")
         await asyncio.sleep(interval)
     return value
+
+
+@asynccontextmanager
+async def ready_guard(config: GuardConfig, timeout: float = 5.0) -> AsyncIterator[GuardThread]:
+    """A guard that has seen its engine (its first telemetry snapshot arrived), stopped on the way out."""
+    with GuardThread(config) as guard:
+        await until(lambda: guard.call(guard.state.primary_up), bool, timeout)
+        yield guard
 
 
 def idle_and_free(snapshot: dict[str, Any]) -> bool:

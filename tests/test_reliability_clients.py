@@ -13,8 +13,8 @@ from typing import Any
 import aiohttp
 import pytest
 from engine_server import ServerThread
-from guard_server import GuardThread, guard_config
-from nothing_lost import Client, Tally, assert_nothing_lost, until
+from guard_server import guard_config
+from nothing_lost import Client, Tally, assert_nothing_lost, ready_guard, until
 
 # One sequence at a time, so a request can be made to wait inside the engine, before its first token.
 ENGINE = {"num_blocks": 64, "block_size": 16, "max_num_seqs": 1}
@@ -46,8 +46,7 @@ async def leave(task: asyncio.Task, tally: Tally) -> float:
 async def test_04_client_leaving_while_queued_is_removed_and_the_engine_never_hears_of_it(
         engine: ServerThread) -> None:
     tally = Tally()
-    with GuardThread(guard_config(engine.url)) as guard:
-        await until(lambda: guard.call(guard.state.primary_up), bool, 5)
+    async with ready_guard(guard_config(engine.url)) as guard:
         client = Client(guard.url, tally)
         globex_before = tenant_usage(engine, "globex")["prompt_tokens_total"]
         # 51 of the 54 blocks the guard may commit: globex's 5-block request has to wait behind it.
@@ -72,8 +71,7 @@ async def test_04_client_leaving_while_queued_is_removed_and_the_engine_never_he
 async def test_05_client_leaving_before_its_first_token_or_mid_stream_aborts_its_engine_request(
         engine: ServerThread) -> None:
     tally = Tally()
-    with GuardThread(guard_config(engine.url)) as guard:
-        await until(lambda: guard.call(guard.state.primary_up), bool, 5)
+    async with ready_guard(guard_config(engine.url)) as guard:
         client = Client(guard.url, tally)
         # Before the first token: the engine runs one sequence at a time, so globex's waits inside it.
         blocker = asyncio.create_task(client.call(body(600, stream=True)))

@@ -17,7 +17,7 @@ import pytest
 from engine_server import ServerThread
 from guard_server import GuardThread, guard_config
 from multidict import CIMultiDict
-from nothing_lost import Answer, Client, Tally, assert_nothing_lost, assert_openai_error, until
+from nothing_lost import Answer, Client, Tally, assert_nothing_lost, assert_openai_error, ready_guard
 
 MAX_BODY = 4096
 
@@ -30,8 +30,7 @@ def engine() -> Iterator[ServerThread]:
 
 @pytest.fixture
 async def guard(engine: ServerThread) -> AsyncIterator[GuardThread]:
-    with GuardThread(guard_config(engine.url, limits={"max_body_bytes": MAX_BODY})) as g:
-        await until(lambda: g.call(g.state.primary_up), bool, 5)
+    async with ready_guard(guard_config(engine.url, limits={"max_body_bytes": MAX_BODY})) as g:
         yield g
 
 

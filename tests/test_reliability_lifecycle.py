@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 from engine_server import ServerThread, request
-from guard_server import GuardThread, guard_config
+from guard_server import guard_config
 from nothing_lost import (
     Answer,
     Client,
@@ -25,6 +25,7 @@ from nothing_lost import (
     assert_nothing_lost,
     assert_openai_error,
     assert_stream_failed,
+    ready_guard,
     until,
 )
 from processes import ROOT, EngineProcess, free_port, start_guard
@@ -49,8 +50,7 @@ async def test_13_engine_restarted_twice_under_load_hangs_nothing_and_the_guard_
     engine = EngineProcess("--num-blocks", "512").start()
     config = guard_config(engine.url, routing=ROUTING, admission={"telemetry_stale_s": 1.0})
     try:
-        with GuardThread(config) as guard:
-            await until(lambda: guard.call(guard.state.primary_up), bool, 10)
+        async with ready_guard(config, timeout=10) as guard:
             stop = asyncio.Event()
 
             async def closed_loop(key: str, stream: bool) -> None:

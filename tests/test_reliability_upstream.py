@@ -20,7 +20,16 @@ import pytest
 from engine_server import ServerThread
 from fault_upstream import DONE, FaultUpstream, token_event
 from guard_server import GuardThread, guard_config
-from nothing_lost import Client, Tally, assert_nothing_lost, assert_openai_error, assert_stream_failed, until
+from nothing_lost import (
+    Client,
+    Tally,
+    assert_nothing_lost,
+    assert_openai_error,
+    assert_stream_failed,
+    ready_guard,
+    until,
+)
+from processes import free_port
 
 FAST_ROUTING = {"min_dwell_s": 1.0, "cooldown_s": 0.5, "health_interval_s": 0.2, "failure_threshold": 2}
 
@@ -41,17 +50,9 @@ def completion(**fields: Any) -> dict[str, Any]:
     return {"model": "tiny", "prompt": "reliability", "max_tokens": 16, **fields}
 
 
-def dead_port() -> int:
-    """A port nothing listens on: connections to it are refused at once."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def test_01_upstream_killed_after_n_events_ends_with_an_error_event_and_no_retry(fake: FaultUpstream) -> None:
     tally = Tally()
-    with GuardThread(guard_config(fake.url)) as guard:
-        await until(lambda: guard.call(guard.state.primary_up), bool, 5)
+    async with ready_guard(guard_config(fake.url)) as guard:
         client = Client(guard.url, tally)
         sent_before = fake.received["/v1/completions"]
         answer = await client.call(completion(stream=True, max_tokens=50, fault={"kind": "die_after", "events": 5}))
@@ -72,7 +73,7 @@ async def test_02_all_upstreams_down_gives_503_with_retry_after_within_the_conne
     filler = socket.create_connection(hung.getsockname())  # the one connection its backlog holds
     tally = Tally()
     connect_timeout = 0.5
-    config = guard_config(f"http://127.0.0.1:{dead_port()}", routing=FAST_ROUTING,
+    config = guard_config(f"http://127.0.0.1:{free_port()}", routing=FAST_ROUTING,  # nothing listens there
                           fallbacks=[{"name": "small", "url": f"http://127.0.0.1:{hung.getsockname()[1]}"}],
                           upstream={"connect_timeout": connect_timeout})
     try:
@@ -95,8 +96,7 @@ async def test_03_refused_before_any_byte_makes_one_attempt_on_the_next_backend(
                                                                                  engine: ServerThread) -> None:
     tally = Tally()
     config = guard_config(fake.url, fallbacks=[{"name": "small", "url": engine.url}])
-    with GuardThread(config) as guard:
-        await until(lambda: guard.call(guard.state.primary_up), bool, 5)
+    async with ready_guard(config) as guard:
         client = Client(guard.url, tally)
         sent_before = fake.received["/v1/completions"]
         fake.refuse_after_tokenize()
@@ -110,9 +110,9 @@ async def test_03_refused_before_any_byte_makes_one_attempt_on_the_next_backend(
         await assert_nothing_lost(guard, tally, [fake, engine])
 
     tally = Tally()
-    config = guard_config(fake.url, fallbacks=[{"name": "small", "url": f"http://127.0.0.1:{dead_port()}"}])
-    with GuardThread(config) as guard:
-        await until(lambda: guard.call(guard.state.primary_up), bool, 5)
+    refusing = f"http://127.0.0.1:{free_port()}"  # nothing listens on a free port
+    config = guard_config(fake.url, fallbacks=[{"name": "small", "url": refusing}])
+    async with ready_guard(config) as guard:
         client = Client(guard.url, tally)
         fake.refuse_after_tokenize()
         try:
@@ -177,8 +177,7 @@ async def test_06_slow_reader_is_bounded_does_not_slow_others_and_is_dropped(fak
     dropped after ``client_stall_timeout``, which closes its upstream connection."""
     stall_timeout = 2.0
     tally = Tally()
-    with GuardThread(guard_config(fake.url, upstream={"client_stall_timeout": stall_timeout})) as guard:
-        await until(lambda: guard.call(guard.state.primary_up), bool, 5)
+    async with ready_guard(guard_config(fake.url, upstream={"client_stall_timeout": stall_timeout})) as guard:
         client = Client(guard.url, tally, key="sk-globex")
 
         async def latencies() -> list[float]:
@@ -215,8 +214,7 @@ async def test_07_slow_first_token_gives_504_and_a_long_steady_stream_is_not_cut
     byte and the gap between two reads."""
     tally = Tally()
     config = guard_config(fake.url, upstream={"first_token_timeout": 0.5, "idle_timeout": 0.5})
-    with GuardThread(config) as guard:
-        await until(lambda: guard.call(guard.state.primary_up), bool, 5)
+    async with ready_guard(config) as guard:
         client = Client(guard.url, tally)
         for stream in (True, False):
             started_at = time.monotonic()
@@ -236,8 +234,7 @@ async def test_07_slow_first_token_gives_504_and_a_long_steady_stream_is_not_cut
 async def test_08_garbage_or_html_from_upstream_is_a_502_in_the_openai_shape(fake: FaultUpstream,
                                                                             stream: bool) -> None:
     tally = Tally()
-    with GuardThread(guard_config(fake.url)) as guard:
-        await until(lambda: guard.call(guard.state.primary_up), bool, 5)
+    async with ready_guard(guard_config(fake.url)) as guard:
         client = Client(guard.url, tally)
         for fault in ({"kind": "html", "status": 200}, {"kind": "html", "status": 502}, {"kind": "garbage"},
                       {"kind": "not_http"}, {"kind": "truncated"}):
