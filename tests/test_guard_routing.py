@@ -34,7 +34,8 @@ def test_engine_killed_then_restarted(tmp_path) -> None:
         with ServerThread(num_blocks=128) as fallback_engine, GuardThread(guard_config(
                 primary.url, fallbacks=[{"name": "small", "url": fallback_engine.url}],
                 routing=ROUTING, admission={"telemetry_stale_s": 1.0})) as guard:
-            wait_for(lambda: guard.call(guard.state.primary_up), bool, 10)
+            # A fresh guard counts the engine as down until its first snapshot, then dwells before normal.
+            wait_for(lambda: guard.call(lambda: guard.state.modes.mode), lambda m: m == "normal", 15)
             long_stream = {"model": "tiny", "prompt": "long", "max_tokens": 1900, "stream": True,
                            "ignore_eos": True}
 
@@ -93,7 +94,7 @@ def test_saturation_sends_sheddable_lanes_to_the_fallback(engines) -> None:
     config = guard_config(primary.url, tenants=tenants, routing=ROUTING,
                           fallbacks=[{"name": "small", "url": fallback.url}])
     with GuardThread(config) as guard:
-        wait_for(lambda: guard.call(guard.state.primary_up), bool, 10)
+        wait_for(lambda: guard.call(lambda: guard.state.modes.mode), lambda m: m == "normal", 15)
         bulk_body = {"model": "tiny", "prompt": "b" * 40, "max_tokens": 120, "ignore_eos": True}
 
         async def scenario() -> tuple[list, list]:
