@@ -125,20 +125,9 @@ class ModelRunner:
         return HostBatch(input_ids, positions, slots, padded, query_lens, seq_lens, logits_indices)
 
     def _device_inputs(self, batch: HostBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        cu = [0]
-        for n in batch.query_lens:
-            cu.append(cu[-1] + n)
         dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(batch.slot_mapping, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor(batch.block_tables, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(cu, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(batch.seq_lens, dtype=torch.int32, device=dev),
-            query_lens_cpu=batch.query_lens,
-            seq_lens_cpu=batch.seq_lens,
-            max_query_len=batch.max_query_len,
-            max_seq_len=max(batch.seq_lens),
-        )
+        meta = AttentionMetadata.from_host(batch.slot_mapping, batch.block_tables, batch.query_lens, batch.seq_lens,
+                                           dev)
         return (
             torch.tensor(batch.input_ids, dtype=torch.int64, device=dev),
             torch.tensor(batch.positions, dtype=torch.int64, device=dev),

@@ -58,19 +58,9 @@ def test_paged_attention_matches_dense(group: int, seed: int) -> None:
         queries.append(torch.randn(new, num_heads, HEAD_DIM, generator=generator))
         slots.append(seq_slots[cached:])
 
-    max_blocks = max(len(t) for t in tables)
     query_lens = [new for _, new in SEQUENCES]
     seq_lens = [cached + new for cached, new in SEQUENCES]
-    meta = AttentionMetadata(
-        slot_mapping=torch.cat(slots),
-        block_tables=torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32),
-        query_start_loc=torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        query_lens_cpu=query_lens,
-        seq_lens_cpu=seq_lens,
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-    )
+    meta = AttentionMetadata.from_host(torch.cat(slots).tolist(), tables, query_lens, seq_lens)
     new_keys = torch.cat([k[cached:] for k, (cached, _) in zip(keys, SEQUENCES)])
     new_values = torch.cat([v[cached:] for v, (cached, _) in zip(values, SEQUENCES)])
     backend.store_kv(new_keys, new_values, kv_cache, meta.slot_mapping)

@@ -60,18 +60,8 @@ def paged_batch(
         slots += [blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(cached, total)]
         query_lens.append(new)
         seq_lens.append(total)
-    width = max(len(t) for t in tables)
     num_tokens = sum(query_lens)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        query_start_loc=torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        query_lens_cpu=query_lens,
-        seq_lens_cpu=seq_lens,
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-    )
+    meta = AttentionMetadata.from_host(slots, tables, query_lens, seq_lens)
     query = torch.randn(num_tokens, NUM_KV_HEADS * group, head_dim, generator=generator).to(dtype)
     new_key = torch.randn(num_tokens, NUM_KV_HEADS, head_dim, generator=generator).to(dtype)
     new_value = torch.randn(num_tokens, NUM_KV_HEADS, head_dim, generator=generator).to(dtype)

@@ -35,3 +35,25 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+    @classmethod
+    def from_host(
+        cls, slot_mapping: list[int], block_tables: list[list[int]], query_lens: list[int], seq_lens: list[int],
+        device: torch.device | str = "cpu",
+    ) -> AttentionMetadata:
+        """Build a step's metadata from host lists: pads block tables with 0, derives cu_seqlens and maxima."""
+        width = max(len(t) for t in block_tables)
+        query_start_loc = [0]
+        for n in query_lens:
+            query_start_loc.append(query_start_loc[-1] + n)
+        return cls(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32,
+                                      device=device),
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+        )
