@@ -135,13 +135,21 @@ def test_malformed_json_wrong_type_and_too_large(guard: GuardThread) -> None:
 
 
 def test_spoofed_tenant_and_salt_are_ignored(guard: GuardThread, engine: ServerThread) -> None:
+    def generated(tenant: str) -> int:
+        return engine.telemetry()["tenants"].get(tenant, {}).get("generation_tokens_total", 0)
+
+    before = {tenant: generated(tenant) for tenant in ("globex", "acme")}
     sdk = client(guard, key="sk-globex")
     raw = sdk.completions.with_raw_response.create(
         model="tiny", prompt="spoof", max_tokens=3, user="acme",
         extra_headers={"X-Tenant-Id": "acme", "X_Tenant_Id": "acme", "X-Guard-Tenant": "acme"},
         extra_body={"cache_salt": "acme-salt", "priority": -100})
     assert raw.headers["X-Guard-Tenant"] == "globex"
-    assert engine.telemetry()["tenants"]["globex"]["generation_tokens_total"] >= 3
+    # The tiny model may sample EOS early, so compare with what this completion reports.
+    completion_tokens = raw.parse().usage.completion_tokens
+    assert completion_tokens >= 1
+    assert generated("globex") - before["globex"] == completion_tokens
+    assert generated("acme") == before["acme"]
 
 
 def test_engine_down_gives_503_with_retry_after() -> None:
