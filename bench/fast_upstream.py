@@ -7,7 +7,8 @@ relayed bodies can be compared byte for byte.
 - ``GET /health``: 200 (the guard's health checks feed its circuit breaker).
 - ``GET /telemetry/stream``: SSE of ``TelemetrySnapshot`` JSON, 20 per second (the engine's cadence while
   busy), with a pool so large that admission never waits.
-- ``POST /tokenize``: ``{"count", "max_model_len", "tokens"}``, one token per prompt byte.
+- ``GET /tokenizer``: a byte tokenizer (one token per prompt byte), which the guard then runs itself;
+  ``POST /tokenize``: ``{"count", "max_model_len", "tokens"}`` counted the same way, for clients that ask.
 - ``POST /v1/completions``: non-streaming, one JSON completion of ``max_tokens`` tokens; streaming,
   ``max_tokens`` token events then ``data: [DONE]``, each event written on its own, ``interval_ms``
   (a body field the proxies pass through untouched) apart: 0 sends them back to back.
@@ -25,7 +26,8 @@ import time
 
 from aiohttp import web
 
-from engine.protocol import TelemetrySnapshot
+from engine.chat_template import DEFAULT_TEMPLATE
+from engine.protocol import TelemetrySnapshot, TokenizerInfo
 
 NUM_BLOCKS = 1 << 24  # admission never limits
 MAX_MODEL_LEN = 1 << 20
@@ -70,6 +72,11 @@ async def telemetry_stream(request: web.Request) -> web.StreamResponse:
         return response
 
 
+async def tokenizer(_: web.Request) -> web.Response:
+    info = TokenizerInfo(model="tiny", max_model_len=MAX_MODEL_LEN, kind="bytes", chat_template=DEFAULT_TEMPLATE)
+    return web.Response(text=info.model_dump_json(), content_type="application/json")
+
+
 async def tokenize(request: web.Request) -> web.Response:
     body = await request.json()
     count = len(str(body.get("prompt", "")).encode())
@@ -97,6 +104,7 @@ def create_app() -> web.Application:
     app = web.Application()
     app.router.add_get("/health", health)
     app.router.add_get("/telemetry/stream", telemetry_stream)
+    app.router.add_get("/tokenizer", tokenizer)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/v1/completions", completions)
     return app

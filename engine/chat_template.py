@@ -45,8 +45,7 @@ class ChatTemplate:
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         self._template = env.from_string(source)
-        self._bos_token = bos_token
-        self._eos_token = eos_token
+        self.source, self.bos_token, self.eos_token = source, bos_token, eos_token  # what rebuilds it elsewhere
 
     @classmethod
     def for_model(cls, model: str) -> ChatTemplate:
@@ -74,7 +73,7 @@ class ChatTemplate:
         ]
         try:
             return self._template.render(messages=conversation, add_generation_prompt=True,
-                                         bos_token=self._bos_token, eos_token=self._eos_token)
+                                         bos_token=self.bos_token, eos_token=self.eos_token)
         except TemplateError as exc:
             raise ChatTemplateError(f"messages: the model's chat template rejected them: {exc}") from None
 

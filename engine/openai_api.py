@@ -1,5 +1,6 @@
 """The OpenAI-compatible endpoints ``/v1/completions`` and ``/v1/chat/completions``, streamed or not, and
-``/tokenize``, which counts a prompt the way those endpoints would.
+``/tokenize``, which counts a prompt the way those endpoints would, and ``/tokenizer``, which hands out what
+``/tokenize`` counts with.
 
 A request is validated completely (pydantic, the model name, then the engine's own checks in
 ``make_request``) before it reaches the scheduler, so a 400 leaves the engine untouched. Once added, the
@@ -42,12 +43,14 @@ from engine.protocol import (
     SamplingRequest,
     TokenizeRequest,
     TokenizeResponse,
+    TokenizerInfo,
     Usage,
 )
 from engine.request_stream import EngineUnavailable, RequestFailed
 from engine.sampling_params import SamplingParams
 from engine.sched.request import Request
 from engine.sse import DONE, open_stream, send_data, send_error
+from engine.tokenizer import ByteTokenizer, HFTokenizer
 
 TENANT_HEADER = "X-Tenant-Id"
 MAX_TENANT_LENGTH = 128
@@ -104,6 +107,20 @@ class OpenAIHandlers:
             ids = core.tokenizer.encode(prompt)
         answer = TokenizeResponse(count=len(ids), max_model_len=core.max_model_len, tokens=ids)
         return web.Response(text=answer.model_dump_json(), content_type="application/json")
+
+    async def tokenizer(self, _: web.Request) -> web.Response:
+        """``GET /tokenizer``: the tokenizer and chat template ``/tokenize`` uses, so that a client (the guard)
+        can count prompts itself and save a round trip per request."""
+        core = self.engine.core
+        template = self.chat_template
+        info = TokenizerInfo(model=core.model_name, max_model_len=core.max_model_len, kind="none",
+                             chat_template=template.source, bos_token=template.bos_token,
+                             eos_token=template.eos_token)
+        if isinstance(core.tokenizer, ByteTokenizer):
+            info.kind = "bytes"
+        elif isinstance(core.tokenizer, HFTokenizer):
+            info.kind, info.tokenizer_json = "hf", core.tokenizer.to_json()
+        return web.Response(text=info.model_dump_json(), content_type="application/json")
 
     def _core_for(self, model: str) -> EngineCore:
         core = self.engine.core

@@ -214,6 +214,22 @@ class TokenizeResponse(BaseModel):
     tokens: list[int]
 
 
+class TokenizerInfo(BaseModel):
+    """``GET /tokenizer``: all a client needs to count prompts exactly as ``/tokenize`` does, without asking.
+
+    ``kind`` is ``bytes`` (UTF-8 bytes are the ids), ``hf`` (``tokenizer_json`` is a whole ``tokenizer.json``)
+    or ``none`` (the model has no tokenizer: prompts must be token ids, and chat is refused).
+    """
+
+    model: str
+    max_model_len: int
+    kind: Literal["bytes", "hf", "none"]
+    tokenizer_json: str | None = None
+    chat_template: str
+    bos_token: str = ""
+    eos_token: str = ""
+
+
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0  # prompt tokens served by the prefix cache
 

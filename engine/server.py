@@ -1,6 +1,6 @@
 """The engine's HTTP server: the aiohttp app, its telemetry endpoints, and its lifecycle.
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /tokenize`` (``openai_api``),
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /tokenize``, ``GET /tokenizer`` (``openai_api``),
 ``GET /v1/models``, ``GET /health`` (200 ready, 503 loading/degraded/failed/stopped), ``GET /telemetry``
 (one snapshot), ``GET /telemetry/stream`` (SSE snapshots) and ``GET /metrics`` (Prometheus).
 
@@ -48,6 +48,7 @@ def create_app(engine: AsyncEngine) -> web.Application:
     app.router.add_post("/v1/completions", openai.completions)
     app.router.add_post("/v1/chat/completions", openai.chat_completions)
     app.router.add_post("/tokenize", openai.tokenize)
+    app.router.add_get("/tokenizer", openai.tokenizer)
     app.router.add_get("/v1/models", telemetry.models)
     app.router.add_get("/health", telemetry.health)
     app.router.add_get("/telemetry", telemetry.snapshot)

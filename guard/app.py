@@ -26,7 +26,8 @@ from guard.relay import SHUTTING_DOWN, Relay
 from guard.routing import CircuitBreaker, ModeMachine, Router
 from guard.state import REQUEST_ID, STATE, TENANT, GuardState
 from guard.telemetry import TelemetrySubscriber
-from guard.validate import Invalid, TokenCounter
+from guard.tokens import TokenCounter
+from guard.validate import Invalid
 
 log = logging.getLogger("guard")
 
@@ -120,6 +121,7 @@ async def _start(app: web.Application) -> None:
     state.counter = TokenCounter(state.session, state.config.engine.url, state.config.upstream.connect_timeout)
 
     def on_snapshot(snapshot: TelemetrySnapshot) -> None:
+        state.counter.on_model(snapshot.model)
         state.gate.update(snapshot)
         state.detector.on_telemetry(snapshot)
         state.dispatcher.pump()

@@ -17,7 +17,7 @@ from guard.metrics import MODES, GuardMetrics
 from guard.relay import Relay
 from guard.routing import CircuitBreaker, ModeMachine, Router
 from guard.telemetry import TelemetrySubscriber
-from guard.validate import TokenCounter
+from guard.tokens import TokenCounter
 
 
 @dataclass(slots=True)

@@ -2,10 +2,9 @@
 
 The body is read with a hard size cap (413), must be JSON of the right content type and pass the engine's
 own pydantic request models (400 with ``param`` naming the field: ``Content-Type`` or ``body`` when the
-fault is not in one field, so that every 400 points somewhere). The prompt is counted by the engine's
-tokenizer (``POST /tokenize`` on the engine, chat template included), so the guard never loads a model, and
-prompt plus ``max_tokens`` is checked against the context window. Client-sent ``cache_salt``, ``priority``
-and tenant hints are dropped: the guard sets them from the tenant.
+fault is not in one field, so that every 400 points somewhere); guard/tokens.py then counts the prompt and
+checks it against the context window. Client-sent ``cache_salt``, ``priority`` and tenant hints are dropped:
+the guard sets them from the tenant.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-import aiohttp
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
@@ -99,43 +97,3 @@ async def parse_request(request: web.Request, max_body_bytes: int) -> ParsedRequ
         param, message = protocol.validation_error_param(exc)
         raise Invalid(400, message, param=param, code="invalid_value") from None
     return ParsedRequest(request.path, body, model)
-
-
-@dataclass(slots=True)
-class TokenLimits:
-    prompt_tokens: int
-    max_tokens: int  # what the request may generate: the client's bound, or what the context leaves
-
-
-class TokenCounter:
-    """Counts prompt tokens with the engine's tokenizer and checks them against its context window."""
-
-    def __init__(self, session: aiohttp.ClientSession, engine_url: str, timeout_s: float) -> None:
-        self.session = session
-        self.url = engine_url.rstrip("/") + "/tokenize"
-        self.timeout = aiohttp.ClientTimeout(total=timeout_s * 2)
-
-    async def count(self, parsed: ParsedRequest) -> TokenLimits:
-        query = {key: parsed.body[key] for key in ("model", "prompt", "messages") if key in parsed.body}
-        try:
-            async with self.session.post(self.url, json=query, timeout=self.timeout) as response:
-                answer = await response.json(content_type=None)
-        except (aiohttp.ClientError, TimeoutError, ValueError):
-            raise Invalid(503, "the engine is unavailable", code="engine_unavailable", retry_after=1) from None
-        if response.status != 200:
-            error = answer.get("error", {}) if isinstance(answer, dict) else {}
-            raise Invalid(response.status if response.status < 500 else 503,
-                          error.get("message", "the engine could not tokenize the prompt"),
-                          param=error.get("param"), code=error.get("code"))
-        prompt, window = int(answer["count"]), int(answer["max_model_len"])
-        prompt_field = "messages" if "messages" in parsed.body else "prompt"
-        if prompt >= window:
-            raise Invalid(400, f"the prompt has {prompt} tokens; the context window is {window}",
-                          param=prompt_field, code="context_length_exceeded")
-        room = window - prompt
-        requested = parsed.max_tokens
-        if requested is not None and requested > room:
-            raise Invalid(400, f"{parsed.max_tokens_field} {requested} plus the {prompt}-token prompt exceeds the "
-                          f"context window of {window} tokens", param=parsed.max_tokens_field,
-                          code="context_length_exceeded")
-        return TokenLimits(prompt, requested if requested is not None else room)

@@ -4,7 +4,7 @@ from engine.model.config import ModelConfig
 from engine.model.detokenizer import IncrementalDetokenizer
 from engine.model.errors import ModelLoadError
 from engine.model.loader import LoadedModel, load_model
-from engine.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 __all__ = [
     "ByteTokenizer",

@@ -1,4 +1,7 @@
-"""Tokenizers: the protocol the engine uses, a byte tokenizer for the built-in model, and an HF wrapper."""
+"""Tokenizers: the protocol the engine uses, a byte tokenizer for the built-in model, and an HF wrapper.
+
+No torch here: the guard builds the same tokenizers from the engine's ``GET /tokenizer`` to count prompts.
+"""
 
 from __future__ import annotations
 
@@ -92,3 +95,7 @@ class HFTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def to_json(self) -> str:
+        """The whole tokenizer as ``tokenizer.json`` text: ``tokenizers.Tokenizer.from_str`` rebuilds it exactly."""
+        return self._tokenizer.to_str()

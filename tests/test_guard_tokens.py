@@ -1,0 +1,126 @@
+"""The guard counts prompts itself with the tokenizer the engine hands out (``GET /tokenizer``): its counts
+must equal the engine's own ``POST /tokenize``, for the built-in byte tokenizer and for a checkpoint with a
+``tokenizer.json`` and a chat template of its own."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import aiohttp
+import pytest
+import tokenizers
+import transformers
+from engine_server import ServerThread, request
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_model_hf import SMALL, save_hf_model
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from engine.protocol import CompletionRequest, TokenizerInfo
+from guard.tokens import LocalTokenizer, TokenCounter
+from guard.validate import MODELS, Invalid, ParsedRequest
+
+CORPUS = ["The quick brown fox jumps over the lazy dog.", "Grüße aus München 🙂", "def f(x):\n    return x\n"] * 30
+# A template unlike the default: special tokens, a system prefix and a role check that can refuse.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m.role == 'tool' %}{{ raise_exception('no tools here') }}{% endif %}"
+    "<|{{ m.role }}|>{{ m.content }}{{ eos_token }}{% endfor %}<|assistant|>"
+)
+ROLES = st.sampled_from(["system", "user", "assistant"])
+TEXT = st.text(st.characters(codec="utf-8"), max_size=60)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("bpe-model")
+    save_hf_model(transformers.Qwen2Config, dict(SMALL, vocab_size=512), directory)
+    tokenizer = tokenizers.Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator(CORPUS, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": CHAT_TEMPLATE, "bos_token": "<s>", "eos_token": {"content": "</s>"}}))
+    return directory
+
+
+@pytest.fixture(scope="module", params=["tiny", "bpe"])
+def engine(request: pytest.FixtureRequest, checkpoint: Path):
+    model = "tiny" if request.param == "tiny" else str(checkpoint)
+    with ServerThread(model=model, num_blocks=64) as server:
+        yield server
+
+
+def tokenizer_info(engine: ServerThread) -> TokenizerInfo:
+    status, body = request(engine.url + "/tokenizer")
+    assert status == 200
+    return TokenizerInfo.model_validate_json(body)
+
+
+def parsed(path: str, body: dict) -> ParsedRequest:
+    return ParsedRequest(path, body, MODELS[path].model_validate(body))
+
+
+def engine_count(engine: ServerThread, body: dict) -> tuple[int, dict]:
+    query = {key: body[key] for key in ("model", "prompt", "messages") if key in body}
+    status, answer = request(engine.url + "/tokenize", json.dumps(query).encode())
+    return status, json.loads(answer)
+
+
+def test_the_engine_hands_out_its_tokenizer(engine: ServerThread, checkpoint: Path) -> None:
+    info = tokenizer_info(engine)
+    assert info.max_model_len == engine.core.max_model_len and info.model == engine.core.model_name
+    if info.model == "tiny":
+        assert info.kind == "bytes" and info.tokenizer_json is None
+    else:
+        assert info.kind == "hf" and json.loads(info.tokenizer_json) == json.loads(
+            (checkpoint / "tokenizer.json").read_text())
+        assert (info.chat_template, info.bos_token, info.eos_token) == (CHAT_TEMPLATE, "<s>", "</s>")
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompt=TEXT.filter(bool), messages=st.lists(st.tuples(ROLES, TEXT), min_size=1, max_size=4))
+def test_local_counts_equal_the_engines(engine: ServerThread, prompt: str, messages: list) -> None:
+    local = LocalTokenizer(tokenizer_info(engine))
+    model = local.model
+    completion = {"model": model, "prompt": prompt}
+    chat = {"model": model, "messages": [{"role": role, "content": text} for role, text in messages]}
+    for path, body in (("/v1/completions", completion), ("/v1/chat/completions", chat)):
+        status, answer = engine_count(engine, body)
+        assert status == 200, answer
+        assert local.count(parsed(path, body)) == answer["count"] == len(answer["tokens"])
+
+
+def test_refusals_match_the_engines(engine: ServerThread) -> None:
+    local = LocalTokenizer(tokenizer_info(engine))
+    wrong_model = {"model": "another-model", "prompt": "hi"}
+    refused = {"model": local.model, "messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}
+    cases = [("/v1/completions", wrong_model)]
+    if local.model != "tiny":  # only the checkpoint's template refuses a role
+        cases.append(("/v1/chat/completions", refused))
+    for path, body in cases:
+        status, answer = engine_count(engine, body)
+        with pytest.raises(Invalid) as info:
+            local.count(parsed(path, body))
+        error = answer["error"]
+        assert (info.value.status, info.value.message, info.value.param, info.value.code) == (
+            status, error["message"], error["param"], error["code"])
+
+
+async def test_a_model_change_fetches_the_tokenizer_again(engine: ServerThread) -> None:
+    async with aiohttp.ClientSession() as session:
+        counter = TokenCounter(session, engine.url, timeout_s=5)
+        body = {"model": engine.core.model_name, "prompt": "count me", "max_tokens": 4}
+        request_ = ParsedRequest("/v1/completions", body, CompletionRequest.model_validate(body))
+        limits = await counter.count(request_)
+        assert counter.local is not None and limits.max_tokens == 4
+        assert limits.prompt_tokens == engine_count(engine, body)[1]["count"]
+        counter.on_model(engine.core.model_name)
+        assert counter.local is not None, "the same model keeps its tokenizer"
+        counter.on_model("a-new-model")
+        assert counter.local is None
+        await counter.count(request_)
+        assert counter.local is not None and counter.local.model == engine.core.model_name
