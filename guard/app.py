@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
-import uuid
 
 import aiohttp
 from aiohttp import web
@@ -35,7 +35,7 @@ log = logging.getLogger("guard")
 @web.middleware
 async def identify(request: web.Request, handler) -> web.StreamResponse:
     """Stamp every response, errors included, with the request id and the tenant; count what is in flight."""
-    request[REQUEST_ID] = request_id = f"req-{uuid.uuid4().hex[:16]}"
+    request[REQUEST_ID] = request_id = f"req-{os.urandom(8).hex()}"  # uuid4 costs twice as much
     state = request.app[STATE]
     state.in_flight += 1
     try:

@@ -98,6 +98,8 @@ class Dispatcher:
             self._dequeue(ticket)  # max_queue counts waiting requests: one admitted at once never waited
             raise Rejected(429, "queue_full", f"tenant {ticket.tenant.name!r} already has {len(queue)} requests "
                            f"queued (max_queue {ticket.tenant.max_queue})", self.gate.retry_after(self.blocks_queued()))
+        if ticket.state is TicketState.ADMITTED:
+            return  # admitted at once, as most are while the pool has room: no deadline to arm
         try:
             await asyncio.wait_for(asyncio.shield(ticket.admitted), ticket.lane.timeout)
         except TimeoutError:
@@ -147,11 +149,10 @@ class Dispatcher:
         """Fail every queued ticket with ``reason``, and every later one (shutdown); admitted ones run on."""
         self.closed = reason
         for queue in self.fair.tenants.values():
-            for lane in queue.lanes.values():
-                while lane:
-                    ticket = lane.popleft()
-                    ticket.state = TicketState.DONE
-                    ticket.admitted.set_exception(reason)
+            while len(queue):
+                ticket = self.fair.pop(queue)
+                ticket.state = TicketState.DONE
+                ticket.admitted.set_exception(reason)
 
     def _dequeue(self, ticket: Ticket) -> None:
         if ticket.state is TicketState.QUEUED and self.fair.remove(self.queue_of(ticket.tenant),

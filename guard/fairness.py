@@ -31,9 +31,10 @@ class TenantQueue(Generic[Item]):
     counter: float = 0.0  # virtual token counter: service / weight, lifted after idling
     service: float = 0.0  # input + 2 * output tokens actually served, never lifted
     lanes: dict[int, deque[Item]] = field(default_factory=dict)  # lane priority -> FIFO
+    queued: int = 0  # items in all lanes; changed only by FairQueue's push, pop and remove
 
     def __len__(self) -> int:
-        return sum(len(q) for q in self.lanes.values())
+        return self.queued
 
     def head(self) -> Item | None:
         for priority in sorted(self.lanes):
@@ -62,6 +63,7 @@ class FairQueue(Generic[Item]):
             if counters:
                 tenant.counter = max(tenant.counter, min(counters))  # the idle-lift rule
         tenant.lanes.setdefault(lane_priority, deque()).append(item)
+        tenant.queued += 1
 
     def remove(self, tenant: TenantQueue[Item], lane_priority: int, item: Item) -> bool:
         """Drop a queued item (its client left, or its deadline passed). False if it was not queued."""
@@ -69,6 +71,7 @@ class FairQueue(Generic[Item]):
         if lane is None or item not in lane:
             return False
         lane.remove(item)
+        tenant.queued -= 1
         return True
 
     def next_tenant(self) -> TenantQueue[Item] | None:
@@ -78,6 +81,7 @@ class FairQueue(Generic[Item]):
     def pop(self, tenant: TenantQueue[Item]) -> Item:
         for priority in sorted(tenant.lanes):
             if tenant.lanes[priority]:
+                tenant.queued -= 1
                 return tenant.lanes[priority].popleft()
         raise IndexError(f"tenant {tenant.name!r} has nothing queued")
 

@@ -80,11 +80,12 @@ async def parse_request(request: web.Request, max_body_bytes: int) -> ParsedRequ
     if request.content_type != "application/json":
         raise Invalid(400, f"Content-Type must be application/json, got {request.content_type!r}",
                       param="Content-Type", code="invalid_content_type")
-    raw = bytearray()
-    async for chunk in request.content.iter_chunked(64 * 1024):
-        raw += chunk
-        if len(raw) > max_body_bytes:
-            raise Invalid(413, f"request body exceeds the {max_body_bytes}-byte limit", code="request_too_large")
+    try:
+        raw = await request.read()  # aiohttp stops reading past client_max_size, just above max_body_bytes
+    except web.HTTPRequestEntityTooLarge:
+        raw = None
+    if raw is None or len(raw) > max_body_bytes:
+        raise Invalid(413, f"request body exceeds the {max_body_bytes}-byte limit", code="request_too_large")
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
