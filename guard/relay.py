@@ -156,7 +156,11 @@ class Relay:
                                     "upstream_error", headers)
             response = web.StreamResponse(status=200, headers={
                 **headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-            await response.prepare(client)
+            try:
+                await response.prepare(client)
+            except ConnectionError:  # the client left while the first token was on its way
+                observer.client_gone = True
+                return response
             chunk = first
             try:
                 while chunk:
