@@ -116,7 +116,10 @@ async def _start(app: web.Application) -> None:
     state = app[STATE]
     # Far above anything the admission gate lets through, so the connector never becomes a second queue.
     connector = aiohttp.TCPConnector(limit=4096, limit_per_host=0, enable_cleanup_closed=True)
-    state.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+    # No cookie jar: cookies an engine sets must never be stored and sent with another tenant's request
+    # (and a jar costs a lookup per request).
+    state.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
+                                          cookie_jar=aiohttp.DummyCookieJar())
     state.relay = Relay(state.session, state.config.upstream)
     state.counter = TokenCounter(state.session, state.config.engine.url, state.config.upstream.connect_timeout)
 

@@ -21,6 +21,7 @@ token events then ``[DONE]`` (streamed) or one completion (unary):
 - ``{"kind": "garbage"}``: random bytes labelled ``application/json``.
 - ``{"kind": "not_http"}``: bytes that are not an HTTP response at all, then the connection closes.
 - ``{"kind": "truncated"}``: a JSON answer whose connection closes halfway through the promised body.
+- ``{"kind": "set_cookie", "value": V}``: a normal unary answer that also sets the cookie ``session=V``.
 
 ``refuse_after_tokenize()`` closes the listening socket right after the next ``/tokenize`` answer (open
 connections, the telemetry stream among them, stay up), so the completion that follows is refused before a
@@ -213,7 +214,8 @@ class FaultUpstream:
             await asyncio.sleep(fault["seconds"])
         if not body.get("stream"):
             tokens = int(body.get("max_tokens") or 16)
-            return web.json_response({
+            headers = {"Set-Cookie": f"session={fault['value']}; Path=/"} if kind == "set_cookie" else None
+            return web.json_response(headers=headers, data={
                 "id": "cmpl-fake", "object": "text_completion", "created": 0, "model": "tiny",
                 "choices": [{"index": 0, "text": "".join(f" t{i}" for i in range(tokens)), "logprobs": None,
                              "finish_reason": "length"}],

@@ -242,3 +242,18 @@ async def test_08_garbage_or_html_from_upstream_is_a_502_in_the_openai_shape(fak
             assert_openai_error(answer, 502)
             assert answer.headers["X-Guard-Tenant"] == "acme"
         await assert_nothing_lost(guard, tally, [fake])
+
+
+async def test_cookies_an_upstream_sets_never_reach_another_request(fake: FaultUpstream) -> None:
+    """The guard keeps no cookie jar: an engine's Set-Cookie for one tenant must not ride along with the
+    next request, which may be another tenant's."""
+    tally = Tally()
+    # By name: a cookie jar refuses cookies from a bare IP address, which would make this test pass anyway.
+    async with ready_guard(guard_config(fake.url.replace("127.0.0.1", "localhost"))) as guard:
+        client = Client(guard.url, tally)
+        answer = await client.call(completion(fault={"kind": "set_cookie", "value": "acme-secret"}))
+        assert answer.status == 200
+        answer = await client.call(completion(), key="sk-globex")
+        assert answer.status == 200 and answer.headers["X-Guard-Tenant"] == "globex"
+        assert "Cookie" not in fake.headers[-1] and "acme-secret" not in str(fake.headers[-1])
+        await assert_nothing_lost(guard, tally, [fake])
