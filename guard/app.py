@@ -114,6 +114,7 @@ def create_app(config: GuardConfig) -> web.Application:
 
 async def _start(app: web.Application) -> None:
     state = app[STATE]
+    state.started_at = time.monotonic()
     # Far above anything the admission gate lets through, so the connector never becomes a second queue.
     connector = aiohttp.TCPConnector(limit=4096, limit_per_host=0, enable_cleanup_closed=True)
     # No cookie jar: cookies an engine sets must never be stored and sent with another tenant's request
@@ -126,11 +127,13 @@ async def _start(app: web.Application) -> None:
     def on_snapshot(snapshot: TelemetrySnapshot) -> None:
         state.counter.on_model(snapshot.model)
         state.gate.update(snapshot)
+        state.heard_from_engine.set()
         state.detector.on_telemetry(snapshot)
         state.dispatcher.pump()
         state.update_mode()
 
     def on_failure() -> None:  # the telemetry stream cannot reach the engine: count it against the breaker
+        state.heard_from_engine.set()
         state.primary.record_failure()
         state.update_mode()
 

@@ -86,6 +86,7 @@ async def serve_primary(
     """Admission-controlled service on the primary. Raises ``UpstreamUnavailable`` when nothing was sent."""
     metrics = state.metrics
     assert state.counter is not None
+    await state.wait_while_starting()  # a guard that just started may not have heard from its engine yet
     try:
         limits = await state.counter.count(parsed)
         blocks = state.gate.blocks_for(limits.prompt_tokens, limits.max_tokens, parsed.n)

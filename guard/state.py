@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -38,13 +39,31 @@ class GuardState:
     subscriber: TelemetrySubscriber | None = None
     tasks: tuple[asyncio.Task, ...] = ()
     in_flight: int = 0  # requests whose handler is running (shutdown waits for them)
+    started_at: float = field(default_factory=time.monotonic)  # reset when the app starts serving
+    # Set by the engine's first snapshot, or by the first failure to reach its telemetry stream.
+    heard_from_engine: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def primary(self) -> CircuitBreaker:
         return self.breakers[self.config.engine.name]
 
+    def starting(self) -> bool:
+        """Neither a snapshot nor a failure yet, for less than ``telemetry_stale_s`` since start: the guard
+        has not had time to hear from its engine, which is not the same as an engine that went quiet."""
+        return (not self.heard_from_engine.is_set()
+                and time.monotonic() - self.started_at < self.config.admission.telemetry_stale_s)
+
     def primary_up(self) -> bool:
-        return self.primary.closed and self.gate.usable
+        return self.primary.closed and (self.gate.usable or self.starting())
+
+    async def wait_while_starting(self) -> None:
+        """While starting, hold a request until the guard hears from its engine (or the start is over)."""
+        remaining = self.started_at + self.config.admission.telemetry_stale_s - time.monotonic()
+        if not self.heard_from_engine.is_set() and remaining > 0:
+            try:
+                await asyncio.wait_for(self.heard_from_engine.wait(), remaining)
+            except TimeoutError:
+                pass  # still nothing: the caller finds no telemetry and treats the engine as unavailable
 
     def saturation(self) -> float:
         """Blocks committed plus blocks waiting in the guard's queues, over the pool (0 without telemetry)."""

@@ -33,8 +33,10 @@ def test_engine_killed_then_restarted(tmp_path) -> None:
     try:
         with ServerThread(num_blocks=128) as fallback_engine, GuardThread(guard_config(
                 primary.url, fallbacks=[{"name": "small", "url": fallback_engine.url}],
-                routing=ROUTING, admission={"telemetry_stale_s": 1.0})) as guard:
-            # A fresh guard counts the engine as down until its first snapshot, then dwells before normal.
+                routing=ROUTING, admission={"telemetry_stale_s": 3.0})) as guard:
+            # Stale after 3 s, not 1: an idle engine refreshes its snapshot only every second (REFRESH_S), so
+            # at 1 s a late refresh on a loaded machine took the primary for down and sent all three streams
+            # to the fallback. The kill is noticed by the breaker (dropped streams, failed health checks).
             wait_for(lambda: guard.call(lambda: guard.state.modes.mode), lambda m: m == "normal", 15)
             long_stream = {"model": "tiny", "prompt": "long", "max_tokens": 1900, "stream": True,
                            "ignore_eos": True}
@@ -118,3 +120,26 @@ def test_saturation_sends_sheddable_lanes_to_the_fallback(engines) -> None:
         assert json.loads(request(guard.url + "/health")[1])["status"] == "ok"
         wait_for(lambda: guard.call(lambda: guard.state.modes.mode), lambda m: m == "normal", 10)
         assert guard.call(lambda: not guard.state.gate.reservations)
+
+
+def test_a_fresh_guard_serves_its_first_request_on_the_primary() -> None:
+    """Not having heard from the engine yet is not an engine that went quiet: a request sent the moment the
+    guard listens waits for the first snapshot and goes to the primary, and the mode never leaves normal."""
+    with ServerThread(num_blocks=128) as engine, GuardThread(guard_config(
+            engine.url, fallbacks=[{"name": "static", "message": "busy"}], routing=ROUTING)) as guard:
+        status, headers, body = asyncio.run(stream_once(guard.url, {"model": "tiny", "prompt": "hi", "max_tokens": 2}))
+        assert status == 200 and "X-Guard-Route" not in headers, body
+        assert guard.call(lambda: guard.state.modes.mode) == "normal"
+        _, metrics = request(guard.url + "/metrics")
+        assert b"guard_mode_transitions_total{" not in metrics
+
+
+def test_a_guard_whose_engine_never_answers_degrades_once_its_start_is_over() -> None:
+    config = guard_config("http://127.0.0.1:9", fallbacks=[{"name": "static", "message": "busy"}],
+                          routing=ROUTING, admission={"telemetry_stale_s": 0.5})
+    with GuardThread(config) as guard:
+        started = time.monotonic()
+        status, headers, _ = asyncio.run(stream_once(guard.url, {"model": "tiny", "prompt": "hi", "max_tokens": 2}))
+        assert status == 200 and headers["X-Guard-Route"] == "static"
+        assert time.monotonic() - started < 2.0, "no request waits longer than the start"
+        wait_for(lambda: guard.call(lambda: guard.state.modes.mode), lambda m: m == "degraded", 2)
