@@ -98,6 +98,9 @@ class Upstream(Strict):
     connect_timeout: PositiveSeconds = 2.0
     first_token_timeout: PositiveSeconds = 60.0  # no byte from the engine for this long: 504
     idle_timeout: PositiveSeconds = 60.0  # between two reads of a running stream (never a total timeout)
+    # A non-streamed answer arrives whole when its generation ends, so its first byte comes that late: it is
+    # bounded by this instead of first_token_timeout.
+    unary_timeout: PositiveSeconds = 600.0
     client_stall_timeout: PositiveSeconds = 30.0  # a client that reads nothing for this long is dropped
 
 

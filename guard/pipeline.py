@@ -187,7 +187,7 @@ async def forward(
                "X-Request-Id": request[REQUEST_ID]}
     breaker = state.breakers[backend]
     try:
-        upstream = await state.relay.open(url.rstrip("/") + parsed.path, body, headers)
+        upstream = await state.relay.open(url.rstrip("/") + parsed.path, body, headers, parsed.stream)
     except UpstreamUnavailable:
         state.metrics.upstream_requests.labels(backend, "error").inc()
         raise
@@ -195,8 +195,9 @@ async def forward(
         state.metrics.upstream_requests.labels(backend, "error").inc()
         breaker.record_failure()
         if isinstance(exc, TimeoutError):  # as relay.stream says it when the headers came but no token
-            return state.relay.failure(504, "the engine sent no token within the first-token timeout",
-                                       "upstream_timeout"), "upstream_error"
+            message = ("the engine sent no token within the first-token timeout" if parsed.stream
+                       else "the engine did not answer within the unary timeout")
+            return state.relay.failure(504, message, "upstream_timeout"), "upstream_error"
         return state.relay.failure(502, f"the engine failed: {type(exc).__name__}", "upstream_error"), \
             "upstream_error"
     state.metrics.upstream_requests.labels(backend, str(upstream.status)).inc()

@@ -3,8 +3,9 @@
 Streams are copied chunk by chunk as they arrive (never buffered whole); reading the upstream waits for
 each write to the client, so a slow reader holds at most one chunk plus the socket buffers, and one that
 takes nothing for ``client_stall_timeout`` is reset (its stream ends, its blocks go back). Time limits:
-the first byte of the answer must come within ``first_token_timeout`` (else 504), each later read within
-``idle_timeout``; there is no total timeout, so a legitimate long stream is never cut. A stream that fails
+the first byte of a stream must come within ``first_token_timeout`` (else 504), each later read within
+``idle_timeout``; there is no total timeout, so a legitimate long stream is never cut. A non-streamed answer
+comes whole when its generation ends, so ``unary_timeout`` bounds it instead. A stream that fails
 after its first byte ends with an SSE ``error`` event and no ``[DONE]``; a client that leaves closes the
 upstream connection at once (the engine then aborts the request and frees its blocks). Once ``closing`` is
 set (shutdown), the failures that follow are the guard's own: 503 ``shutting_down``, not the engine's fault.
@@ -88,14 +89,19 @@ class Relay:
         self.config = config
         self.closing = False  # the guard is shutting down and drops its upstream connections itself
         self._open: set[aiohttp.ClientResponse] = set()  # answers being relayed, for close_all
-        self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout,
-                                             sock_read=config.idle_timeout)
+        self.stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout,
+                                                    sock_read=config.idle_timeout)
+        self.unary_timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout,
+                                                   sock_read=config.unary_timeout)
 
-    async def open(self, url: str, body: bytes, headers: dict[str, str]) -> aiohttp.ClientResponse:
-        """Send the request and wait for the answer's headers (within the first-token timeout)."""
+    async def open(self, url: str, body: bytes, headers: dict[str, str], stream: bool) -> aiohttp.ClientResponse:
+        """Send the request and wait for the answer's headers: within the first-token timeout for a stream,
+        within the unary timeout for an answer that comes whole once generated."""
+        first_byte, timeout = ((self.config.first_token_timeout, self.stream_timeout) if stream
+                               else (self.config.unary_timeout, self.unary_timeout))
         try:
-            async with asyncio.timeout(self.config.first_token_timeout):
-                upstream = await self.session.post(url, data=body, headers=headers, timeout=self.timeout)
+            async with asyncio.timeout(first_byte):
+                upstream = await self.session.post(url, data=body, headers=headers, timeout=timeout)
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
             # Refused, or not accepted within connect_timeout: no byte of the request left, so another
             # backend may take it (a hung host must not cost the client more than the connect budget).

@@ -213,14 +213,21 @@ async def test_07_slow_first_token_gives_504_and_a_long_steady_stream_is_not_cut
     stream lasts 3 s, six times either; what matters is that no timeout bounds the total, only the first
     byte and the gap between two reads."""
     tally = Tally()
-    config = guard_config(fake.url, upstream={"first_token_timeout": 0.5, "idle_timeout": 0.5})
+    config = guard_config(fake.url, upstream={"first_token_timeout": 0.5, "idle_timeout": 0.5, "unary_timeout": 2})
     async with ready_guard(config) as guard:
         client = Client(guard.url, tally)
-        for stream in (True, False):
-            started_at = time.monotonic()
-            answer = await client.call(completion(stream=stream, fault={"kind": "first_token_delay", "seconds": 3}))
-            assert_openai_error(answer, 504, "upstream_timeout")
-            assert time.monotonic() - started_at < 1.5
+        started_at = time.monotonic()
+        answer = await client.call(completion(stream=True, fault={"kind": "first_token_delay", "seconds": 3}))
+        assert_openai_error(answer, 504, "upstream_timeout")
+        assert time.monotonic() - started_at < 1.5
+        # A non-streamed answer comes whole when generated: past the first-token timeout is not too late...
+        answer = await client.call(completion(fault={"kind": "first_token_delay", "seconds": 1}))
+        assert answer.status == 200 and answer.json()["usage"]["completion_tokens"] == 16, answer
+        # ... but past the unary timeout is.
+        started_at = time.monotonic()
+        answer = await client.call(completion(fault={"kind": "first_token_delay", "seconds": 3}))
+        assert_openai_error(answer, 504, "upstream_timeout")
+        assert time.monotonic() - started_at < 2.8
         answer = await client.call(completion(stream=True, fault={"kind": "stall_after", "events": 3}))
         assert_stream_failed(answer)
         assert answer.body.startswith(b"".join(token_event(i) for i in range(3)))
