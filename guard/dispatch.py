@@ -148,11 +148,19 @@ class Dispatcher:
     def reject_all(self, reason: Rejected) -> None:
         """Fail every queued ticket with ``reason``, and every later one (shutdown); admitted ones run on."""
         self.closed = reason
-        for queue in self.fair.tenants.values():
-            while len(queue):
-                ticket = self.fair.pop(queue)
-                ticket.state = TicketState.DONE
-                ticket.admitted.set_exception(reason)
+        for name in self.fair.tenants:
+            self.reject_queued(name, reason)
+
+    def reject_queued(self, tenant: str, reason: Rejected) -> int:
+        """Fail the tenant's queued tickets with ``reason`` (admitted ones run on); returns how many."""
+        queue = self.fair.tenants[tenant]
+        rejected = 0
+        while len(queue):
+            ticket = self.fair.pop(queue)
+            ticket.state = TicketState.DONE
+            ticket.admitted.set_exception(reason)
+            rejected += 1
+        return rejected
 
     def _dequeue(self, ticket: Ticket) -> None:
         if ticket.state is TicketState.QUEUED and self.fair.remove(self.queue_of(ticket.tenant),

@@ -20,7 +20,16 @@ from guard.dispatch import Rejected, Ticket
 from guard.errors import error_response
 from guard.relay import StreamObserver, UpstreamUnavailable
 from guard.routing import Route
-from guard.state import REQUEST_ID, STATE, SUSPECT_MAX_TOKENS, TENANT, GuardState
+from guard.state import (
+    ABUSE_CODE,
+    ABUSE_MESSAGE,
+    ABUSE_RETRY_AFTER_S,
+    REQUEST_ID,
+    STATE,
+    SUSPECT_MAX_TOKENS,
+    TENANT,
+    GuardState,
+)
 from guard.static import static_response
 from guard.validate import Invalid, ParsedRequest, parse_request
 
@@ -104,8 +113,7 @@ async def serve_primary(
     suspicion = state.detector.state(tenant.name)
     if suspicion == "confirmed":
         metrics.requests.labels(*labels, "rejected_quota").inc()
-        return error_response(429, "requests from this key match a Fill-and-Squeeze attack pattern",
-                              code="abuse_suspected", retry_after=60)
+        return error_response(429, ABUSE_MESSAGE, code=ABUSE_CODE, retry_after=ABUSE_RETRY_AFTER_S)
     if suspicion == "suspect":  # escalate: fewer tokens, a smaller share of blocks, served last
         limits.max_tokens = min(limits.max_tokens, SUSPECT_MAX_TOKENS)
         blocks = state.gate.blocks_for(limits.prompt_tokens, limits.max_tokens, parsed.n) or blocks

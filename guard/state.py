@@ -13,7 +13,7 @@ from guard.admission import AdmissionGate
 from guard.auth import KeyStore
 from guard.config import GuardConfig, Tenant
 from guard.detector import STATES, Detector
-from guard.dispatch import Dispatcher
+from guard.dispatch import Dispatcher, Rejected
 from guard.metrics import MODES, GuardMetrics
 from guard.relay import Relay
 from guard.routing import CircuitBreaker, ModeMachine, Router
@@ -93,6 +93,8 @@ class GuardState:
         for tenant, _, new in self.detector.evaluate(dict(self.gate.reserved_by_tenant), self.gate.budget, waiting,
                                                      free_share):
             self.metrics.detections.labels(tenant, new).inc()
+            if new == "confirmed":  # what it had queued before is refused too, not only what comes next
+                self.dispatcher.reject_queued(tenant, Rejected(429, ABUSE_CODE, ABUSE_MESSAGE, ABUSE_RETRY_AFTER_S))
             if new == "normal":
                 self.dispatcher.block_caps.pop(tenant, None)
             else:
@@ -106,6 +108,10 @@ class GuardState:
 # this many output tokens, and it is served after every configured lane.
 SUSPECT_BLOCK_SHARE = 0.25
 SUSPECT_MAX_TOKENS = 256
+# A confirmed tenant's requests, queued or new, get 429 with this code and message.
+ABUSE_CODE = "abuse_suspected"
+ABUSE_MESSAGE = "requests from this key match a Fill-and-Squeeze attack pattern"
+ABUSE_RETRY_AFTER_S = 60
 
 STATE = web.AppKey("state", GuardState)
 REQUEST_ID = web.RequestKey("request_id", str)

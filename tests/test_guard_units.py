@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import textwrap
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,10 +15,12 @@ from hypothesis import strategies as st
 
 from engine.protocol import TelemetrySnapshot, TenantUsage
 from guard.admission import AdmissionGate
+from guard.app import create_app
 from guard.auth import KeyStore
 from guard.config import Admission, ConfigError, GuardConfig, load_config
 from guard.dispatch import Dispatcher, Rejected, Ticket, TicketState
 from guard.fairness import FairQueue
+from guard.state import STATE
 
 BASE = """
 engine: {url: "http://127.0.0.1:8100"}
@@ -267,3 +270,57 @@ async def test_another_tenants_backlog_does_not_get_a_newcomer_refused(tmp_path:
         task.cancel()
     await asyncio.gather(*backlog, return_exceptions=True)
     dispatcher.finish(newcomer)
+
+
+async def test_a_tenants_queue_can_be_refused_alone(tmp_path: Path) -> None:
+    """What a confirmed attacker had queued is refused; the other tenants' queues and admitted work stay."""
+    dispatcher, config = make_dispatcher(tmp_path)  # budget 85 blocks
+    hog = ticket(config, 1, 80, "hog")
+    await dispatcher.submit(hog)
+    attacker = [ticket(config, 1, 10, f"a{i}") for i in range(3)]
+    bystander = ticket(config, 0, 10, "bystander")
+    tasks = [asyncio.create_task(dispatcher.submit(t)) for t in (*attacker, bystander)]
+    await asyncio.sleep(0.01)
+    assert all(t.state is TicketState.QUEUED for t in (*attacker, bystander))
+    refusal = Rejected(429, "abuse_suspected", "attack", 60)
+    assert dispatcher.reject_queued(config.tenants[1].name, refusal) == 3
+    results = await asyncio.gather(*tasks[:3], return_exceptions=True)
+    assert results == [refusal] * 3 and all(t.state is TicketState.DONE for t in attacker)
+    assert hog.state is TicketState.ADMITTED and bystander.state is TicketState.QUEUED
+    dispatcher.finish(hog)
+    await tasks[3]
+    assert bystander.state is TicketState.ADMITTED
+    dispatcher.finish(bystander)
+    assert not dispatcher.gate.reservations
+
+
+async def test_confirming_an_attacker_refuses_what_it_had_queued() -> None:
+    """The guard's wiring, with the real detector: a tenant that probes, fills and squeezes against its cap
+    is confirmed, and the requests it had queued get 429 ``abuse_suspected`` at once, not just later ones."""
+    config = GuardConfig.model_validate({
+        "engine": {"url": "http://127.0.0.1:9"}, "secret": "s",
+        "tenants": [{"name": "attacker", "api_keys": ["sk-x"], "max_blocks_share": 0.5},
+                    {"name": "victim", "api_keys": ["sk-v"], "weight": 2},
+                    {"name": "another", "api_keys": ["sk-w"], "weight": 2}]})
+    state = create_app(config)[STATE]
+    state.gate.update(snapshot(num_blocks=96, free=96))
+    attacker = config.tenants[0]
+    holding = Ticket("fill", attacker, config.lanes[attacker.lane], 10, 600, 40)
+    await state.dispatcher.submit(holding)
+    queued = [Ticket(f"q{i}", attacker, config.lanes[attacker.lane], 10, 600, 40) for i in range(2)]
+    tasks = [asyncio.create_task(state.dispatcher.submit(t)) for t in queued]
+    await asyncio.sleep(0.01)
+    assert all(t.state is TicketState.QUEUED for t in queued), "held back by its own cap"
+    start = time.monotonic() - 8.0
+    for tick in range(160):  # the last 8 s: a probe every 0.25 s, a long generation every 2 s, 20 micro/s
+        now = start + tick * 0.05
+        for max_tokens in ([2] if tick % 5 == 0 else []) + ([600] if tick % 40 == 0 else []) + [8]:
+            state.detector.on_request("attacker", max_tokens, now)
+    state.update_detector()
+    state.update_detector()
+    assert state.detector.state("attacker") == "confirmed" and state.detector.state("victim") == "normal"
+    for result in await asyncio.gather(*tasks, return_exceptions=True):
+        assert isinstance(result, Rejected) and (result.status, result.code) == (429, "abuse_suspected")
+    assert holding.state is TicketState.ADMITTED, "what runs already finishes"
+    state.dispatcher.finish(holding)
+    assert not state.gate.reservations
