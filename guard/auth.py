@@ -17,6 +17,7 @@ class KeyStore:
     def __init__(self, tenants: list[Tenant], secret: str) -> None:
         self._entries = [(digest, tenant) for tenant in tenants for digest in tenant.key_digests()]
         self._secret = secret.encode()
+        self._salts: dict[str, str] = {}  # tenant name -> its salt, computed once
 
     def tenant_for(self, authorization: str | None) -> Tenant | None:
         """The tenant of an ``Authorization: Bearer <key>`` header, or None."""
@@ -34,4 +35,7 @@ class KeyStore:
 
     def cache_salt(self, tenant: Tenant) -> str:
         """HMAC(secret, tenant): stable per tenant, unguessable across tenants (prefix-cache tenure)."""
-        return hmac.new(self._secret, tenant.name.encode(), hashlib.sha256).hexdigest()
+        salt = self._salts.get(tenant.name)
+        if salt is None:
+            salt = self._salts[tenant.name] = hmac.new(self._secret, tenant.name.encode(), hashlib.sha256).hexdigest()
+        return salt

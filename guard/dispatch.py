@@ -16,7 +16,7 @@ import asyncio
 import enum
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from guard.admission import AdmissionGate
 from guard.config import GuardConfig, Lane, Tenant
@@ -40,7 +40,8 @@ class Ticket:
     blocks: int
     enqueued_at: float = 0.0
     state: TicketState = TicketState.NEW
-    admitted: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    # Created only for a ticket that has to wait: most are admitted within submit and never need one.
+    admitted: asyncio.Future[None] | None = None
 
 
 class Rejected(Exception):
@@ -99,7 +100,8 @@ class Dispatcher:
             raise Rejected(429, "queue_full", f"tenant {ticket.tenant.name!r} already has {len(queue)} requests "
                            f"queued (max_queue {ticket.tenant.max_queue})", self.gate.retry_after(self.blocks_queued()))
         if ticket.state is TicketState.ADMITTED:
-            return  # admitted at once, as most are while the pool has room: no deadline to arm
+            return  # admitted at once, as most are while the pool has room: no future, no deadline
+        ticket.admitted = asyncio.get_running_loop().create_future()  # before any await: pump sets it
         try:
             await asyncio.wait_for(asyncio.shield(ticket.admitted), ticket.lane.timeout)
         except TimeoutError:
@@ -131,7 +133,8 @@ class Dispatcher:
             self.fair.pop(queue)
             self.on_service(queue.name, self.fair.charge(queue, input_tokens=ticket.prompt_tokens))
             ticket.state = TicketState.ADMITTED
-            ticket.admitted.set_result(None)
+            if ticket.admitted is not None:  # None while submit's own pump admits it
+                ticket.admitted.set_result(None)
 
     def charge_output(self, ticket: Ticket, output_tokens: int) -> None:
         self.on_service(ticket.tenant.name, self.fair.charge(self.queue_of(ticket.tenant), output_tokens=output_tokens))
@@ -158,6 +161,7 @@ class Dispatcher:
         while len(queue):
             ticket = self.fair.pop(queue)
             ticket.state = TicketState.DONE
+            assert ticket.admitted is not None  # a queued ticket's submit created it before waiting
             ticket.admitted.set_exception(reason)
             rejected += 1
         return rejected
