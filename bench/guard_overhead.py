@@ -1,9 +1,11 @@
-"""Guard overhead: the guard vs nginx vs no proxy, in front of the same fast upstream, in one run.
+"""Guard overhead: the guard vs nginx vs a bare aiohttp relay vs no proxy, in front of the same fast upstream,
+in one run.
 
 The upstream (bench/fast_upstream.py, a process of its own) answers from memory, so what a proxy costs is
 not hidden behind model time. With two or more cores the work is pinned with ``taskset``:
 
-    core 0   the proxy under test: the guard (one process, one event loop) or nginx (one worker)
+    core 0   the proxy under test: the guard (one process, one event loop), nginx (one worker), or
+             bench/bare_relay.py ("aiohttp": the least an aiohttp proxy does, the floor of the guard's cost)
     core 1   the load generator (wrk, else bench/http_load.py) and the upstream
 
 "direct" sends straight to the upstream. Three workloads, each closed-loop with ``--connections`` (64)
@@ -19,7 +21,7 @@ order; medians are reported, and added latency is taken against the direct run o
 For each proxy the report also gives its CPU per request, which a busy shared machine does not distort the
 way it distorts requests/s, and the time it spent runnable but waiting for its core (bench/proc_stats.py).
 The guard runs with one tenant and the upstream's telemetry (a pool that never fills), so every request
-takes its whole path: auth, validation, the upstream's /tokenize, fair queue, admission, relay. Before
+takes its whole path: auth, validation, token counting, fair queue, admission, relay. Before
 measuring, every proxy must relay the upstream's bytes exactly. Without nginx on PATH the run compares the
 guard with direct only, and says so.
 
@@ -136,7 +138,7 @@ def summarize(results: dict[str, dict[str, list[dict]]]) -> dict[str, dict[str, 
 
 
 def verdicts(summary: dict[str, dict[str, dict]]) -> dict:
-    guard, nginx = summary["unary"]["guard"], summary["unary"].get("nginx")
+    guard, nginx, bare = summary["unary"]["guard"], summary["unary"].get("nginx"), summary["unary"]["aiohttp"]
     share = guard["requests_per_s"] / nginx["requests_per_s"] if nginx else None
     # What each could serve with a core to itself: nginx is often held back by the upstream, not its core.
     per_cpu = nginx["proxy_cpu_us_per_request"] / guard["proxy_cpu_us_per_request"] if nginx else None
@@ -146,6 +148,8 @@ def verdicts(summary: dict[str, dict[str, dict]]) -> dict:
         "guard_rps_share_of_nginx_per_cpu_second": per_cpu,
         "guard_rps_share_target": TARGET_RPS_SHARE_OF_NGINX,
         "guard_rps_share_met": None if share is None else share >= TARGET_RPS_SHARE_OF_NGINX,
+        "bare_aiohttp_rps_share_of_nginx": bare["requests_per_s"] / nginx["requests_per_s"] if nginx else None,
+        "guard_cpu_share_spent_in_a_bare_relay": bare["proxy_cpu_us_per_request"] / guard["proxy_cpu_us_per_request"],
         "guard_added_p99_ms_at_stream_load": added,
         "guard_added_p99_target_ms": TARGET_ADDED_P99_MS,
         "guard_added_p99_met": added <= TARGET_ADDED_P99_MS,
@@ -188,6 +192,10 @@ def run(args: argparse.Namespace, workdir: Path) -> dict:
         }, proxy_cpus)
         if nginx_available():
             proxies["nginx"] = start_nginx(workdir, upstream.url, proxy_cpus)
+        bare_port = free_port()
+        proxies["aiohttp"] = start("aiohttp", pinned([sys.executable, str(REPO / "bench" / "bare_relay.py"),
+                                                      "--port", str(bare_port), "--upstream", upstream.url],
+                                                     proxy_cpus), f"http://127.0.0.1:{bare_port}", workdir)
         targets = {"direct": upstream.url, **{name: p.url for name, p in proxies.items()}}
         check_relays(targets, loads)
         names = list(targets)
@@ -251,6 +259,9 @@ def main() -> None:
     print("guard requests/s vs nginx: " + ("n/a (nginx not installed)" if share is None else
           f"{share:.2f} measured, {v['guard_rps_share_of_nginx_per_cpu_second']:.2f} per CPU second "
           f"(target >= {TARGET_RPS_SHARE_OF_NGINX:.2f})"))
+    if share is not None:
+        print(f"a bare aiohttp relay vs nginx: {v['bare_aiohttp_rps_share_of_nginx']:.2f}; of the guard's CPU per "
+              f"request, {v['guard_cpu_share_spent_in_a_bare_relay']:.0%} is what the bare relay spends")
     print(f"guard added p99 at {args.connections} concurrent streams: "
           f"{v['guard_added_p99_ms_at_stream_load']:+.2f} ms (target <= {TARGET_ADDED_P99_MS:g} ms)")
     args.json.parent.mkdir(parents=True, exist_ok=True)
