@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from engine.outputs import CompletionOutput, RequestOutput
     from engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
 
 _LOCATIONS = {
     "LLM": "engine.engine",

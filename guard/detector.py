@@ -29,6 +29,7 @@ priority; ``confirmed`` rejects with 429 ``abuse_suspected``.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import statistics
 import time
@@ -151,7 +152,7 @@ def _probe_signal(arrivals: deque[tuple[float, int]]) -> float:
     if len(times) < 5:
         return 0.0
     rate = min(1.0, len(times) / WINDOW_S / 2.0)  # saturates at 2 probes per second
-    gaps = [b - a for a, b in zip(times, times[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(times)]
     mean = statistics.fmean(gaps)
     regular = 1.0 if mean <= 0 else max(0.0, 1.0 - statistics.pstdev(gaps) / mean)  # 1 - coefficient of variation
     return rate * (0.5 + 0.5 * regular)

@@ -128,10 +128,10 @@ class Relay:
             self._open.discard(upstream)
         try:
             parsed = json.loads(raw)
-            if not isinstance(parsed, dict):
-                raise ValueError("not an object")
         except ValueError:
-            return error_response(502, f"the engine answered {upstream.status} with a body that is not JSON",
+            parsed = None
+        if not isinstance(parsed, dict):  # garbage, or JSON that is not an answer object
+            return error_response(502, f"the engine answered {upstream.status} with a body that is not a JSON object",
                                   code="bad_upstream_response", headers=headers), None
         if upstream.status in (429, 503):  # the guard's contract: every 429 and 503 says when to come back
             headers = {**headers, "Retry-After": upstream.headers.get("Retry-After", "1")}

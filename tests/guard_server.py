@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import yaml
 from aiohttp import web
@@ -40,7 +40,7 @@ class GuardThread:
         self._thread = threading.Thread(target=self._loop.run_forever, name="test-guard-loop", daemon=True)
         self._runner: web.AppRunner | None = None
 
-    def __enter__(self) -> GuardThread:
+    def __enter__(self) -> Self:
         self._thread.start()
 
         async def start() -> str:

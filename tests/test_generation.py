@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
+from invariants import assert_all_blocks_back
 
 from engine import LLM, SamplingParams
 from engine.sampler import sample
-from invariants import assert_all_blocks_back
 
 
 def test_greedy_is_deterministic_and_prompts_differ(llm: LLM) -> None:

@@ -11,8 +11,9 @@ import transformers
 
 from engine import LLM, SamplingParams
 
-SMALL = dict(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=256, eos_token_id=159, bos_token_id=1)
+SMALL = {"vocab_size": 160, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256, "eos_token_id": 159,
+         "bos_token_id": 1}
 PROMPTS = [[1, 17, 33, 90, 4, 4, 150, 61, 12, 9, 100, 3, 77, 20, 5, 6, 7, 8, 44], [1, 5], [1, 99, 98, 97, 96, 95]]
 NEW_TOKENS = 24
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from engine import LLM, SamplingParams
 from invariants import assert_all_blocks_back
+
+from engine import LLM, SamplingParams
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
