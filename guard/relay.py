@@ -131,8 +131,8 @@ class Relay:
         except ValueError:
             parsed = None
         if not isinstance(parsed, dict):  # garbage, or JSON that is not an answer object
-            return error_response(502, f"the engine answered {upstream.status} with a body that is not a JSON object",
-                                  code="bad_upstream_response", headers=headers), None
+            message = f"the engine answered {upstream.status} with a body that is not a JSON object"
+            return error_response(502, message, code="bad_upstream_response", headers=headers), None
         if upstream.status in (429, 503):  # the guard's contract: every 429 and 503 says when to come back
             headers = {**headers, "Retry-After": upstream.headers.get("Retry-After", "1")}
         return web.Response(body=raw, status=upstream.status, content_type="application/json",
