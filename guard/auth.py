@@ -37,5 +37,6 @@ class KeyStore:
         """HMAC(secret, tenant): stable per tenant, unguessable across tenants (prefix-cache tenure)."""
         salt = self._salts.get(tenant.name)
         if salt is None:
-            salt = self._salts[tenant.name] = hmac.new(self._secret, tenant.name.encode(), hashlib.sha256).hexdigest()
+            salt = hmac.new(self._secret, tenant.name.encode(), hashlib.sha256).hexdigest()
+            self._salts[tenant.name] = salt
         return salt
