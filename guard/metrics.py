@@ -55,3 +55,9 @@ class GuardMetrics:
                                       "(X-Stainless-Retry-Count > 0 or Retry-Attempt).", ["tenant"], registry=r)
         for mode in MODES:
             self.mode.labels(mode).set(1.0 if mode == "normal" else 0.0)
+        # Every transition exists from the start at 0, so rate() and increase() see a series, not nothing,
+        # on a guard that has never changed mode.
+        for source in MODES:
+            for target in MODES:
+                if source != target:
+                    self.mode_transitions.labels(source, target)
