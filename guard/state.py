@@ -47,19 +47,20 @@ class GuardState:
     def primary(self) -> CircuitBreaker:
         return self.breakers[self.config.engine.name]
 
-    def starting(self) -> bool:
-        """Neither a snapshot nor a failure yet, for less than ``telemetry_stale_s`` since start: the guard
-        has not had time to hear from its engine, which is not the same as an engine that went quiet."""
-        return (not self.heard_from_engine.is_set()
-                and time.monotonic() - self.started_at < self.config.admission.telemetry_stale_s)
+    def start_left(self) -> float:
+        """Seconds left of the start: neither a snapshot nor a failure yet, for at most ``telemetry_stale_s``.
+        The guard has not had time to hear from its engine, which is not the same as an engine that went
+        quiet. 0 once it has heard or the time is up."""
+        if self.heard_from_engine.is_set():
+            return 0.0
+        return max(0.0, self.started_at + self.config.admission.telemetry_stale_s - time.monotonic())
 
     def primary_up(self) -> bool:
-        return self.primary.closed and (self.gate.usable or self.starting())
+        return self.primary.closed and (self.gate.usable or self.start_left() > 0)
 
     async def wait_while_starting(self) -> None:
         """While starting, hold a request until the guard hears from its engine (or the start is over)."""
-        remaining = self.started_at + self.config.admission.telemetry_stale_s - time.monotonic()
-        if not self.heard_from_engine.is_set() and remaining > 0:
+        if remaining := self.start_left():
             try:
                 await asyncio.wait_for(self.heard_from_engine.wait(), remaining)
             except TimeoutError:
