@@ -64,7 +64,8 @@ def main() -> None:
     parser.add_argument("--upstream", required=True)
     args = parser.parse_args()
     app = create_app(args.upstream)
-    gc.freeze()  # as the guard does
+    gc.freeze()  # as the guard does (guard/__main__.py), collector threshold included
+    gc.set_threshold(10_000, *gc.get_threshold()[1:])
     web.run_app(app, host="127.0.0.1", port=args.port, print=None, access_log=None)
 
 

@@ -44,6 +44,8 @@ WINDOW_S = 10.0
 PROBE_MAX_TOKENS = 4
 SHORT_MAX_TOKENS = 16
 LONG_MAX_TOKENS = 256
+RATE_SATURATES_AT = 2.0 * WINDOW_S  # probe and short-request rates count fully from 2 per second
+ARRIVAL_HISTORY = 64  # arrival times kept per kind: more than RATE_SATURATES_AT, enough gaps for regularity
 EDGE_FREE_SHARE = 0.2  # "near the edge": less of the pool uncommitted than this share
 STATES = ("normal", "suspect", "confirmed")
 SUSPECT_AT, CONFIRM_AT = 0.5, 0.75
@@ -53,7 +55,12 @@ CLEAR_CONFIRMED_BELOW, CLEAR_CONFIRMED_AFTER_S = 0.4, 30.0
 
 @dataclass(slots=True)
 class TenantSignals:
-    arrivals: deque[tuple[float, int]] = field(default_factory=deque)  # (time, max_tokens)
+    # Arrival times by kind, newest last. Each signal saturates at RATE_SATURATES_AT arrivals per window, so
+    # older ones can never change a score: keeping a bounded tail keeps a busy tenant's memory (and what the
+    # collector walks) constant instead of one entry per request.
+    probes: deque[float] = field(default_factory=lambda: deque(maxlen=ARRIVAL_HISTORY))
+    shorts: deque[float] = field(default_factory=lambda: deque(maxlen=ARRIVAL_HISTORY))
+    last_long: float | None = None
     # None until the first snapshot: an engine that ran before the guard came up (or before a restart of the
     # guard) reports its whole history, and none of it is news to attribute to anyone.
     last_preemptions: int | None = None
@@ -74,7 +81,16 @@ class Detector:
         return self.tenants[tenant].state
 
     def on_request(self, tenant: str, max_tokens: int, now: float | None = None) -> None:
-        self.tenants[tenant].arrivals.append((now if now is not None else time.monotonic(), max_tokens))
+        if SHORT_MAX_TOKENS < max_tokens < LONG_MAX_TOKENS:
+            return  # an ordinary request: no signal looks at it
+        now = now if now is not None else time.monotonic()
+        signals = self.tenants[tenant]
+        if max_tokens >= LONG_MAX_TOKENS:
+            signals.last_long = now
+            return
+        signals.shorts.append(now)
+        if max_tokens <= PROBE_MAX_TOKENS:
+            signals.probes.append(now)
 
     def on_telemetry(self, snapshot: TelemetrySnapshot, now: float | None = None) -> None:
         """Attribute new preemptions of each tenant to everyone else holding blocks at the time."""
@@ -97,17 +113,22 @@ class Detector:
         total_weight = sum(self.weights.values())
         changes = []
         for name, signals in self.tenants.items():
-            _trim(signals.arrivals, now)
-            _trim(signals.victim_events, now)
+            for events in (signals.probes, signals.shorts):
+                while events and now - events[0] > WINDOW_S:
+                    events.popleft()
+            if signals.last_long is not None and now - signals.last_long > WINDOW_S:
+                signals.last_long = None
+            while signals.victim_events and now - signals.victim_events[0][0] > WINDOW_S:
+                signals.victim_events.popleft()
             fair = self.weights[name] / total_weight * budget if budget else 0.0
             held = reserved.get(name, 0)
             others_wait = bool(waiting - {name})
             pressing = name in waiting  # at its own edge: its cap (or a full pool) holds its requests back
             at_edge = free_share <= EDGE_FREE_SHARE or pressing
             evidence = {
-                "probe": _probe_signal(signals.arrivals),
+                "probe": _probe_signal(signals.probes),
                 "share": min(1.0, max(0.0, held / fair - 1.0)) if fair and (others_wait or pressing) else 0.0,
-                "switch": _switch_signal(signals.arrivals, held, budget, at_edge),
+                "switch": _switch_signal(signals, held, budget, at_edge),
                 "victims": min(1.0, sum(c for _, c in signals.victim_events) / 5.0) if held > 0.3 * budget else 0.0,
             }
             score = min(1.0, 0.3 * evidence["probe"] + 0.3 * evidence["share"] + 0.3 * evidence["switch"]
@@ -141,29 +162,22 @@ class Detector:
         return state
 
 
-def _trim(events: deque, now: float) -> None:
-    while events and now - events[0][0] > WINDOW_S:
-        events.popleft()
-
-
-def _probe_signal(arrivals: deque[tuple[float, int]]) -> float:
+def _probe_signal(probes: deque[float]) -> float:
     """High for tiny requests arriving often and regularly (a latency probe), 0 below one per 2 s."""
-    times = [t for t, max_tokens in arrivals if max_tokens <= PROBE_MAX_TOKENS]
-    if len(times) < 5:
+    if len(probes) < 5:
         return 0.0
-    rate = min(1.0, len(times) / WINDOW_S / 2.0)  # saturates at 2 probes per second
-    gaps = [b - a for a, b in itertools.pairwise(times)]
+    rate = min(1.0, len(probes) / RATE_SATURATES_AT)
+    gaps = [b - a for a, b in itertools.pairwise(probes)]
     mean = statistics.fmean(gaps)
     regular = 1.0 if mean <= 0 else max(0.0, 1.0 - statistics.pstdev(gaps) / mean)  # 1 - coefficient of variation
     return rate * (0.5 + 0.5 * regular)
 
 
-def _switch_signal(arrivals: deque[tuple[float, int]], held: int, budget: int, at_edge: bool) -> float:
+def _switch_signal(signals: TenantSignals, held: int, budget: int, at_edge: bool) -> float:
     """Long generations held, then short requests at a rate, at the edge (the pool's or the tenant's own)."""
     if not budget or held < 0.3 * budget or not at_edge:
         return 0.0
-    shorts = [t for t, max_tokens in arrivals if max_tokens <= SHORT_MAX_TOKENS]
-    longs = [t for t, max_tokens in arrivals if max_tokens >= LONG_MAX_TOKENS]
-    if not longs or len(shorts) < 5 or shorts[-1] < longs[-1]:
+    shorts, last_long = signals.shorts, signals.last_long
+    if last_long is None or len(shorts) < 5 or shorts[-1] < last_long:
         return 0.0
-    return min(1.0, len(shorts) / WINDOW_S / 2.0)
+    return min(1.0, len(shorts) / RATE_SATURATES_AT)

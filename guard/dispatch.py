@@ -72,6 +72,8 @@ class Dispatcher:
         return self.fair.tenants[tenant.name]
 
     def blocks_queued(self) -> int:
+        if not self.fair.queued:
+            return 0  # the usual case, asked on every request
         return sum(t.blocks for q in self.fair.tenants.values() for lane in q.lanes.values() for t in lane)
 
     def blocks_ahead_of(self, ticket: Ticket) -> int:
@@ -86,6 +88,10 @@ class Dispatcher:
         if self.closed is not None:
             raise self.closed
         queue = self.queue_of(ticket.tenant)
+        if not self.fair.queued and self._within_cap(queue, ticket) and self.gate.try_reserve(
+                ticket.request_id, queue.name, ticket.blocks):
+            self._admitted(queue, ticket)  # nobody waits, so VTC order has nothing to say: no queue, no future
+            return
         ahead = self.blocks_ahead_of(ticket) + ticket.blocks
         wait = self.gate.expected_wait(max(0, self.gate.committed() + ahead - self.gate.budget))
         if wait is not None and wait > ticket.lane.timeout:
@@ -100,7 +106,7 @@ class Dispatcher:
             raise Rejected(429, "queue_full", f"tenant {ticket.tenant.name!r} already has {len(queue)} requests "
                            f"queued (max_queue {ticket.tenant.max_queue})", self.gate.retry_after(self.blocks_queued()))
         if ticket.state is TicketState.ADMITTED:
-            return  # admitted at once, as most are while the pool has room: no future, no deadline
+            return  # admitted at once by pump: no future, no deadline
         ticket.admitted = asyncio.get_running_loop().create_future()  # before any await: pump sets it
         try:
             await asyncio.wait_for(asyncio.shield(ticket.admitted), ticket.lane.timeout)
@@ -124,17 +130,26 @@ class Dispatcher:
             queue = min(candidates, key=lambda t: t.counter)
             ticket = queue.head()
             assert ticket is not None
-            cap = int(self.block_caps.get(queue.name, ticket.tenant.max_blocks_share) * self.gate.budget)
-            if self.gate.tenant_reserved(queue.name) and self.gate.tenant_reserved(queue.name) + ticket.blocks > cap:
+            if not self._within_cap(queue, ticket):
                 capped.add(queue.name)
                 continue
             if not self.gate.try_reserve(ticket.request_id, queue.name, ticket.blocks):
                 return
             self.fair.pop(queue)
-            self.on_service(queue.name, self.fair.charge(queue, input_tokens=ticket.prompt_tokens))
-            ticket.state = TicketState.ADMITTED
-            if ticket.admitted is not None:  # None while submit's own pump admits it
-                ticket.admitted.set_result(None)
+            self._admitted(queue, ticket)
+
+    def _within_cap(self, queue: TenantQueue[Ticket], ticket: Ticket) -> bool:
+        """The tenant's reservations may grow by this ticket (one request alone is always within its cap)."""
+        held = self.gate.tenant_reserved(queue.name)
+        cap = int(self.block_caps.get(queue.name, ticket.tenant.max_blocks_share) * self.gate.budget)
+        return not held or held + ticket.blocks <= cap
+
+    def _admitted(self, queue: TenantQueue[Ticket], ticket: Ticket) -> None:
+        """The ticket's reservation is committed: charge its input and wake its request."""
+        self.on_service(queue.name, self.fair.charge(queue, input_tokens=ticket.prompt_tokens))
+        ticket.state = TicketState.ADMITTED
+        if ticket.admitted is not None:  # None while submit is admitting it itself
+            ticket.admitted.set_result(None)
 
     def charge_output(self, ticket: Ticket, output_tokens: int) -> None:
         self.on_service(ticket.tenant.name, self.fair.charge(self.queue_of(ticket.tenant), output_tokens=output_tokens))

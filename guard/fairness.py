@@ -31,7 +31,7 @@ class TenantQueue(Generic[Item]):
     counter: float = 0.0  # virtual token counter: service / weight, lifted after idling
     service: float = 0.0  # input + 2 * output tokens actually served, never lifted
     lanes: dict[int, deque[Item]] = field(default_factory=dict)  # lane priority -> FIFO
-    queued: int = 0  # items in all lanes; changed only by FairQueue's push, pop and remove
+    queued: int = 0  # items in all lanes; changed only by FairQueue's push, pop and remove (as is its total)
 
     def __len__(self) -> int:
         return self.queued
@@ -46,7 +46,10 @@ class TenantQueue(Generic[Item]):
 class FairQueue(Generic[Item]):
     def __init__(self) -> None:
         self.tenants: dict[str, TenantQueue[Item]] = {}
-        self._service_log: deque[tuple[float, str, float]] = deque()  # (time, tenant, weighted service)
+        self.queued = 0  # items queued over all tenants
+        # Weighted service per whole second of the clock, (second, {tenant: service / weight}), over the last
+        # JAIN_WINDOW_S: one entry per second, not per charge, so a busy guard's window stays small.
+        self._service_log: deque[tuple[int, dict[str, float]]] = deque()
 
     def tenant(self, name: str, weight: float) -> TenantQueue[Item]:
         queue = self.tenants.get(name)
@@ -64,6 +67,7 @@ class FairQueue(Generic[Item]):
                 tenant.counter = max(tenant.counter, min(counters))  # the idle-lift rule
         tenant.lanes.setdefault(lane_priority, deque()).append(item)
         tenant.queued += 1
+        self.queued += 1
 
     def remove(self, tenant: TenantQueue[Item], lane_priority: int, item: Item) -> bool:
         """Drop a queued item (its client left, or its deadline passed). False if it was not queued."""
@@ -72,6 +76,7 @@ class FairQueue(Generic[Item]):
             return False
         lane.remove(item)
         tenant.queued -= 1
+        self.queued -= 1
         return True
 
     def next_tenant(self) -> TenantQueue[Item] | None:
@@ -82,6 +87,7 @@ class FairQueue(Generic[Item]):
         for priority in sorted(tenant.lanes):
             if tenant.lanes[priority]:
                 tenant.queued -= 1
+                self.queued -= 1
                 return tenant.lanes[priority].popleft()
         raise IndexError(f"tenant {tenant.name!r} has nothing queued")
 
@@ -91,8 +97,12 @@ class FairQueue(Generic[Item]):
         tenant.counter += service / tenant.weight
         tenant.service += service
         now = time.monotonic()
-        self._service_log.append((now, tenant.name, service / tenant.weight))
-        self._trim(now)  # here too, not only when the index is read: nobody may scrape for hours
+        second = int(now)
+        if not self._service_log or self._service_log[-1][0] != second:
+            self._service_log.append((second, {}))
+            self._trim(now)  # here too, not only when the index is read: nobody may scrape for hours
+        by_tenant = self._service_log[-1][1]
+        by_tenant[tenant.name] = by_tenant.get(tenant.name, 0.0) + service / tenant.weight
         return service
 
     def _trim(self, now: float) -> None:
@@ -101,7 +111,7 @@ class FairQueue(Generic[Item]):
 
     def jain_index(self, window_s: float = JAIN_WINDOW_S) -> float:
         """Jain's fairness index over the service per unit of weight that backlogged tenants got in the last
-        window: 1.0 when service is exactly proportional to weight, 1/n when one tenant got everything. With fewer than two backlogged tenants
+        window (to the second): 1.0 when service is exactly proportional to weight, 1/n when one tenant got everything. With fewer than two backlogged tenants
         there is nobody to be unfair to, so the index is 1.
         """
         now = time.monotonic()
@@ -110,9 +120,10 @@ class FairQueue(Generic[Item]):
         if len(names) < 2:
             return 1.0
         service = dict.fromkeys(names, 0.0)
-        for at, name, amount in self._service_log:
-            if name in service and now - at <= window_s:
-                service[name] += amount
+        for second, by_tenant in self._service_log:
+            if now - second <= window_s:
+                for name in names:
+                    service[name] += by_tenant.get(name, 0.0)
         values = list(service.values())
         total = sum(values)
         squares = sum(v * v for v in values)

@@ -4,6 +4,7 @@ in tests). Names and labels are public: dashboards and alert rules depend on the
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
 
 OUTCOMES = ("completed", "rejected_quota", "rejected_overload", "rejected_invalid", "unauthorized", "fallback",
             "upstream_error", "cancelled")
@@ -53,6 +54,8 @@ class GuardMetrics:
                                    registry=r)
         self.client_retries = Counter("guard_client_retries_total", "Requests that clients marked as retries "
                                       "(X-Stainless-Retry-Count > 0 or Retry-Attempt).", ["tenant"], registry=r)
+        # (metric, label values) -> its child; label values come from the configuration and fixed sets only
+        self._children: dict[tuple[MetricWrapperBase, tuple[str, ...]], MetricWrapperBase] = {}
         for mode in MODES:
             self.mode.labels(mode).set(1.0 if mode == "normal" else 0.0)
         # Every transition exists from the start at 0, so rate() and increase() see a series, not nothing,
@@ -61,3 +64,12 @@ class GuardMetrics:
             for target in MODES:
                 if source != target:
                     self.mode_transitions.labels(source, target)
+
+    def child(self, metric: MetricWrapperBase, *labels: str) -> MetricWrapperBase:
+        """``metric.labels(*labels)``, looked up once: prometheus_client checks the values and takes a lock on
+        every ``labels`` call, and the request path resolves half a dozen children per request."""
+        key = (metric, labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found

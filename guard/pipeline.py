@@ -48,7 +48,7 @@ def authenticate(request: web.Request) -> Tenant:
     state = request.app[STATE]
     tenant = state.keys.tenant_for(request.headers.get("Authorization"))
     if tenant is None:
-        state.metrics.requests.labels("unknown", "none", "unauthorized").inc()
+        state.metrics.child(state.metrics.requests, "unknown", "none", "unauthorized").inc()
         raise Invalid(401, "invalid or missing API key (Authorization: Bearer <key>)", code="invalid_api_key")
     request[TENANT] = tenant.name
     return tenant
@@ -65,11 +65,11 @@ async def completion(request: web.Request) -> web.StreamResponse:
     lane = state.config.lanes[tenant.lane]
     labels = (tenant.name, tenant.lane)
     if request.headers.get("X-Stainless-Retry-Count", "0") not in ("", "0"):
-        metrics.client_retries.labels(tenant.name).inc()
+        metrics.child(metrics.client_retries, tenant.name).inc()
     try:
         parsed = await parse_request(request, state.config.limits.max_body_bytes)
     except Invalid as exc:
-        metrics.requests.labels(*labels, "rejected_invalid").inc()
+        metrics.child(metrics.requests, *labels, "rejected_invalid").inc()
         return exc.response()
     state.update_mode()  # arrivals move saturation between snapshots
     route = state.router.route(state.modes.mode, lane, state.over_share(tenant), state.primary_up())
@@ -82,7 +82,7 @@ async def completion(request: web.Request) -> web.StreamResponse:
         state.update_mode()
         fallback = state.router.fallback()
         if fallback is None:
-            metrics.requests.labels(*labels, "upstream_error").inc()
+            metrics.child(metrics.requests, *labels, "upstream_error").inc()
             return error_response(503, "the engine is unavailable and no fallback is configured",
                                   code="engine_unavailable", retry_after=1)
         return await serve_elsewhere(request, state, tenant, parsed, fallback, labels)
@@ -107,12 +107,12 @@ async def serve_primary(
     except Invalid as exc:
         if exc.code == "engine_unavailable":
             raise UpstreamUnavailable(exc.message) from None
-        metrics.requests.labels(*labels, "rejected_invalid" if exc.status < 500 else "rejected_overload").inc()
+        metrics.child(metrics.requests, *labels, "rejected_invalid" if exc.status < 500 else "rejected_overload").inc()
         return exc.response()
     state.detector.on_request(tenant.name, limits.max_tokens)
     suspicion = state.detector.state(tenant.name)
     if suspicion == "confirmed":
-        metrics.requests.labels(*labels, "rejected_quota").inc()
+        metrics.child(metrics.requests, *labels, "rejected_quota").inc()
         return error_response(429, ABUSE_MESSAGE, code=ABUSE_CODE, retry_after=ABUSE_RETRY_AFTER_S)
     if suspicion == "suspect":  # escalate: fewer tokens, a smaller share of blocks, served last
         limits.max_tokens = min(limits.max_tokens, SUSPECT_MAX_TOKENS)
@@ -120,7 +120,7 @@ async def serve_primary(
         lane = lane.model_copy(update={"priority": max(ln.priority for ln in state.config.lanes.values()) + 1})
 
     ticket = Ticket(request[REQUEST_ID], tenant, lane, limits.prompt_tokens, limits.max_tokens, blocks)
-    ttft, itl = metrics.ttft.labels(tenant.name), metrics.itl.labels(tenant.name)  # once, not per token
+    ttft, itl = metrics.child(metrics.ttft, tenant.name), metrics.child(metrics.itl, tenant.name)
     observer = StreamObserver(on_first_token=lambda now: ttft.observe(now - arrived), on_gap=itl.observe)
     outcome = "cancelled"
     try:
@@ -129,7 +129,7 @@ async def serve_primary(
         except Rejected as exc:
             outcome = "rejected_quota" if exc.status == 429 else "rejected_overload"
             return error_response(exc.status, exc.message, code=exc.code, retry_after=exc.retry_after)
-        metrics.queue_wait.labels(tenant.name).observe(time.monotonic() - arrived)
+        metrics.child(metrics.queue_wait, tenant.name).observe(time.monotonic() - arrived)
         body = parsed.upstream_body(cache_salt=state.keys.cache_salt(tenant), max_tokens=limits.max_tokens,
                                     priority=lane.priority)
         try:
@@ -145,7 +145,7 @@ async def serve_primary(
         state.dispatcher.charge_output(ticket, observer.output_tokens)
         state.dispatcher.finish(ticket)
         if outcome != "fallback":
-            metrics.requests.labels(*labels, outcome).inc()
+            metrics.child(metrics.requests, *labels, outcome).inc()
 
 
 async def serve_elsewhere(
@@ -182,7 +182,7 @@ async def serve_elsewhere(
         outcome = "fallback" if result == "completed" else result
         return response
     finally:
-        metrics.requests.labels(*labels, outcome).inc()
+        metrics.child(metrics.requests, *labels, outcome).inc()
 
 
 async def forward(
@@ -197,10 +197,10 @@ async def forward(
     try:
         upstream = await state.relay.open(url.rstrip("/") + parsed.path, body, headers, parsed.stream)
     except UpstreamUnavailable:
-        state.metrics.upstream_requests.labels(backend, "error").inc()
+        state.metrics.child(state.metrics.upstream_requests, backend, "error").inc()
         raise
     except (TimeoutError, aiohttp.ClientError) as exc:
-        state.metrics.upstream_requests.labels(backend, "error").inc()
+        state.metrics.child(state.metrics.upstream_requests, backend, "error").inc()
         breaker.record_failure()
         if isinstance(exc, TimeoutError):  # as relay.stream says it when the headers came but no token
             message = ("the engine sent no token within the first-token timeout" if parsed.stream
@@ -208,7 +208,7 @@ async def forward(
             return state.relay.failure(504, message, "upstream_timeout"), "upstream_error"
         return state.relay.failure(502, f"the engine failed: {type(exc).__name__}", "upstream_error"), \
             "upstream_error"
-    state.metrics.upstream_requests.labels(backend, str(upstream.status)).inc()
+    state.metrics.child(state.metrics.upstream_requests, backend, str(upstream.status)).inc()
     if upstream.status >= 500:
         breaker.record_failure()
     else:

@@ -22,12 +22,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
+import pydantic_core
 from aiohttp import web
 
 from guard.config import Upstream
 from guard.errors import error_response, sse_error_event
 
 SHUTTING_DOWN = "the guard is shutting down; retry shortly"
+# asyncio's transports buffer this much before a writer has to wait for the peer to read (the default high
+# water mark): a request body no bigger is handed over at once.
+WRITE_NEVER_WAITS_BYTES = 64 * 1024
 
 
 class ClientGone(Exception):
@@ -97,11 +101,17 @@ class Relay:
     async def open(self, url: str, body: bytes, headers: dict[str, str], stream: bool) -> aiohttp.ClientResponse:
         """Send the request and wait for the answer's headers: within the first-token timeout for a stream,
         within the unary timeout for an answer that comes whole once generated."""
-        first_byte, timeout = ((self.config.first_token_timeout, self.stream_timeout) if stream
-                               else (self.config.unary_timeout, self.unary_timeout))
         try:
-            async with asyncio.timeout(first_byte):
-                upstream = await self.session.post(url, data=body, headers=headers, timeout=timeout)
+            if stream:
+                async with asyncio.timeout(self.config.first_token_timeout):
+                    upstream = await self.session.post(url, data=body, headers=headers, timeout=self.stream_timeout)
+            elif len(body) <= WRITE_NEVER_WAITS_BYTES:
+                # The body goes out without waiting, and the session's sock_read bound (the unary timeout),
+                # armed as soon as it has, covers the wait for the headers: no second timer per request.
+                upstream = await self.session.post(url, data=body, headers=headers, timeout=self.unary_timeout)
+            else:  # a big body can wait on an engine that stopped reading: bound the whole send as well
+                async with asyncio.timeout(self.config.unary_timeout):
+                    upstream = await self.session.post(url, data=body, headers=headers, timeout=self.unary_timeout)
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
             # Refused, or not accepted within connect_timeout: no byte of the request left, so another
             # backend may take it (a hung host must not cost the client more than the connect budget).
@@ -127,7 +137,7 @@ class Relay:
         finally:
             self._open.discard(upstream)
         try:
-            parsed = json.loads(raw)
+            parsed = pydantic_core.from_json(raw)
         except ValueError:
             parsed = None
         if not isinstance(parsed, dict):  # garbage, or JSON that is not an answer object

@@ -9,9 +9,9 @@ the guard sets them from the tenant.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
+import pydantic_core
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
@@ -70,7 +70,7 @@ class ParsedRequest:
             body["max_tokens"] = max_tokens
         if model is not None:
             body["model"] = model
-        return json.dumps(body).encode()
+        return pydantic_core.to_json(body)
 
 
 async def parse_request(request: web.Request, max_body_bytes: int) -> ParsedRequest:
@@ -87,8 +87,8 @@ async def parse_request(request: web.Request, max_body_bytes: int) -> ParsedRequ
     if raw is None or len(raw) > max_body_bytes:
         raise Invalid(413, f"request body exceeds the {max_body_bytes}-byte limit", code="request_too_large")
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
+        body = pydantic_core.from_json(raw)  # as json.loads, but several times faster on small bodies
+    except ValueError as exc:
         raise Invalid(400, f"the body is not valid JSON: {exc}", param="body", code="invalid_json") from None
     if not isinstance(body, dict):
         raise Invalid(400, "the body must be a JSON object", param="body", code="invalid_json")
