@@ -1,6 +1,7 @@
 """From queued to admitted: the fair queue in front of the admission gate.
 
-``submit`` queues a ticket and waits until the dispatcher commits its reservation, or raises ``Rejected``.
+``submit`` queues a ticket and waits until the dispatcher commits its reservation, or raises ``Rejected``;
+while nobody waits, a ticket that fits is admitted at once without queueing (VTC has no one to order).
 ``pump`` admits tickets in VTC order: the backlogged tenant with the lowest counter goes first; a tenant at
 its own block cap is passed over (its limit, not the pool's), but when the lowest eligible tenant's next
 request does not fit the pool, admission stops there, so big requests are not starved by small ones.

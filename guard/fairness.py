@@ -111,8 +111,8 @@ class FairQueue(Generic[Item]):
 
     def jain_index(self, window_s: float = JAIN_WINDOW_S) -> float:
         """Jain's fairness index over the service per unit of weight that backlogged tenants got in the last
-        window (to the second): 1.0 when service is exactly proportional to weight, 1/n when one tenant got everything. With fewer than two backlogged tenants
-        there is nobody to be unfair to, so the index is 1.
+        window (to the second): 1.0 when service is exactly proportional to weight, 1/n when one tenant got
+        everything. With fewer than two backlogged tenants there is nobody to be unfair to, so the index is 1.
         """
         now = time.monotonic()
         self._trim(now)

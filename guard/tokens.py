@@ -1,9 +1,9 @@
 """Prompt token counts, exactly as the engine counts them, and the check against its context window.
 
-The guard asks the engine once for its tokenizer (``GET /tokenizer``) and then counts every prompt itself
-with the same tokenizer (UTF-8 bytes for the built-in model, else ``tokenizer.json`` through the
-``tokenizers`` package) and the same chat template, so a count always equals the engine's ``/tokenize`` and
-costs no round trip (that round trip was a fifth of the guard's CPU per request). An engine that has no
+The guard asks the engine once for its tokenizer (``GET /tokenizer``, as soon as the engine's telemetry
+names its model, so no request waits for it) and then counts every prompt itself with the same tokenizer
+(UTF-8 bytes for the built-in model, else ``tokenizer.json`` through the ``tokenizers`` package) and the
+same chat template, so a count always equals the engine's ``/tokenize`` and costs no round trip (that round trip was a fifth of the guard's CPU per request). An engine that has no
 ``/tokenizer`` (another server) is asked ``POST /tokenize`` for each request instead. The tokenizer is
 fetched again when the engine's telemetry names another model, so a restarted engine is never miscounted.
 Prompts longer than ``THREAD_THRESHOLD_CHARS`` are encoded on a worker thread, so that one huge prompt does
@@ -81,11 +81,16 @@ class TokenCounter:
         self.local: LocalTokenizer | None = None
         self.remote_only = False  # the engine has no GET /tokenizer: ask POST /tokenize every time
         self._fetching: asyncio.Future[None] | None = None
+        self._prefetched_for: str | None = None  # the model on_model last started a fetch for
 
     def on_model(self, model: str) -> None:
-        """The engine's telemetry names its model: a different one than counted for means fetch again."""
+        """The engine's telemetry names its model: a different one than counted for means fetch again. The
+        fetch starts now, once per model named, so that no request has to wait for it."""
         if self.local is not None and self.local.model != model:
             self.local = None
+        if self.local is None and not self.remote_only and model != self._prefetched_for:
+            self._prefetched_for = model  # a fetch that fails is left to the next request, not every snapshot
+            self._start_fetch()
 
     async def count(self, parsed: ParsedRequest) -> TokenLimits:
         if self.local is None and not self.remote_only:
@@ -104,10 +109,13 @@ class TokenCounter:
     async def _fetch_tokenizer(self) -> None:
         """One fetch at a time: requests that arrive meanwhile wait for it instead of sending their own, and
         one that leaves does not cancel it for the others."""
+        await asyncio.shield(self._start_fetch())
+
+    def _start_fetch(self) -> asyncio.Future[None]:
         if self._fetching is None:
             self._fetching = asyncio.ensure_future(self._get_tokenizer())
             self._fetching.add_done_callback(self._fetched)
-        await asyncio.shield(self._fetching)
+        return self._fetching
 
     def _fetched(self, fetching: asyncio.Future[None]) -> None:
         self._fetching = None  # a failed fetch is tried again by the next request

@@ -4,6 +4,7 @@ must equal the engine's own ``POST /tokenize``, for the built-in byte tokenizer 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -123,4 +124,15 @@ async def test_a_model_change_fetches_the_tokenizer_again(engine: ServerThread) 
         counter.on_model("a-new-model")
         assert counter.local is None
         await counter.count(request_)
+        assert counter.local is not None and counter.local.model == engine.core.model_name
+
+
+async def test_the_first_snapshot_fetches_the_tokenizer_before_any_request(engine: ServerThread) -> None:
+    async with aiohttp.ClientSession() as session:
+        counter = TokenCounter(session, engine.url, timeout_s=5)
+        counter.on_model(engine.core.model_name)  # what the guard does with each telemetry snapshot
+        for _ in range(100):
+            if counter.local is not None:
+                break
+            await asyncio.sleep(0.05)
         assert counter.local is not None and counter.local.model == engine.core.model_name
