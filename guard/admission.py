@@ -91,8 +91,7 @@ class AdmissionGate:
 
     # -- reservations ----------------------------------------------------------------------------------
     def fits(self, blocks: int) -> bool:
-        if not self.usable:
-            return False
+        """Room for ``blocks`` more under the gate's current threshold (telemetry assumed usable)."""
         assert self.snapshot is not None
         share = self.config.safe_utilization if self.open else self.config.resume
         return self.committed() + blocks <= int(share * self.snapshot.num_blocks)

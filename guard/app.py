@@ -88,7 +88,8 @@ async def metrics_endpoint(request: web.Request) -> web.Response:
 def create_app(config: GuardConfig) -> web.Application:
     gate = AdmissionGate(config.admission, {t.name for t in config.tenants})
     metrics = GuardMetrics()
-    dispatcher = Dispatcher(config, gate, lambda tenant, service: metrics.child(metrics.service_tokens, tenant).inc(service))
+    dispatcher = Dispatcher(config, gate)
+    metrics.service_tokens.read = lambda: {name: queue.service for name, queue in dispatcher.fair.tenants.items()}
     engines = [config.engine] + [f for f in config.fallbacks if isinstance(f, Backend)]
     breakers = {b.name: CircuitBreaker(b.name, config.routing.failure_threshold, config.routing.cooldown_s)
                 for b in engines}

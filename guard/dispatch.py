@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from guard.admission import AdmissionGate
@@ -57,12 +56,9 @@ class Rejected(Exception):
 
 
 class Dispatcher:
-    def __init__(
-        self, config: GuardConfig, gate: AdmissionGate, on_service: Callable[[str, float], None] = lambda t, s: None
-    ) -> None:
+    def __init__(self, config: GuardConfig, gate: AdmissionGate) -> None:
         self.config = config
         self.gate = gate
-        self.on_service = on_service  # (tenant, service charged): feeds guard_service_tokens_total
         self.block_caps: dict[str, float] = {}  # tenant -> share of the budget, tighter than its config
         self.closed: Rejected | None = None  # set by reject_all: what every later submit gets
         self.fair: FairQueue[Ticket] = FairQueue()
@@ -123,6 +119,8 @@ class Dispatcher:
 
     def pump(self) -> None:
         """Admit as many queued tickets as the pool and the VTC order allow."""
+        if not self.fair.queued:
+            return  # the usual case after a release
         capped: set[str] = set()
         while True:
             candidates = [t for t in self.fair.backlogged() if t.name not in capped]
@@ -147,13 +145,13 @@ class Dispatcher:
 
     def _admitted(self, queue: TenantQueue[Ticket], ticket: Ticket) -> None:
         """The ticket's reservation is committed: charge its input and wake its request."""
-        self.on_service(queue.name, self.fair.charge(queue, input_tokens=ticket.prompt_tokens))
+        self.fair.charge(queue, input_tokens=ticket.prompt_tokens)
         ticket.state = TicketState.ADMITTED
         if ticket.admitted is not None:  # None while submit is admitting it itself
             ticket.admitted.set_result(None)
 
     def charge_output(self, ticket: Ticket, output_tokens: int) -> None:
-        self.on_service(ticket.tenant.name, self.fair.charge(self.queue_of(ticket.tenant), output_tokens=output_tokens))
+        self.fair.charge(self.queue_of(ticket.tenant), output_tokens=output_tokens)
 
     def finish(self, ticket: Ticket) -> None:
         """End ``ticket`` in whatever state it is: dequeue or release its reservation. Idempotent."""

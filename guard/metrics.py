@@ -3,8 +3,12 @@ in tests). Names and labels are public: dashboards and alert rules depend on the
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.registry import Collector
 
 OUTCOMES = ("completed", "rejected_quota", "rejected_overload", "rejected_invalid", "unauthorized", "fallback",
             "upstream_error", "cancelled")
@@ -31,9 +35,8 @@ class GuardMetrics:
                                      ["tenant"], registry=r)
         self.budget_blocks = Gauge("guard_admission_budget_blocks", "KV blocks the guard may commit "
                                    "(safe_utilization x engine blocks).", registry=r)
-        self.service_tokens = Counter("guard_service_tokens_total", "Service in cost-weighted tokens (input + "
-                                      "2 x output), the quantity VTC shares by tenant weight.", ["tenant"],
-                                      registry=r)
+        self.service_tokens = ServiceTokens()
+        r.register(self.service_tokens)
         self.jain = Gauge("guard_fairness_jain_index", "Jain's index of backlogged tenants' weighted service "
                           "(1 = fair).", registry=r)
         self.mode = Gauge("guard_mode", "1 for the guard's current mode.", ["mode"], registry=r)
@@ -73,3 +76,25 @@ class GuardMetrics:
         if found is None:
             found = self._children[key] = metric.labels(*labels)
         return found
+
+
+class ServiceTokens(Collector):
+    """``guard_service_tokens_total`` read from the fair queue's own per-tenant totals when scraped: the
+    queue keeps them anyway, and a counter updated on every charge cost two locked increments per request."""
+
+    def __init__(self) -> None:
+        self.read: Callable[[], dict[str, float]] = dict  # tenant -> service so far; set by the app
+
+    @staticmethod
+    def family() -> CounterMetricFamily:
+        return CounterMetricFamily("guard_service_tokens_total", "Service in cost-weighted tokens (input + 2 x "
+                                   "output), the quantity VTC shares by tenant weight.", labels=["tenant"])
+
+    def describe(self) -> Iterator[CounterMetricFamily]:
+        yield self.family()
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = self.family()
+        for tenant, service in self.read().items():
+            family.add_metric([tenant], service)
+        yield family

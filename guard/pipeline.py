@@ -72,9 +72,10 @@ async def completion(request: web.Request) -> web.StreamResponse:
         metrics.child(metrics.requests, *labels, "rejected_invalid").inc()
         return exc.response()
     state.update_mode()  # arrivals move saturation between snapshots
-    route = state.router.route(state.modes.mode, lane, state.over_share(tenant), state.primary_up())
-    if route.kind != "primary":
-        return await serve_elsewhere(request, state, tenant, parsed, route, labels)
+    if state.modes.mode != "normal":  # in normal mode everything goes to the primary: nothing to decide
+        route = state.router.route(state.modes.mode, lane, state.over_share(tenant), state.primary_up())
+        if route.kind != "primary":
+            return await serve_elsewhere(request, state, tenant, parsed, route, labels)
     try:
         return await serve_primary(request, state, tenant, lane, parsed, labels, arrived)
     except UpstreamUnavailable:

@@ -42,6 +42,10 @@ class GuardState:
     started_at: float = field(default_factory=time.monotonic)  # reset when the app starts serving
     # Set by the engine's first snapshot, or by the first failure to reach its telemetry stream.
     heard_from_engine: asyncio.Event = field(default_factory=asyncio.Event)
+    total_weight: float = field(init=False)  # of all tenants (the configuration does not change at run time)
+
+    def __post_init__(self) -> None:
+        self.total_weight = sum(t.weight for t in self.config.tenants)
 
     @property
     def primary(self) -> CircuitBreaker:
@@ -75,8 +79,7 @@ class GuardState:
 
     def over_share(self, tenant: Tenant) -> bool:
         """Holding more than its weighted share of the admission budget."""
-        total = sum(t.weight for t in self.config.tenants)
-        return self.gate.tenant_reserved(tenant.name) > tenant.weight / total * self.gate.budget
+        return self.gate.tenant_reserved(tenant.name) > tenant.weight / self.total_weight * self.gate.budget
 
     def update_mode(self) -> None:
         change = self.modes.update(self.primary_up(), self.saturation())

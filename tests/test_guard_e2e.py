@@ -165,3 +165,16 @@ def test_engine_down_gives_503_with_retry_after() -> None:
         assert elapsed >= retry_after * 0.9, "the SDK waited as told before its one retry"
         assert metric(g, "guard_client_retries_total", tenant="acme") == 1
         assert metric(g, "guard_requests_total", tenant="acme", outcome="rejected_overload") == 2
+
+
+def test_unknown_paths_and_methods_get_openai_errors_with_a_request_id(guard: GuardThread) -> None:
+    for method, path, status in (("GET", "/v1/embeddings", 404), ("GET", "/v1/completions", 405)):
+        req = urllib.request.Request(guard.url + path, method=method)
+        try:
+            urllib.request.urlopen(req, timeout=10)
+            raise AssertionError(f"{method} {path} answered 2xx")
+        except urllib.error.HTTPError as error:
+            assert error.code == status
+            assert error.headers["Content-Type"].startswith("application/json")
+            assert error.headers["X-Request-Id"].startswith("req-")
+            assert json.loads(error.read())["error"]["type"] in ("not_found_error", "api_error")
