@@ -101,17 +101,16 @@ class Relay:
     async def open(self, url: str, body: bytes, headers: dict[str, str], stream: bool) -> aiohttp.ClientResponse:
         """Send the request and wait for the answer's headers: within the first-token timeout for a stream,
         within the unary timeout for an answer that comes whole once generated."""
+        first_byte, timeout = ((self.config.first_token_timeout, self.stream_timeout) if stream
+                               else (self.config.unary_timeout, self.unary_timeout))
         try:
-            if stream:
-                async with asyncio.timeout(self.config.first_token_timeout):
-                    upstream = await self.session.post(url, data=body, headers=headers, timeout=self.stream_timeout)
-            elif len(body) <= WRITE_NEVER_WAITS_BYTES:
+            if not stream and len(body) <= WRITE_NEVER_WAITS_BYTES:
                 # The body goes out without waiting, and the session's sock_read bound (the unary timeout),
                 # armed as soon as it has, covers the wait for the headers: no second timer per request.
-                upstream = await self.session.post(url, data=body, headers=headers, timeout=self.unary_timeout)
-            else:  # a big body can wait on an engine that stopped reading: bound the whole send as well
-                async with asyncio.timeout(self.config.unary_timeout):
-                    upstream = await self.session.post(url, data=body, headers=headers, timeout=self.unary_timeout)
+                upstream = await self.session.post(url, data=body, headers=headers, timeout=timeout)
+            else:  # a stream's first byte has its own deadline; a big body may wait on an engine not reading
+                async with asyncio.timeout(first_byte):
+                    upstream = await self.session.post(url, data=body, headers=headers, timeout=timeout)
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
             # Refused, or not accepted within connect_timeout: no byte of the request left, so another
             # backend may take it (a hung host must not cost the client more than the connect budget).
