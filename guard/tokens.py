@@ -3,8 +3,9 @@
 The guard asks the engine once for its tokenizer (``GET /tokenizer``, as soon as the engine's telemetry
 names its model, so no request waits for it) and then counts every prompt itself with the same tokenizer
 (UTF-8 bytes for the built-in model, else ``tokenizer.json`` through the ``tokenizers`` package) and the
-same chat template, so a count always equals the engine's ``/tokenize`` and costs no round trip (that round trip was a fifth of the guard's CPU per request). An engine that has no
-``/tokenizer`` (another server) is asked ``POST /tokenize`` for each request instead. The tokenizer is
+same chat template, so a count always equals the engine's ``/tokenize`` and costs no round trip (that
+round trip was a fifth of the guard's CPU per request). An engine that has no ``/tokenizer`` (another
+server) is asked ``POST /tokenize`` for each request instead. The tokenizer is
 fetched again when the engine's telemetry names another model, so a restarted engine is never miscounted.
 Prompts longer than ``THREAD_THRESHOLD_CHARS`` are encoded on a worker thread, so that one huge prompt does
 not hold up every stream the guard relays.
