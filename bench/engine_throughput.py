@@ -13,7 +13,7 @@ once with ``save_pretrained`` to a temporary directory, and both systems load th
 
 Reported: output tokens/s for each, their ratio, and decode MBU: over the engine's decode-only steps, the
 bytes they move (weights once, every context's K/V, the new K/V) per second of step time, over the
-device's peak bandwidth (``engine.bandwidth``), for all of them and for those of batch >= 64.
+device's peak bandwidth (``engine.worker.bandwidth``), for all of them and for those of batch >= 64.
 
     .venv/bin/python bench/engine_throughput.py                  # both models, on the GPU
     .venv/bin/python bench/engine_throughput.py --smoke          # toy shapes: checks that it runs
@@ -34,9 +34,9 @@ import transformers
 from run_info import command, describe
 
 from engine import LLM, SamplingParams
-from engine.bandwidth import peak_bandwidth
+from engine.worker.bandwidth import peak_bandwidth
 from engine.core import EngineCore
-from engine.runner import StepResult
+from engine.worker.runner import StepResult
 from engine.sched.scheduler import SchedulerOutput
 
 # Architecture hyperparameters of the two published models; weights are random.

@@ -26,7 +26,7 @@ import time
 
 from aiohttp import web
 
-from engine.chat_template import DEFAULT_TEMPLATE
+from engine.prompting.chat_template import DEFAULT_TEMPLATE
 from engine.protocol import TelemetrySnapshot, TokenizerInfo
 
 NUM_BLOCKS = 1 << 24  # admission never limits

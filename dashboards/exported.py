@@ -1,4 +1,4 @@
-"""The series our code exports, read from the metric definitions in ``engine/metrics.py`` and
+"""The series our code exports, read from the metric definitions in ``engine/server/metrics.py`` and
 ``guard/metrics.py``.
 
 Read with ``ast`` rather than imported: the engine's state metrics exist only while a scrape renders them,
@@ -13,7 +13,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = (ROOT / "engine" / "metrics.py", ROOT / "guard" / "metrics.py")
+SOURCES = (ROOT / "engine" / "server" / "metrics.py", ROOT / "guard" / "metrics.py")
 
 COUNTER, GAUGE = "counter", "gauge"
 # What each class exports, as (suffix, kind). A counter family's name drops its "_total" and the exposition

@@ -45,7 +45,7 @@ def lint(dashboard: dict[str, Any], series: dict[str, str]) -> list[str]:
 
 
 def lint_expr(expr: str, series: dict[str, str], counters: set[str]) -> list[str]:
-    problems = [f"{name} is not exported by engine/metrics.py or guard/metrics.py"
+    problems = [f"{name} is not exported by engine/server/metrics.py or guard/metrics.py"
                 for name in sorted({use.name for use in metric_uses(expr)} - series.keys())]
     problems += [f"counter {name} read outside rate()/increase()"
                  for name in counters_outside_readers(expr, counters)]

@@ -8,14 +8,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from engine.engine import LLM
+    from engine.llm import LLM
     from engine.outputs import CompletionOutput, RequestOutput
     from engine.sampling_params import SamplingParams
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
 
 _LOCATIONS = {
-    "LLM": "engine.engine",
+    "LLM": "engine.llm",
     "SamplingParams": "engine.sampling_params",
     "RequestOutput": "engine.outputs",
     "CompletionOutput": "engine.outputs",

@@ -19,7 +19,7 @@ from dataclasses import fields
 
 from engine.config import DTYPES, PREEMPTION_MODES, EngineConfig
 from engine.kernels.backend import ATTENTION_BACKENDS
-from engine.server import EngineServer
+from engine.server.app import EngineServer
 
 
 def _optional_int(text: str) -> int | None:

@@ -12,23 +12,24 @@ import time
 
 import torch
 
-from engine.bandwidth import peak_bandwidth
 from engine.config import EngineConfig
 from engine.kernels import get_attention_backend
 from engine.kv.block_pool import BlockPool
 from engine.kv.manager import KVCacheManager
 from engine.kv.swap import SwapSpace
-from engine.memory_profile import activation_bytes
-from engine.model import IncrementalDetokenizer, load_model
+from engine.model import load_model
 from engine.outputs import CompletionOutput, RequestOutput
+from engine.prompting.detokenizer import IncrementalDetokenizer
 from engine.protocol import TelemetrySnapshot
-from engine.runner import ModelRunner
-from engine.sampler import sample
 from engine.sampling_params import SamplingParams
 from engine.sched.request import Request, SeqStatus, Sequence
 from engine.sched.scheduler import Scheduler, SchedulerOutput
 from engine.telemetry import EngineStats
 from engine.validation import is_int, require
+from engine.worker.bandwidth import peak_bandwidth
+from engine.worker.memory_profile import activation_bytes
+from engine.worker.runner import ModelRunner
+from engine.worker.sampler import sample
 
 
 class EngineCore:

@@ -9,8 +9,8 @@ import sys
 
 from aiohttp import web
 
-from guard.app import create_app
 from guard.config import ConfigError, load_config
+from guard.http.app import create_app
 
 # Young objects allocated before the collector starts a pass. The default (700) suits programs whose objects
 # die in order; here 64+ requests in flight allocate and free thousands at once, the count (allocations net

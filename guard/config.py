@@ -105,7 +105,7 @@ class Upstream(Strict):
 
 
 class Routing(Strict):
-    """Mode thresholds on saturation = (committed + queued blocks) / pool blocks; see guard/routing.py."""
+    """Mode thresholds on saturation = (committed + queued blocks) / pool blocks; see guard/pool/routing.py."""
 
     pressure_enter: float = Field(0.9, gt=0)
     pressure_exit: float = Field(0.7, gt=0)

@@ -17,7 +17,7 @@ from typing import Any, Self, TypeVar
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.server import EngineServer
+from engine.server.app import EngineServer
 
 T = TypeVar("T")
 

@@ -11,8 +11,8 @@ from typing import Any, Self
 import yaml
 from aiohttp import web
 
-from guard.app import STATE, GuardState, create_app
 from guard.config import GuardConfig
+from guard.http.app import STATE, GuardState, create_app
 
 
 def guard_config(engine_url: str, tmp_path: Path | None = None, **overrides: Any) -> GuardConfig:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -105,3 +107,14 @@ def test_hash_chain_covers_the_whole_prefix_and_the_salt() -> None:
     assert diverged[1] != hashes[1], "a block's hash depends on everything before it"
     extend_block_hashes(hashes, tokens + [10, 11], 4, "tenant-a")
     assert len(hashes) == 3
+
+
+def test_check_names_what_is_inconsistent() -> None:
+    pool = BlockPool(4)
+    a, b = pool.allocate(2)
+    pool.check(Counter({a.block_id: 1, b.block_id: 1}))
+    with pytest.raises(RuntimeError, match=f"block {b.block_id}: ref_count 1, held by 0"):
+        pool.check(Counter({a.block_id: 1}))
+    b.ref_count = 0  # corrupted behind the pool's back: unreferenced, but not in the free queue
+    with pytest.raises(RuntimeError, match="free queue"):
+        pool.check(Counter({a.block_id: 1}))

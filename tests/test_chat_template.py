@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.chat_template import ChatTemplate, ChatTemplateError
+from engine.prompting.chat_template import ChatTemplate, ChatTemplateError
 from engine.protocol import ChatMessage
 
 MESSAGES = [ChatMessage(role="system", content="Be brief."),

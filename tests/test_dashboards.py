@@ -14,7 +14,7 @@ from prometheus_tools import binary, run
 from dashboards.__main__ import DASHBOARDS, check
 from dashboards.exported import exported_series
 from dashboards.lint import lint
-from engine.metrics import EngineMetrics, EngineReading
+from engine.server.metrics import EngineMetrics, EngineReading
 from guard.metrics import GuardMetrics
 
 # The sample names each family type exposes (the "_created" timestamps, which no query reads, left out).

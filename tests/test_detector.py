@@ -6,7 +6,7 @@ from __future__ import annotations
 from test_guard_units import snapshot
 
 from engine.protocol import TenantUsage
-from guard.detector import CLEAR_SUSPECT_AFTER_S, Detector
+from guard.detect.detector import CLEAR_SUSPECT_AFTER_S, Detector
 
 BUDGET = 100
 

@@ -8,7 +8,7 @@ requests queueing at its cap while it probes, fills and squeezes.
 
 from __future__ import annotations
 
-from guard.detector import Detector
+from guard.detect.detector import Detector
 
 BUDGET = 81  # 0.85 x 96 blocks
 WEIGHTS = {"attacker": 1, "victim-1": 2, "victim-2": 2}  # the benchmark's tenants: the attacker's fair share is 16

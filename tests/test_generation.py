@@ -6,7 +6,7 @@ import torch
 from invariants import assert_all_blocks_back
 
 from engine import LLM, SamplingParams
-from engine.sampler import sample
+from engine.worker.sampler import sample
 
 
 def test_greedy_is_deterministic_and_prompts_differ(llm: LLM) -> None:

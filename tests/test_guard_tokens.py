@@ -19,8 +19,8 @@ from test_model_hf import SMALL, save_hf_model
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from engine.protocol import CompletionRequest, TokenizerInfo
-from guard.tokens import LocalTokenizer, TokenCounter
-from guard.validate import MODELS, Invalid, ParsedRequest
+from guard.http.tokens import LocalTokenizer, TokenCounter
+from guard.http.validate import MODELS, Invalid, ParsedRequest
 
 CORPUS = ["The quick brown fox jumps over the lazy dog.", "Grüße aus München 🙂", "def f(x):\n    return x\n"] * 30
 # A template unlike the default: special tokens, a system prefix and a role check that can refuse.

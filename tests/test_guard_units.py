@@ -14,13 +14,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.protocol import TelemetrySnapshot, TenantUsage
-from guard.admission import AdmissionGate
-from guard.app import create_app
-from guard.auth import KeyStore
+from guard.admission.dispatch import Dispatcher, Rejected, Ticket, TicketState
+from guard.admission.fairness import FairQueue
+from guard.admission.gate import AdmissionGate
 from guard.config import Admission, ConfigError, GuardConfig, load_config
-from guard.dispatch import Dispatcher, Rejected, Ticket, TicketState
-from guard.fairness import FairQueue
-from guard.state import STATE
+from guard.http.app import create_app
+from guard.http.auth import KeyStore
+from guard.runtime import STATE
 
 BASE = """
 engine: {url: "http://127.0.0.1:8100"}
@@ -144,7 +144,7 @@ def test_gate_commits_against_live_usage_with_hysteresis() -> None:
 
 def test_drain_rate_counts_only_the_window(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = [1000.0]
-    monkeypatch.setattr("guard.admission.time", SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr("guard.admission.gate.time", SimpleNamespace(monotonic=lambda: clock[0]))
     gate = AdmissionGate(Admission(), {"acme"})
     for i, blocks in enumerate((3, 4, 5)):  # released at 1000, 1004 and 1008
         clock[0] = 1000.0 + 4 * i

@@ -13,7 +13,7 @@ import pytest
 from engine_server import ServerThread, request, wait_for
 from invariants import assert_all_blocks_back
 
-from engine.async_engine import MAX_CONSECUTIVE_STEP_FAILURES
+from engine.server.async_engine import MAX_CONSECUTIVE_STEP_FAILURES
 
 LONG = {"model": "tiny", "prompt": "a long generation", "max_tokens": 1500, "ignore_eos": True}
 

@@ -12,8 +12,8 @@ from engine_server import ServerThread, request
 from invariants import assert_all_blocks_back
 
 from engine import LLM, SamplingParams
-from engine.chat_template import DEFAULT_TEMPLATE, ChatTemplate
-from engine.model import ByteTokenizer
+from engine.prompting.chat_template import DEFAULT_TEMPLATE, ChatTemplate
+from engine.prompting.tokenizer import ByteTokenizer
 from engine.protocol import ChatMessage
 
 PROMPT = "The engine serves this prompt"

@@ -152,9 +152,9 @@ async def warm_up(target: Target, engine_url: str) -> None:
 
 
 def detector_log(guard: Service) -> list[str]:
-    """The guard's own account of the attacker's transitions, with their evidence (guard/detector.py)."""
+    """The guard's own account of the attacker's transitions, with their evidence (guard/detect/detector.py)."""
     lines = guard.log.read_text(errors="replace").splitlines()
-    return [line.split("guard.detector", 1)[-1].strip(" :-") for line in lines
+    return [line.split("guard.detect.detector", 1)[-1].strip(" :-") for line in lines
             if f"tenant {ATTACKER}:" in line]
 
 

@@ -16,7 +16,7 @@ import matplotlib.pyplot as plt
 
 COLORS = {"unguarded": "tab:red", "guarded": "tab:blue"}
 STATE_NAMES = ("normal", "suspect", "confirmed")
-# guard/detector.py's thresholds, drawn for reference only.
+# guard/detect/detector.py's thresholds, drawn for reference only.
 SUSPECT_AT, CONFIRM_AT = 0.5, 0.75
 X_LABEL = "seconds since the attack phase began (dotted: the attacker's first long request)"
 

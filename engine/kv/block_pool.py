@@ -9,6 +9,7 @@ always ``num_blocks``.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 
 from engine.kv.block import FreeBlockQueue, KVBlock
@@ -86,11 +87,27 @@ class BlockPool:
         block.block_hash = block_hash
         self._by_hash[block_hash] = block
 
-    def reset_prefix_cache(self) -> None:
-        for block in self._by_hash.values():
-            block.block_hash = None
-        self._by_hash.clear()
-        self._num_cached_free = 0
+    def check(self, holders: Counter[int]) -> None:
+        """Raise ``RuntimeError`` unless the pool is consistent with ``holders`` (block id -> how many block
+        tables hold it): every ref count equals its holders, the free queue is exactly the unreferenced
+        blocks, and the hash index and the cached count match the blocks. O(num_blocks): for tests and checks
+        of an idle engine, not for the step loop."""
+        problems = [f"block {b.block_id}: ref_count {b.ref_count}, held by {holders[b.block_id]}"
+                    for b in self.blocks if b.ref_count != holders[b.block_id]]
+        queued = [b.block_id for b in self._free]
+        unreferenced = [b.block_id for b in self.blocks if b.ref_count == 0]
+        if len(queued) != len(set(queued)) or set(queued) != set(unreferenced):
+            problems.append(f"free queue {sorted(queued)} != unreferenced blocks {unreferenced}")
+        problems += [f"hash index maps to block {b.block_id}, which has another hash"
+                     for h, b in self._by_hash.items() if b.block_hash != h]
+        hashed = sum(1 for b in self.blocks if b.block_hash is not None)
+        if hashed != len(self._by_hash):
+            problems.append(f"{hashed} blocks carry a hash, the index holds {len(self._by_hash)}")
+        cached = sum(1 for b in self.blocks if b.ref_count == 0 and b.block_hash is not None)
+        if cached != self._num_cached_free:
+            problems.append(f"num_cached {self._num_cached_free} != {cached} free blocks with a hash")
+        if problems:
+            raise RuntimeError("KV block pool inconsistent: " + "; ".join(problems))
 
     def _evict(self, block: KVBlock) -> None:
         assert block.block_hash is not None

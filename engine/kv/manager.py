@@ -9,6 +9,7 @@ their KV has been computed (``commit``), so a hit never reads KV that is still t
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from engine.kv.block import KVBlock
@@ -139,6 +140,14 @@ class KVCacheManager:
         if not self.allocate(seq, num_new_tokens, copies):
             raise AssertionError("can_swap_in was checked")
         self.commit(seq)
+
+    def check(self, swapped_block_ids: list[int]) -> None:
+        """Raise ``RuntimeError`` unless the block tables and the pool agree (see ``BlockPool.check``) and the
+        host blocks in use are exactly ``swapped_block_ids`` (those of every swapped sequence), each once."""
+        self.pool.check(Counter(block.block_id for table in self.tables.values() for block in table))
+        if len(swapped_block_ids) != len(set(swapped_block_ids)) or len(swapped_block_ids) != self.swap.num_used:
+            raise RuntimeError(f"swap space inconsistent: {self.swap.num_used} host blocks used, swapped sequences "
+                               f"hold {sorted(swapped_block_ids)}")
 
     def _hash_full_blocks(self, seq: Sequence) -> None:
         extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, seq.request.cache_salt)

@@ -19,7 +19,7 @@ from engine.model.config import ModelConfig
 from engine.model.errors import ModelLoadError
 from engine.model.llama import LlamaForCausalLM
 from engine.model.tiny import tiny_config, tiny_state_dict
-from engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from engine.prompting.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 TINY = "tiny"
 

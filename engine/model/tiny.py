@@ -12,7 +12,7 @@ import torch
 from engine.kernels.torch_ref import TorchAttentionBackend
 from engine.model.config import ModelConfig
 from engine.model.llama import LlamaForCausalLM
-from engine.tokenizer import ByteTokenizer
+from engine.prompting.tokenizer import ByteTokenizer
 
 _SEED = 2
 # Projections at twice the 1/sqrt(fan_in) scale put the random network in its chaotic regime: continuations

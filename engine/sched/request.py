@@ -21,7 +21,7 @@ from engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
-    from engine.model.detokenizer import IncrementalDetokenizer
+    from engine.prompting.detokenizer import IncrementalDetokenizer
 
 
 class SeqStatus(enum.Enum):

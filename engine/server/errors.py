@@ -15,9 +15,9 @@ from aiohttp.typedefs import Handler
 from pydantic import ValidationError
 
 from engine.protocol import ErrorDetail, ErrorResponse, validation_error_param
-from engine.request_stream import EngineUnavailable, RequestFailed
+from engine.server.request_stream import EngineUnavailable, RequestFailed
 
-log = logging.getLogger("engine.server")
+log = logging.getLogger("engine.server.app")
 
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
                413: "invalid_request_error", 500: "server_error", 503: "service_unavailable_error"}

@@ -19,16 +19,16 @@ import time
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from engine.async_engine import AsyncEngine
-from engine.chat_template import DEFAULT_TEMPLATE, ChatTemplate
 from engine.config import EngineConfig
-from engine.http_errors import ApiError, openai_errors
-from engine.metrics import EngineReading
 from engine.model.loader import TINY
-from engine.openai_api import OpenAIHandlers
+from engine.prompting.chat_template import DEFAULT_TEMPLATE, ChatTemplate
 from engine.protocol import ModelCard, ModelList
-from engine.request_stream import EngineUnavailable
-from engine.sse import open_stream, send_comment, send_data, send_error
+from engine.server.async_engine import AsyncEngine
+from engine.server.errors import ApiError, openai_errors
+from engine.server.metrics import EngineReading
+from engine.server.openai_api import OpenAIHandlers
+from engine.server.request_stream import EngineUnavailable
+from engine.server.sse import open_stream, send_comment, send_data, send_error
 
 # The telemetry stream sends what the engine publishes (see PUBLISH_INTERVAL_S in async_engine), plus a
 # fresh snapshot every REFRESH_S when nothing was published, so a subscriber that ages its copy by the last

@@ -31,7 +31,7 @@ from engine.kernels import AttentionMetadata
 from engine.model.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
-    from engine.runner import HostBatch
+    from engine.worker.runner import HostBatch
 
 MAX_CAPTURED_BATCH = 256
 # 1, 2, 4, 8, then every multiple of 16: padding wastes at most 15 rows of a batch above 16.

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import aiohttp
 import tokenizers
 
-from engine.chat_template import ChatTemplate, ChatTemplateError
+from engine.prompting.chat_template import ChatTemplate, ChatTemplateError
+from engine.prompting.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from engine.protocol import ChatCompletionRequest, TokenizerInfo
-from engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
-from guard.validate import Invalid, ParsedRequest
+from guard.http.validate import Invalid, ParsedRequest
 
 THREAD_THRESHOLD_CHARS = 16_384
 

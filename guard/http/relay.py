@@ -26,7 +26,7 @@ import pydantic_core
 from aiohttp import web
 
 from guard.config import Upstream
-from guard.errors import error_response, sse_error_event
+from guard.http.errors import error_response, sse_error_event
 
 SHUTTING_DOWN = "the guard is shutting down; retry shortly"
 # asyncio's transports buffer this much before a writer has to wait for the peer to read (the default high

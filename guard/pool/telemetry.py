@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from engine.protocol import TelemetrySnapshot
 
-log = logging.getLogger("guard.telemetry")
+log = logging.getLogger("guard.pool.telemetry")
 
 
 class TelemetrySubscriber:

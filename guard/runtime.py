@@ -9,16 +9,16 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import web
 
-from guard.admission import AdmissionGate
-from guard.auth import KeyStore
+from guard.admission.dispatch import Dispatcher, Rejected
+from guard.admission.gate import AdmissionGate
 from guard.config import GuardConfig, Tenant
-from guard.detector import STATES, Detector
-from guard.dispatch import Dispatcher, Rejected
+from guard.detect.detector import STATES, Detector
+from guard.http.auth import KeyStore
+from guard.http.relay import Relay
+from guard.http.tokens import TokenCounter
 from guard.metrics import MODES, GuardMetrics
-from guard.relay import Relay
-from guard.routing import CircuitBreaker, ModeMachine, Router
-from guard.telemetry import TelemetrySubscriber
-from guard.tokens import TokenCounter
+from guard.pool.routing import CircuitBreaker, ModeMachine, Router
+from guard.pool.telemetry import TelemetrySubscriber
 
 
 @dataclass(slots=True)
@@ -89,7 +89,7 @@ class GuardState:
                 self.metrics.mode.labels(mode).set(1.0 if mode == change[1] else 0.0)
 
     def update_detector(self) -> None:
-        """Re-score every tenant; apply the escalation of each state change (see guard/detector.py)."""
+        """Re-score every tenant; apply the escalation of each state change (see guard/detect/detector.py)."""
         snapshot = self.gate.snapshot
         # The edge as the guard sees it: what is left uncommitted (engine blocks stay free under admission).
         free_share = 1.0 - self.gate.committed() / snapshot.num_blocks if snapshot and snapshot.num_blocks else 1.0

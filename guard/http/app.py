@@ -1,5 +1,5 @@
 """The guard's aiohttp application: routes, the stamping middleware and the lifecycle (session, telemetry
-subscription, health monitor, graceful shutdown). The request pipeline itself is guard/pipeline.py."""
+subscription, health monitor, graceful shutdown). The request pipeline itself is guard/http/pipeline.py."""
 
 from __future__ import annotations
 
@@ -13,21 +13,21 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from engine.protocol import TelemetrySnapshot
-from guard.admission import AdmissionGate
-from guard.auth import KeyStore
+from guard.admission.dispatch import Dispatcher, Rejected
+from guard.admission.gate import AdmissionGate
 from guard.config import Backend, GuardConfig
-from guard.detector import Detector
-from guard.dispatch import Dispatcher, Rejected
-from guard.errors import error_response
+from guard.detect.detector import Detector
+from guard.http.auth import KeyStore
+from guard.http.errors import error_response
+from guard.http.pipeline import authenticate, completion
+from guard.http.relay import SHUTTING_DOWN, Relay
+from guard.http.tokens import TokenCounter
+from guard.http.validate import Invalid
 from guard.metrics import GuardMetrics
-from guard.monitor import monitor
-from guard.pipeline import authenticate, completion
-from guard.relay import SHUTTING_DOWN, Relay
-from guard.routing import CircuitBreaker, ModeMachine, Router
-from guard.state import REQUEST_ID, STATE, TENANT, GuardState
-from guard.telemetry import TelemetrySubscriber
-from guard.tokens import TokenCounter
-from guard.validate import Invalid
+from guard.pool.monitor import monitor
+from guard.pool.routing import CircuitBreaker, ModeMachine, Router
+from guard.pool.telemetry import TelemetrySubscriber
+from guard.runtime import REQUEST_ID, STATE, TENANT, GuardState
 
 log = logging.getLogger("guard")
 

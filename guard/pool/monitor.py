@@ -9,9 +9,9 @@ import logging
 import aiohttp
 
 from guard.config import Backend
-from guard.state import GuardState
+from guard.runtime import GuardState
 
-log = logging.getLogger("guard.monitor")
+log = logging.getLogger("guard.pool.monitor")
 
 
 async def probe(session: aiohttp.ClientSession, backend: Backend, timeout: aiohttp.ClientTimeout) -> bool:

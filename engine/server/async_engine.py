@@ -39,11 +39,11 @@ from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.metrics import EngineMetrics, EngineReading, LatencyRecorder
 from engine.outputs import RequestOutput
 from engine.protocol import TelemetrySnapshot
-from engine.request_stream import EngineUnavailable, RequestFailed, RequestStream
 from engine.sched.request import Request
+from engine.server.metrics import EngineMetrics, EngineReading, LatencyRecorder
+from engine.server.request_stream import EngineUnavailable, RequestFailed, RequestStream
 
 log = logging.getLogger("engine.async")
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from engine.http_errors import ApiError
+from engine.server.errors import ApiError
 
 DONE = b"data: [DONE]\n\n"
 

@@ -21,11 +21,10 @@ from typing import Protocol, TypeVar, cast
 from aiohttp import web
 from pydantic import ValidationError
 
-from engine.async_engine import AsyncEngine
-from engine.chat_template import ChatTemplate, ChatTemplateError
 from engine.core import EngineCore
-from engine.http_errors import ApiError
 from engine.outputs import CompletionOutput, RequestOutput
+from engine.prompting.chat_template import ChatTemplate, ChatTemplateError
+from engine.prompting.tokenizer import ByteTokenizer, HFTokenizer
 from engine.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -46,11 +45,12 @@ from engine.protocol import (
     TokenizerInfo,
     Usage,
 )
-from engine.request_stream import EngineUnavailable, RequestFailed
 from engine.sampling_params import SamplingParams
 from engine.sched.request import Request
-from engine.sse import DONE, open_stream, send_data, send_error
-from engine.tokenizer import ByteTokenizer, HFTokenizer
+from engine.server.async_engine import AsyncEngine
+from engine.server.errors import ApiError
+from engine.server.request_stream import EngineUnavailable, RequestFailed
+from engine.server.sse import DONE, open_stream, send_data, send_error
 
 TENANT_HEADER = "X-Tenant-Id"
 MAX_TENANT_LENGTH = 128

@@ -5,7 +5,7 @@ step and shared by every layer. Only the last token of a sequence whose uncomput
 step produces logits; prefill chunks that stop short of the end produce none.
 
 On CUDA, with a backend that allows it, a decode-only step replays a captured CUDA graph
-(``engine.cuda_graphs``); every other step, and every step on CPU, runs the model eagerly.
+(``engine.worker.cuda_graphs``); every other step, and every step on CPU, runs the model eagerly.
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.cuda_graphs import DecodeGraphs
 from engine.kernels import AttentionMetadata
 from engine.kv.manager import BlockCopies, KVCacheManager
 from engine.kv.swap import SwapSpace
 from engine.model import LoadedModel
 from engine.sched.scheduler import SchedulerOutput
+from engine.worker.cuda_graphs import DecodeGraphs
 
 
 @dataclass(slots=True)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.tokenizer import Tokenizer
+from engine.prompting.tokenizer import Tokenizer
 
 _REPLACEMENT = "\ufffd"
 # Prompt tokens decoded along with the output, so the first output token renders as it does in context.

@@ -79,9 +79,9 @@ class FairQueue(Generic[Item]):
         self.queued -= 1
         return True
 
-    def next_tenant(self) -> TenantQueue[Item] | None:
-        """The backlogged tenant with the lowest counter (ties: the first configured)."""
-        return min(self.backlogged(), key=lambda t: t.counter, default=None)
+    def next_tenant(self, skip: set[str] | frozenset[str] = frozenset()) -> TenantQueue[Item] | None:
+        """The backlogged tenant with the lowest counter (ties: the first configured), ``skip`` left out."""
+        return min((t for t in self.backlogged() if t.name not in skip), key=lambda t: t.counter, default=None)
 
     def pop(self, tenant: TenantQueue[Item]) -> Item:
         for priority in sorted(tenant.lanes):

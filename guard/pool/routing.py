@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from guard.config import Backend, Lane, Routing, StaticFallback
 
-log = logging.getLogger("guard.routing")
+log = logging.getLogger("guard.pool.routing")
 
 
 class CircuitBreaker:
@@ -113,11 +113,11 @@ class Router:
         # With no usable fallback a saturated but live primary still beats a refusal: its queue has deadlines.
         return self.fallback() or (Route("primary", "primary") if primary_up else Route("reject", "no_backend"))
 
-    def fallback(self, exclude: str | None = None) -> Route | None:
+    def fallback(self) -> Route | None:
         """The first usable fallback in config order."""
         for backend in self.fallbacks:
             if isinstance(backend, StaticFallback):
                 return Route("static", backend.name, backend)
-            if backend.name != exclude and self.breakers[backend.name].allow():
+            if self.breakers[backend.name].allow():
                 return Route("engine", backend.name, backend)
         return None

@@ -18,9 +18,9 @@ import enum
 import time
 from dataclasses import dataclass
 
-from guard.admission import AdmissionGate
+from guard.admission.fairness import FairQueue, TenantQueue
+from guard.admission.gate import AdmissionGate
 from guard.config import GuardConfig, Lane, Tenant
-from guard.fairness import FairQueue, TenantQueue
 
 
 class TicketState(enum.Enum):
@@ -122,11 +122,7 @@ class Dispatcher:
         if not self.fair.queued:
             return  # the usual case after a release
         capped: set[str] = set()
-        while True:
-            candidates = [t for t in self.fair.backlogged() if t.name not in capped]
-            if not candidates:
-                return
-            queue = min(candidates, key=lambda t: t.counter)
+        while (queue := self.fair.next_tenant(capped)) is not None:
             ticket = queue.head()
             assert ticket is not None
             if not self._within_cap(queue, ticket):

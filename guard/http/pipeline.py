@@ -15,12 +15,14 @@ import time
 import aiohttp
 from aiohttp import web
 
+from guard.admission.dispatch import Rejected, Ticket
 from guard.config import Lane, Tenant
-from guard.dispatch import Rejected, Ticket
-from guard.errors import error_response
-from guard.relay import StreamObserver, UpstreamUnavailable
-from guard.routing import Route
-from guard.state import (
+from guard.http.errors import error_response
+from guard.http.relay import StreamObserver, UpstreamUnavailable
+from guard.http.static import static_response
+from guard.http.validate import Invalid, ParsedRequest, parse_request
+from guard.pool.routing import Route
+from guard.runtime import (
     ABUSE_CODE,
     ABUSE_MESSAGE,
     ABUSE_RETRY_AFTER_S,
@@ -30,8 +32,6 @@ from guard.state import (
     TENANT,
     GuardState,
 )
-from guard.static import static_response
-from guard.validate import Invalid, ParsedRequest, parse_request
 
 
 def stamp_headers(request: web.Request, route: str | None = None) -> dict[str, str]:

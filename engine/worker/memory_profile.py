@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import torch
 
-from engine.cuda_graphs import MAX_CAPTURED_BATCH
 from engine.kernels import AttentionMetadata
 from engine.model.llama import LlamaForCausalLM
-from engine.sampler import sample
 from engine.sampling_params import SamplingParams
+from engine.worker.cuda_graphs import MAX_CAPTURED_BATCH
+from engine.worker.sampler import sample
 
 
 @torch.inference_mode()

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 from engine.protocol import TelemetrySnapshot
 
-log = logging.getLogger("guard.detector")
+log = logging.getLogger("guard.detect.detector")
 
 WINDOW_S = 10.0
 PROBE_MAX_TOKENS = 4
@@ -51,6 +51,7 @@ STATES = ("normal", "suspect", "confirmed")
 SUSPECT_AT, CONFIRM_AT = 0.5, 0.75
 CLEAR_SUSPECT_BELOW, CLEAR_SUSPECT_AFTER_S = 0.3, 10.0
 CLEAR_CONFIRMED_BELOW, CLEAR_CONFIRMED_AFTER_S = 0.4, 30.0
+TRANSITIONS_KEPT = 256  # the newest state changes with their evidence, for reports and tests; older ones go
 
 
 @dataclass(slots=True)
@@ -75,7 +76,8 @@ class Detector:
     def __init__(self, weights: dict[str, float]) -> None:
         self.weights = weights  # tenant -> weight, for fair shares
         self.tenants = {name: TenantSignals() for name in weights}
-        self.transitions: list[tuple[float, str, str, str, dict[str, float]]] = []  # (time, tenant, from, to, why)
+        # (time, tenant, from, to, evidence), bounded: a guard that runs for months keeps no history of them.
+        self.transitions: deque[tuple[float, str, str, str, dict[str, float]]] = deque(maxlen=TRANSITIONS_KEPT)
 
     def state(self, tenant: str) -> str:
         return self.tenants[tenant].state

@@ -2,7 +2,7 @@
 
 The body is read with a hard size cap (413), must be JSON of the right content type and pass the engine's
 own pydantic request models (400 with ``param`` naming the field: ``Content-Type`` or ``body`` when the
-fault is not in one field, so that every 400 points somewhere); guard/tokens.py then counts the prompt and
+fault is not in one field, so that every 400 points somewhere); guard/http/tokens.py then counts the prompt and
 checks it against the context window. Client-sent ``cache_salt``, ``priority`` and tenant hints are dropped:
 the guard sets them from the tenant.
 """
@@ -16,7 +16,7 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from engine import protocol
-from guard.errors import error_response
+from guard.http.errors import error_response
 
 MODELS: dict[str, type[BaseModel]] = {
     "/v1/completions": protocol.CompletionRequest,

@@ -1,0 +1,1 @@
+"""Fill-and-Squeeze detection and its escalation policy."""

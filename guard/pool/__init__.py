@@ -1,0 +1,1 @@
+"""The engines behind the guard: telemetry subscriptions, health monitoring, circuit breakers and modes."""
