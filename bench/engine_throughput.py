@@ -34,10 +34,10 @@ import transformers
 from run_info import command, describe
 
 from engine import LLM, SamplingParams
-from engine.worker.bandwidth import peak_bandwidth
 from engine.core import EngineCore
+from engine.sched.output import SchedulerOutput
+from engine.worker.bandwidth import peak_bandwidth
 from engine.worker.runner import StepResult
-from engine.sched.scheduler import SchedulerOutput
 
 # Architecture hyperparameters of the two published models; weights are random.
 SHAPES: dict[str, tuple[type[transformers.PretrainedConfig], dict]] = {

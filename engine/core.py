@@ -1,8 +1,11 @@
 """The engine's step loop: requests in, one scheduled step at a time, outputs out.
 
 ``EngineCore`` is synchronous and single-threaded; ``LLM`` drives it to completion and the server's
-``AsyncEngine`` drives it from a background thread. Every input is validated before any state changes, and
-every sequence that ends (finished, stopped or aborted) releases its blocks in the same call.
+``AsyncEngine`` drives it from a background thread. A step is three calls: the scheduler decides
+(``SchedulerOutput``), the runner executes and samples, and the scheduler commits the result
+(``update_from_output``), consulting the output processor about stops. Every input is validated before any
+state changes, and every sequence that ends (finished, stopped or aborted) releases its blocks in the same
+call.
 """
 
 from __future__ import annotations
@@ -18,18 +21,17 @@ from engine.kv.block_pool import BlockPool
 from engine.kv.manager import KVCacheManager
 from engine.kv.swap import SwapSpace
 from engine.model import load_model
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.prompting.detokenizer import IncrementalDetokenizer
+from engine.output_processor import OutputProcessor
+from engine.outputs import RequestOutput
 from engine.protocol import TelemetrySnapshot
 from engine.sampling_params import SamplingParams
-from engine.sched.request import Request, SeqStatus, Sequence
-from engine.sched.scheduler import Scheduler, SchedulerOutput
+from engine.sched.request import Request
+from engine.sched.scheduler import Scheduler
 from engine.telemetry import EngineStats
 from engine.validation import is_int, require
 from engine.worker.bandwidth import peak_bandwidth
 from engine.worker.memory_profile import activation_bytes
 from engine.worker.runner import ModelRunner
-from engine.worker.sampler import sample
 
 
 class EngineCore:
@@ -51,16 +53,15 @@ class EngineCore:
         swap_blocks = config.swap_blocks
         if swap_blocks is None:
             swap_blocks = num_blocks if config.preemption_mode == "swap" else 0
-        block_bytes = self.loaded.config.kv_bytes_per_token(self.dtype) * self.block_size
-        self.stats = EngineStats(block_bytes)
         self.kv = KVCacheManager(BlockPool(num_blocks, config.enable_prefix_caching), SwapSpace(swap_blocks),
                                  self.block_size)
-        self.scheduler = Scheduler(self.kv, self.stats, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.preemption_mode)
-        self.runner = ModelRunner(self.loaded, self.kv, self.kv.swap, self.device, self.dtype)
-        self.stats.peak_bandwidth_bytes_per_s = peak_bandwidth(self.device)
+        self.output_processor = OutputProcessor(self.tokenizer, self.loaded.config.eos_token_ids)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.preemption_mode, self.output_processor.check_stop)
+        self.runner = ModelRunner(self.loaded, num_blocks, self.block_size, swap_blocks, self.device, self.dtype)
+        block_bytes = self.loaded.config.kv_bytes_per_token(self.dtype) * self.block_size
+        self.stats = EngineStats(block_bytes, self.scheduler.stats, peak_bandwidth(self.device))
         self.requests: dict[str, Request] = {}
-        self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
 
     @property
@@ -116,10 +117,13 @@ class EngineCore:
     def add(self, request: Request) -> None:
         require(request.request_id not in self.requests, "request_id", "unique among running requests",
                 request.request_id)
-        seq = self._new_sequence(request, 0, list(request.prompt_token_ids))
-        seq.forks_pending = request.params.n - 1
+        params = request.params
+        seeded = params.seed is not None and not params.greedy
+        # Created here, in the thread that steps the engine, like every other device object.
+        request.generators = [torch.Generator(self.device).manual_seed(params.seed + index) if seeded else None
+                              for index in range(params.n)]
         self.requests[request.request_id] = request
-        self.scheduler.add(seq)
+        self.scheduler.add_request(request)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request wherever it is and release its blocks. Unknown or finished ids are ignored."""
@@ -128,7 +132,7 @@ class EngineCore:
             return None
         for seq in request.seqs:
             self.scheduler.finish(seq, "abort")
-        return self._output(request)
+        return self.output_processor.output(request)
 
     def step(self) -> list[RequestOutput]:
         """Run one step; return the requests that produced tokens or ended in it."""
@@ -140,100 +144,18 @@ class EngineCore:
             # Validation guarantees every request fits an idle pool; an empty step with work left is a bug,
             # and raising beats spinning forever.
             raise RuntimeError("scheduler: no sequence could be scheduled although requests are pending")
-        touched: dict[str, Request] = {}
         result = self.runner.execute(out)
-        self.scheduler.advance(out)
-        self._sample(out, result.logits, touched)
-        self.stats.on_step(time.perf_counter() - started, result.num_tokens,
-                           any(s.num_new_tokens == 1 and s.num_samples for s in out.scheduled), result.bytes_moved)
+        touched = self.scheduler.update_from_output(out, result.sampled)
+        self.stats.on_step(time.perf_counter() - started, result.num_tokens, out.has_decode, result.bytes_moved)
         outputs = []
-        for request in touched.values():
+        for request in touched:
             if request.finished:
                 del self.requests[request.request_id]
-            outputs.append(self._output(request))
+            outputs.append(self.output_processor.output(request))
         return outputs
 
     def telemetry(self, healthy: bool = True) -> TelemetrySnapshot:
-        return self.stats.snapshot(self.scheduler, self.model_name, healthy)
-
-    def _sample(self, out: SchedulerOutput, logits: torch.Tensor, touched: dict[str, Request]) -> None:
-        sampling = [item for item in out.scheduled if item.num_samples]
-        rows: list[int] = []
-        targets: list[Sequence] = []
-        for row, item in enumerate(sampling):
-            parent = item.seq
-            children = [self._new_sequence(parent.request, index, list(parent.token_ids))
-                        for index in range(1, parent.forks_pending + 1)]
-            parent.forks_pending = 0
-            # Fork before any token is appended: appending may finish the parent and free its blocks.
-            for child in children:
-                self.scheduler.fork(parent, child)
-            rows += [row] * (1 + len(children))
-            targets += [parent, *children]
-        tokens = sample(logits[rows], [s.request.params for s in targets], [s.generator for s in targets])
-        now = time.monotonic()
-        for seq, token in zip(targets, tokens):
-            request = seq.request
-            if request.first_token_time is None:
-                request.first_token_time = now
-                self.stats.on_prompt(request.tenant, len(request.prompt_token_ids))
-            self._append_token(seq, token)
-            touched[request.request_id] = request
-
-    def _append_token(self, seq: Sequence, token: int) -> None:
-        seq.token_ids.append(token)
-        request = seq.request
-        params = request.params
-        self.stats.on_generated(request.tenant, 1)
-        reason = None
-        if seq.detokenizer is not None:
-            new_text = seq.detokenizer.step(token)
-            reason = self._check_stop_strings(seq, new_text)
-        if reason is None:
-            if (token in self.loaded.config.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
-                reason = "stop"
-            elif seq.num_output_tokens >= request.max_tokens:
-                reason = "length"
-        if reason is not None:
-            if seq.detokenizer is not None and not seq.stopped_by_string:
-                seq.text += seq.detokenizer.flush()  # a character cut off at the end becomes U+FFFD
-            self.scheduler.finish(seq, reason)
-
-    def _check_stop_strings(self, seq: Sequence, new_text: str) -> str | None:
-        """Append ``new_text``; on a stop string, cut the text before it and return ``"stop"``."""
-        stops = seq.request.params.stop or []
-        start = max(0, len(seq.text) - max((len(s) for s in stops), default=0) + 1)
-        seq.text += new_text
-        if not stops or not new_text:
-            return None
-        hits = [i for s in stops if (i := seq.text.find(s, start)) >= 0]
-        if not hits:
-            return None
-        seq.text = seq.text[: min(hits)]
-        seq.stopped_by_string = True
-        return "stop"
-
-    def _output(self, request: Request) -> RequestOutput:
-        completions = []
-        for seq in request.seqs:
-            if seq.detokenizer is None and self.tokenizer is not None and seq.status is SeqStatus.FINISHED:
-                seq.text = self.tokenizer.decode(seq.output_token_ids)
-            completions.append(CompletionOutput(seq.index, seq.text, seq.output_token_ids, seq.finish_reason))
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
-                             request.num_cached_tokens, request.finished)
-
-    def _new_sequence(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
-        params = request.params
-        generator = None
-        if params.seed is not None and not params.greedy:
-            generator = torch.Generator(self.device).manual_seed(params.seed + index)
-        detokenizer = None
-        if (params.stop or request.stream) and self.tokenizer is not None:
-            detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
-        seq = Sequence(next(self._seq_ids), request, index, token_ids, len(request.prompt_token_ids),
-                       generator, detokenizer)
-        request.seqs.append(seq)
-        return seq
+        return self.stats.snapshot(self.model_name, self.kv, self.scheduler.load(), healthy)
 
     def _tokenize(self, prompt: object) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

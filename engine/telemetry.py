@@ -1,4 +1,8 @@
-"""Engine counters kept per step (and per tenant), turned into ``TelemetrySnapshot`` on demand.
+"""Engine telemetry: the step-time window, and the ``TelemetrySnapshot`` assembled from every part.
+
+Each part keeps its own readings: the KV cache manager its pool and swap space, the scheduler its event
+counters (``SchedulerStats``) and its load (``SchedulerLoad``). ``EngineStats`` adds what only the step loop
+sees, the duration, tokens and bytes of each step, and assembles the snapshot from all of them.
 
 Counters only grow. Rates (tokens/s, bytes/s, step time, inter-token latency) are averaged over the steps
 of the last ``RATE_WINDOW_S`` seconds, so a snapshot taken while idle decays to zero instead of freezing
@@ -13,11 +17,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine.protocol import TelemetrySnapshot, TenantUsage
+from engine.sched.stats import SchedulerLoad, SchedulerStats
 
 if TYPE_CHECKING:
     from engine.kv.manager import KVCacheManager
-    from engine.sched.request import Sequence
-    from engine.sched.scheduler import Scheduler
 
 RATE_WINDOW_S = 1.0
 
@@ -32,49 +35,17 @@ class StepRecord:
 
 
 class EngineStats:
-    def __init__(self, block_bytes: int) -> None:
+    def __init__(self, block_bytes: int, counters: SchedulerStats, peak_bandwidth_bytes_per_s: float) -> None:
         self.block_bytes = block_bytes
+        self.counters = counters
+        self.peak_bandwidth_bytes_per_s = peak_bandwidth_bytes_per_s
         self.step = 0
-        self.preemptions = {"recompute": 0, "swap": 0}
-        self.swap_bytes = {"in": 0, "out": 0}
-        self.prefix_queries_tokens = 0
-        self.prefix_hits_tokens = 0
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.tenants: dict[str, TenantUsage] = {}
-        self.peak_bandwidth_bytes_per_s = 0.0
         self._window: deque[StepRecord] = deque()
 
-    def tenant(self, name: str | None) -> TenantUsage | None:
-        if name is None:
-            return None
-        usage = self.tenants.get(name)
-        if usage is None:
-            usage = self.tenants[name] = TenantUsage()
-        return usage
-
-    def on_preemption(self, seq: Sequence, mode: str, blocks_swapped: int) -> None:
-        self.preemptions[mode] += 1
-        self.swap_bytes["out"] += blocks_swapped * self.block_bytes
-        if usage := self.tenant(seq.request.tenant):
-            usage.preemptions_total += 1
-
-    def on_swap_in(self, blocks: int) -> None:
-        self.swap_bytes["in"] += blocks * self.block_bytes
-
-    def on_prefix_lookup(self, queried: int, hits: int) -> None:
-        self.prefix_queries_tokens += queried
-        self.prefix_hits_tokens += hits
-
-    def on_prompt(self, tenant: str | None, num_tokens: int) -> None:
-        self.prompt_tokens += num_tokens
-        if usage := self.tenant(tenant):
-            usage.prompt_tokens_total += num_tokens
-
-    def on_generated(self, tenant: str | None, num_tokens: int) -> None:
-        self.generation_tokens += num_tokens
-        if usage := self.tenant(tenant):
-            usage.generation_tokens_total += num_tokens
+    @property
+    def swap_bytes(self) -> dict[str, int]:
+        """Bytes copied by swap, per direction ("in" to the device, "out" to the host)."""
+        return {direction: blocks * self.block_bytes for direction, blocks in self.counters.blocks_swapped.items()}
 
     def on_step(self, duration_s: float, num_tokens: int, has_decode: bool, bytes_moved: int) -> None:
         self.step += 1
@@ -82,8 +53,10 @@ class EngineStats:
         self._window.append(StepRecord(now, duration_s, num_tokens, has_decode, bytes_moved))
         self._trim(now)
 
-    def snapshot(self, scheduler: Scheduler, model: str, healthy: bool = True) -> TelemetrySnapshot:
-        kv: KVCacheManager = scheduler.kv
+    def snapshot(
+        self, model: str, kv: KVCacheManager, load: SchedulerLoad, healthy: bool = True
+    ) -> TelemetrySnapshot:
+        counters = self.counters
         now = time.monotonic()
         self._trim(now)
         steps = list(self._window)
@@ -98,20 +71,20 @@ class EngineStats:
             model=model,
             block_size=kv.block_size,
             num_blocks=kv.pool.num_blocks,
-            free_blocks=kv.pool.num_free,
+            free_blocks=kv.pool.num_free - kv.pool.num_cached,
             cached_blocks=kv.pool.num_cached,
             swap_blocks=kv.swap.num_blocks,
             swap_used_blocks=kv.swap.num_used,
-            num_running=len(scheduler.running),
-            num_waiting=len(scheduler.waiting),
-            num_swapped=len(scheduler.swapped),
-            preemptions_total=sum(self.preemptions.values()),
-            preemptions_recompute_total=self.preemptions["recompute"],
-            preemptions_swap_total=self.preemptions["swap"],
-            prefix_cache_queries_total=self.prefix_queries_tokens,
-            prefix_cache_hits_total=self.prefix_hits_tokens,
-            prompt_tokens_total=self.prompt_tokens,
-            generation_tokens_total=self.generation_tokens,
+            num_running=load.num_running,
+            num_waiting=load.num_waiting,
+            num_swapped=load.num_swapped,
+            preemptions_total=sum(counters.preemptions.values()),
+            preemptions_recompute_total=counters.preemptions["recompute"],
+            preemptions_swap_total=counters.preemptions["swap"],
+            prefix_cache_queries_total=counters.prefix_queries_tokens,
+            prefix_cache_hits_total=counters.prefix_hits_tokens,
+            prompt_tokens_total=counters.prompt_tokens,
+            generation_tokens_total=counters.generation_tokens,
             step_time_s=busy / len(steps) if steps else 0.0,
             itl_s=sum(decode_steps) / len(decode_steps) if decode_steps else 0.0,
             tokens_per_s=sum(s.num_tokens for s in steps) / span,
@@ -119,23 +92,19 @@ class EngineStats:
             peak_bandwidth_bytes_per_s=peak,
             bandwidth_utilization=min(1.0, bytes_per_s / peak) if peak > 0 else 0.0,
             healthy=healthy,
-            tenants=self._tenant_usage(scheduler),
+            tenants=self._tenant_usage(load),
         )
 
-    def _tenant_usage(self, scheduler: Scheduler) -> dict[str, TenantUsage]:
-        """Counters plus live gauges; a block shared by two sequences of one tenant counts once."""
-        result = {name: usage.model_copy(update={"blocks": 0, "running": 0, "waiting": 0})
-                  for name, usage in self.tenants.items()}
-        blocks: dict[str, set[int]] = {}
-        for seq in scheduler.running:
-            if (name := seq.request.tenant) is not None:
-                result.setdefault(name, TenantUsage()).running += 1
-                blocks.setdefault(name, set()).update(scheduler.kv.block_ids(seq))
-        for seq in scheduler.waiting + scheduler.swapped:
-            if (name := seq.request.tenant) is not None:
-                result.setdefault(name, TenantUsage()).waiting += 1
-        for name, ids in blocks.items():
-            result[name].blocks = len(ids)
+    def _tenant_usage(self, load: SchedulerLoad) -> dict[str, TenantUsage]:
+        """Every tenant ever counted, plus any with live sequences: counters and live gauges together."""
+        result = {
+            name: TenantUsage(preemptions_total=c.preemptions, prompt_tokens_total=c.prompt_tokens,
+                              generation_tokens_total=c.generation_tokens)
+            for name, c in self.counters.tenants.items()
+        }
+        for name, live in load.tenants.items():
+            usage = result.setdefault(name, TenantUsage())
+            usage.blocks, usage.running, usage.waiting = live.blocks, live.running, live.waiting
         return result
 
     def _trim(self, now: float) -> None:

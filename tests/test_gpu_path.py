@@ -19,9 +19,9 @@ pytest.importorskip("triton")  # before the imports below: the Triton backend im
 from engine.kernels import AttentionMetadata, TorchAttentionBackend
 from engine.kernels.triton_backend import TritonAttentionBackend
 from engine.model import load_model
+from engine.worker.batch import HostBatch
 from engine.worker.cuda_graphs import CAPTURE_SIZES, DecodeGraphs
 from engine.worker.memory_profile import scratch_step
-from engine.worker.runner import HostBatch
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BLOCK_SIZE = 4

@@ -5,27 +5,23 @@ Every block a sequence holds is referenced once by it; a block shared by a fork 
 reference per holder. Only the last, partial block of a sequence is ever written, and a shared partial
 block is copied before the write (copy-on-write). Full blocks are registered in the prefix cache only once
 their KV has been computed (``commit``), so a hit never reads KV that is still to be written.
+
+Invariants: a sequence has a device table (``tables``) or a host table (``host_tables``), never both; the
+device tables hold exactly one reference per block entry (``BlockPool.check``), and the host tables hold
+exactly the host ids the swap space has handed out (``SwapSpace.check``).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 
 from engine.kv.block import KVBlock
 from engine.kv.block_pool import BlockPool
+from engine.kv.copies import BlockCopies
 from engine.kv.hashing import extend_block_hashes
+from engine.kv.sequence import KVSequence
 from engine.kv.swap import SwapSpace
-from engine.sched.request import Sequence
-
-
-@dataclass(slots=True)
-class BlockCopies:
-    """Block moves the runner must perform before this step's forward, in this order."""
-
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
-    copy_on_write: list[tuple[int, int]] = field(default_factory=list)  # (device src, device dst)
 
 
 class KVCacheManager:
@@ -33,18 +29,16 @@ class KVCacheManager:
         self.pool = pool
         self.swap = swap
         self.block_size = block_size
-        self.tables: dict[int, list[KVBlock]] = {}
+        self.tables: dict[int, list[KVBlock]] = {}  # seq_id -> device blocks, in token order
+        self.host_tables: dict[int, list[int]] = {}  # seq_id -> host block ids while swapped out
 
-    def blocks_of(self, seq: Sequence) -> list[KVBlock]:
-        return self.tables.get(seq.seq_id, [])
-
-    def block_ids(self, seq: Sequence) -> list[int]:
+    def block_ids(self, seq: KVSequence) -> list[int]:
         return [b.block_id for b in self.tables.get(seq.seq_id, [])]
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def find_cached_prefix(self, seq: Sequence) -> list[KVBlock]:
+    def find_cached_prefix(self, seq: KVSequence) -> list[KVBlock]:
         """The longest run of this sequence's leading full blocks found in the prefix cache.
 
         The last token is never served from cache: its logits are needed to sample the next token.
@@ -53,7 +47,7 @@ class KVCacheManager:
             return []
         self._hash_full_blocks(seq)
         hits: list[KVBlock] = []
-        for h in seq.block_hashes[: (seq.num_tokens - 1) // self.block_size]:
+        for h in seq.block_hashes[: (len(seq.token_ids) - 1) // self.block_size]:
             block = self.pool.lookup(h)
             if block is None:
                 break
@@ -61,9 +55,10 @@ class KVCacheManager:
         return hits
 
     def allocate(
-        self, seq: Sequence, num_new_tokens: int, copies: BlockCopies, cached: list[KVBlock] = ()
+        self, seq: KVSequence, num_new_tokens: int, copies: BlockCopies, cached: Sequence[KVBlock] = ()
     ) -> bool:
-        """Give ``seq`` room for ``num_new_tokens`` more tokens, after adopting ``cached`` prefix blocks.
+        """Give ``seq`` room for ``num_new_tokens`` more tokens, after adopting ``cached`` prefix blocks
+        (whose tokens the caller then counts as computed).
 
         Returns False, changing nothing, when the pool cannot supply the blocks.
         """
@@ -80,7 +75,6 @@ class KVCacheManager:
         if cached:
             self.pool.touch(cached)
             table = table + list(cached)
-            seq.num_computed_tokens = computed
         if cow is not None:
             (fresh,) = self.pool.allocate(1)
             copies.copy_on_write.append((cow.block_id, fresh.block_id))
@@ -91,8 +85,8 @@ class KVCacheManager:
         self.tables[seq.seq_id] = table
         return True
 
-    def commit(self, seq: Sequence) -> None:
-        """Publish the blocks that this step's computed tokens have filled to the prefix cache."""
+    def commit(self, seq: KVSequence) -> None:
+        """Publish the blocks that the computed tokens have filled to the prefix cache."""
         if not self.pool.enable_prefix_caching:
             return
         self._hash_full_blocks(seq)
@@ -101,53 +95,51 @@ class KVCacheManager:
             if table[i].block_hash is None:
                 self.pool.register(table[i], seq.block_hashes[i])
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
+    def fork(self, parent: KVSequence, child: KVSequence) -> None:
         """Let ``child`` share every block of ``parent`` (copy-on-write on the partial last block)."""
         table = self.tables[parent.seq_id]
         self.pool.touch(table)
         self.tables[child.seq_id] = list(table)
-        child.block_hashes = list(parent.block_hashes)
 
-    def free(self, seq: Sequence) -> None:
-        """Release every block and swap block of ``seq``; tail blocks first so they are evicted first."""
+    def free(self, seq: KVSequence) -> None:
+        """Release every block and host block of ``seq``; tail blocks first so they are evicted first."""
         table = self.tables.pop(seq.seq_id, [])
         self.pool.free(reversed(table))
-        if seq.swapped_block_ids:
-            self.swap.free(seq.swapped_block_ids)
-            seq.swapped_block_ids = []
+        host = self.host_tables.pop(seq.seq_id, None)
+        if host is not None:
+            self.swap.free(host)
 
-    def can_swap_out(self, seq: Sequence) -> bool:
+    def can_swap_out(self, seq: KVSequence) -> bool:
         return len(self.tables.get(seq.seq_id, [])) <= self.swap.num_free
 
-    def swap_out(self, seq: Sequence, copies: BlockCopies) -> None:
+    def swap_out(self, seq: KVSequence, copies: BlockCopies) -> None:
         table = self.tables.pop(seq.seq_id)
         host = self.swap.allocate(len(table))
         copies.swap_out.extend(zip((b.block_id for b in table), host))
-        seq.swapped_block_ids = host
+        self.host_tables[seq.seq_id] = host
         self.pool.free(reversed(table))
 
-    def can_swap_in(self, seq: Sequence, num_new_tokens: int) -> bool:
+    def can_swap_in(self, seq: KVSequence, num_new_tokens: int) -> bool:
         return self.blocks_needed(seq.num_computed_tokens + num_new_tokens) <= self.pool.num_free
 
-    def swap_in(self, seq: Sequence, num_new_tokens: int, copies: BlockCopies) -> None:
+    def swap_in(self, seq: KVSequence, num_new_tokens: int, copies: BlockCopies) -> None:
         """Bring ``seq`` back into fresh device blocks, with room for ``num_new_tokens`` more tokens."""
-        host = seq.swapped_block_ids
+        host = self.host_tables.pop(seq.seq_id)
         restored = self.pool.allocate(len(host))
         copies.swap_in.extend(zip(host, (b.block_id for b in restored)))
         self.swap.free(host)
-        seq.swapped_block_ids = []
         self.tables[seq.seq_id] = restored
         if not self.allocate(seq, num_new_tokens, copies):
             raise AssertionError("can_swap_in was checked")
         self.commit(seq)
 
-    def check(self, swapped_block_ids: list[int]) -> None:
-        """Raise ``RuntimeError`` unless the block tables and the pool agree (see ``BlockPool.check``) and the
-        host blocks in use are exactly ``swapped_block_ids`` (those of every swapped sequence), each once."""
+    def check(self) -> None:
+        """Raise ``RuntimeError`` unless the block tables agree with the pool (see ``BlockPool.check``) and
+        the host tables with the swap space (see ``SwapSpace.check``), and no sequence holds both."""
         self.pool.check(Counter(block.block_id for table in self.tables.values() for block in table))
-        if len(swapped_block_ids) != len(set(swapped_block_ids)) or len(swapped_block_ids) != self.swap.num_used:
-            raise RuntimeError(f"swap space inconsistent: {self.swap.num_used} host blocks used, swapped sequences "
-                               f"hold {sorted(swapped_block_ids)}")
+        self.swap.check([block_id for host in self.host_tables.values() for block_id in host])
+        if both := self.tables.keys() & self.host_tables.keys():
+            raise RuntimeError(f"sequences {sorted(both)} hold device and host blocks at once")
 
-    def _hash_full_blocks(self, seq: Sequence) -> None:
-        extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, seq.request.cache_salt)
+    def _hash_full_blocks(self, seq: KVSequence) -> None:
+        extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, seq.cache_salt)

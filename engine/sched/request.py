@@ -1,4 +1,4 @@
-"""Request and sequence state shared by the scheduler, the runner and the output path.
+"""Request and sequence state shared by the scheduler and the output path (the worker sees neither).
 
 A request owns ``n`` sequences. It starts as one sequence that computes the prompt; when the prompt's last
 token is computed, that sequence samples ``n`` tokens and forks ``n - 1`` siblings that share its prompt
@@ -43,6 +43,9 @@ class Request:
     priority: int = 0  # lower runs first, as in vLLM
     stream: bool = False  # detokenize as tokens arrive, so a server can send text deltas
     arrival_time: float = field(default_factory=time.monotonic)
+    # Completion index -> its own random stream (seeded ``seed + index``, None when greedy or unseeded), so
+    # that a seeded completion draws the same tokens whatever else is in the batch. Set by ``EngineCore.add``.
+    generators: list[torch.Generator | None] = field(default_factory=list)
     seqs: list[Sequence] = field(default_factory=list)
     first_token_time: float | None = None
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
@@ -61,17 +64,20 @@ class Sequence:
     index: int  # position among the request's n completions
     token_ids: list[int]
     num_prompt_tokens: int
-    generator: torch.Generator | None = None
-    detokenizer: IncrementalDetokenizer | None = None
     status: SeqStatus = SeqStatus.WAITING
     num_computed_tokens: int = 0
     forks_pending: int = 0  # siblings to create when this sequence samples its first token
     block_hashes: list[bytes] = field(default_factory=list)
-    swapped_block_ids: list[int] = field(default_factory=list)  # host swap blocks while SWAPPED
-    text: str = ""
     finish_reason: str | None = None
-    stopped_by_string: bool = False
     num_preemptions: int = 0
+    # Text state, kept by ``engine.output_processor``.
+    detokenizer: IncrementalDetokenizer | None = None
+    text: str = ""
+    stopped_by_string: bool = False
+
+    @property
+    def cache_salt(self) -> str | None:
+        return self.request.cache_salt
 
     @property
     def sort_key(self) -> tuple[int, float, int]:

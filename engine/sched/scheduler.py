@@ -1,4 +1,5 @@
-"""Iteration-level scheduler: which sequences compute how many tokens in the next step.
+"""Iteration-level scheduler: which sequences compute how many tokens in the next step, and the commit of
+each step once it has run.
 
 Each step has a token budget (``max_num_batched_tokens``) shared by decodes and prefill chunks:
 
@@ -18,60 +19,52 @@ running sequences hold device blocks, only swapped ones hold host blocks.
 from __future__ import annotations
 
 import bisect
+import itertools
+import time
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
-from engine.kv.manager import BlockCopies, KVCacheManager
-from engine.sched.request import SeqStatus, Sequence
-from engine.telemetry import EngineStats
+from engine.kv.manager import KVCacheManager
+from engine.sched.output import ScheduledChunk, ScheduledSeq, SchedulerOutput
+from engine.sched.request import Request, SeqStatus, Sequence
+from engine.sched.stats import SchedulerLoad, SchedulerStats, TenantLoad
 
-
-@dataclass(slots=True)
-class ScheduledSeq:
-    seq: Sequence
-    num_new_tokens: int
-    num_samples: int  # 0 for a prefill chunk that does not reach the end; else 1 + the forks it spawns
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    copies: BlockCopies = field(default_factory=BlockCopies)
-    preempted: list[Sequence] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+# Called with each sequence right after a sampled token is appended to it: the finish reason, or None.
+StopCheck = Callable[[Sequence, int], str | None]
 
 
 class Scheduler:
     def __init__(
         self,
         kv: KVCacheManager,
-        stats: EngineStats,
         max_num_seqs: int,
         max_num_batched_tokens: int,
         preemption_mode: str,
+        check_stop: StopCheck,
     ) -> None:
         self.kv = kv
-        self.stats = stats
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.preemption_mode = preemption_mode
+        self.check_stop = check_stop
+        self.stats = SchedulerStats()
         # Admitting into the very last blocks only to preempt at the next decode is thrashing; keep a margin
         # free whenever something is already running.
         self.watermark_blocks = max(1, kv.pool.num_blocks // 100)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
+        self._seq_ids = itertools.count()
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    def add(self, seq: Sequence) -> None:
-        seq.status = SeqStatus.WAITING
-        bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+    def add_request(self, request: Request) -> None:
+        """Queue the request's first sequence; it forks the other ``n - 1`` when it samples."""
+        seq = self._new_sequence(request, 0, list(request.prompt_token_ids), [])
+        seq.forks_pending = request.params.n - 1
+        self._enqueue(seq)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -82,18 +75,39 @@ class Scheduler:
                 self._admit_waiting(out, budget)
         return out
 
-    def advance(self, out: SchedulerOutput) -> None:
-        """Record that the step's tokens were computed and publish newly filled blocks to the prefix cache."""
-        for item in out.scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
-            self.kv.commit(item.seq)
+    def update_from_output(self, out: SchedulerOutput, sampled: list[int]) -> list[Request]:
+        """Commit an executed step; return the requests that received tokens, in order of first token.
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Start ``child`` as a running copy of ``parent`` sharing its blocks."""
-        self.kv.fork(parent, child)
-        child.num_computed_tokens = parent.num_computed_tokens
-        child.status = SeqStatus.RUNNING
-        self.running.append(child)
+        ``sampled`` holds the tokens the worker drew for ``out.sampling``, in its order. First every
+        scheduled sequence's computed tokens are recorded and the blocks they filled published to the prefix
+        cache; then sequences sampling their first token fork their siblings (before any token is appended,
+        because appending may finish the parent and free the blocks the children share); then each token is
+        appended and its sequence finished if ``check_stop`` says so, which frees its blocks at once.
+        """
+        targets: list[Sequence] = []
+        for item in out.scheduled:
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
+            self.kv.commit(seq)
+        for item in out.scheduled:
+            if item.num_samples:
+                targets.append(item.seq)
+                targets += [self._fork(item.seq, index) for index in range(1, item.num_samples)]
+                item.seq.forks_pending = 0
+        touched: dict[str, Request] = {}
+        now = time.monotonic()
+        for seq, token in zip(targets, sampled, strict=True):
+            request = seq.request
+            if request.first_token_time is None:
+                request.first_token_time = now
+                self.stats.on_first_token(request.tenant, len(request.prompt_token_ids))
+            seq.token_ids.append(token)
+            self.stats.on_token(request.tenant)
+            reason = self.check_stop(seq, token)
+            if reason is not None:
+                self.finish(seq, reason)
+            touched[request.request_id] = request
+        return list(touched.values())
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End ``seq`` wherever it is and release everything it holds. Idempotent."""
@@ -105,6 +119,21 @@ class Scheduler:
         self.kv.free(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
+
+    def load(self) -> SchedulerLoad:
+        """Queue lengths, and per tenant its running and queued sequences and the device blocks they hold."""
+        tenants: dict[str, TenantLoad] = {}
+        blocks: dict[str, set[int]] = {}
+        for seq in self.running:
+            if (name := seq.request.tenant) is not None:
+                tenants.setdefault(name, TenantLoad()).running += 1
+                blocks.setdefault(name, set()).update(self.kv.block_ids(seq))
+        for seq in self.waiting + self.swapped:
+            if (name := seq.request.tenant) is not None:
+                tenants.setdefault(name, TenantLoad()).waiting += 1
+        for name, ids in blocks.items():
+            tenants[name].blocks = len(ids)
+        return SchedulerLoad(len(self.running), len(self.waiting), len(self.swapped), tenants)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         self.running.sort(key=lambda s: s.sort_key)
@@ -122,7 +151,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                out.scheduled.append(ScheduledSeq(seq, num_new, self._num_samples(seq, num_new)))
+                self._add_to_step(seq, num_new, out)
                 still_running.append(seq)
                 budget -= num_new
         self.running = still_running
@@ -137,7 +166,7 @@ class Scheduler:
             self.swapped.pop(0)
             before = len(out.copies.swap_in)
             self.kv.swap_in(seq, num_new, out.copies)
-            self.stats.on_swap_in(len(out.copies.swap_in) - before)
+            self.stats.blocks_swapped["in"] += len(out.copies.swap_in) - before
             self._start(seq, num_new, out)
             budget -= num_new
         return budget
@@ -156,7 +185,9 @@ class Scheduler:
                 seq, num_new, out.copies, cached
             ):
                 break
-            self.stats.on_prefix_lookup(seq.num_tokens, num_cached)
+            seq.num_computed_tokens += num_cached
+            self.stats.prefix_queries_tokens += seq.num_tokens
+            self.stats.prefix_hits_tokens += num_cached
             if seq.num_preemptions == 0 and seq.index == 0:
                 seq.request.num_cached_tokens = num_cached
             self._start(seq, num_new, out)
@@ -167,7 +198,19 @@ class Scheduler:
     def _start(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
-        out.scheduled.append(ScheduledSeq(seq, num_new, self._num_samples(seq, num_new)))
+        self._add_to_step(seq, num_new, out)
+
+    def _add_to_step(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
+        """Put ``seq`` in the step: its record for the commit, and the worker's chunk (its block table is
+        final here: later decisions of this step never touch the blocks of a sequence already scheduled)."""
+        start = seq.num_computed_tokens
+        end = start + num_new
+        num_samples = 1 + seq.forks_pending if end == seq.num_tokens else 0
+        out.scheduled.append(ScheduledSeq(seq, num_new, num_samples))
+        out.chunks.append(ScheduledChunk(seq.token_ids[start:end], start, self.kv.block_ids(seq), num_samples > 0))
+        if num_samples:
+            request = seq.request
+            out.sampling.add(request.params, request.generators, seq.index, num_samples)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         seq.num_preemptions += 1
@@ -175,15 +218,32 @@ class Scheduler:
         if self.preemption_mode == "swap" and self.kv.can_swap_out(seq):
             before = len(out.copies.swap_out)
             self.kv.swap_out(seq, out.copies)
-            self.stats.on_preemption(seq, "swap", len(out.copies.swap_out) - before)
+            self.stats.on_preemption(seq.request.tenant, "swap", len(out.copies.swap_out) - before)
             seq.status = SeqStatus.SWAPPED
             bisect.insort(self.swapped, seq, key=lambda s: s.sort_key)
         else:
             self.kv.free(seq)
             seq.num_computed_tokens = 0
-            self.stats.on_preemption(seq, "recompute", 0)
-            self.add(seq)
+            self.stats.on_preemption(seq.request.tenant, "recompute", 0)
+            self._enqueue(seq)
 
-    @staticmethod
-    def _num_samples(seq: Sequence, num_new: int) -> int:
-        return 1 + seq.forks_pending if num_new == seq.num_uncomputed_tokens else 0
+    def _enqueue(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+
+    def _fork(self, parent: Sequence, index: int) -> Sequence:
+        """Start completion ``index`` of ``parent``'s request as a running copy sharing its blocks."""
+        child = self._new_sequence(parent.request, index, list(parent.token_ids), list(parent.block_hashes))
+        child.num_computed_tokens = parent.num_computed_tokens
+        self.kv.fork(parent, child)
+        child.status = SeqStatus.RUNNING
+        self.running.append(child)
+        return child
+
+    def _new_sequence(
+        self, request: Request, index: int, token_ids: list[int], block_hashes: list[bytes]
+    ) -> Sequence:
+        seq = Sequence(next(self._seq_ids), request, index, token_ids, len(request.prompt_token_ids),
+                       block_hashes=block_hashes)
+        request.seqs.append(seq)
+        return seq

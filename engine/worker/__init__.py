@@ -1,1 +1,2 @@
-"""What touches the device: the model runner, the sampler, CUDA graphs, memory profiling and bandwidth."""
+"""What touches the device: the model runner, its batch layout, the sampler, the host swap copies, CUDA graphs,
+memory profiling and bandwidth."""

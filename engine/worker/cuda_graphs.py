@@ -23,15 +23,12 @@ Only a backend whose launches depend on nothing but the batch size may be captur
 from __future__ import annotations
 
 import bisect
-from typing import TYPE_CHECKING
 
 import torch
 
 from engine.kernels import AttentionMetadata
 from engine.model.llama import LlamaForCausalLM
-
-if TYPE_CHECKING:
-    from engine.worker.runner import HostBatch
+from engine.worker.batch import HostBatch
 
 MAX_CAPTURED_BATCH = 256
 # 1, 2, 4, 8, then every multiple of 16: padding wastes at most 15 rows of a batch above 16.

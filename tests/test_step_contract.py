@@ -1,0 +1,48 @@
+"""The step contract: the scheduler's output alone tells the worker what to compute, and
+``update_from_output`` commits the step (computed tokens, forks, appended tokens)."""
+
+from __future__ import annotations
+
+from support.invariants import assert_all_blocks_back, check_block_accounting
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.sampling_params import SamplingParams
+
+
+def test_a_chunked_prefill_then_a_fork_through_the_step_contract() -> None:
+    core = EngineCore(EngineConfig(model="tiny", device="cpu", block_size=4, num_blocks=32,
+                                   max_num_batched_tokens=8))
+    prompt = list(range(1, 11))
+    core.add(core.make_request(prompt, SamplingParams(max_tokens=3, temperature=0.0, n=2)))
+
+    out = core.scheduler.schedule()
+    (item,), (chunk,) = out.scheduled, out.chunks
+    seq = item.seq
+    assert (chunk.token_ids, chunk.start, chunk.sample) == (prompt[:8], 0, False), "8 of 10 prompt tokens fit"
+    assert chunk.block_table == core.kv.block_ids(seq) and len(chunk.block_table) == 2
+    assert out.sampling.rows == []
+    result = core.runner.execute(out)
+    assert result.sampled == [] and result.num_tokens == 8
+    assert core.scheduler.update_from_output(out, result.sampled) == []
+    assert seq.num_computed_tokens == 8 and len(seq.token_ids) == 10
+    check_block_accounting(core)
+
+    out = core.scheduler.schedule()
+    (chunk,) = out.chunks
+    assert (chunk.token_ids, chunk.start, chunk.sample) == (prompt[8:], 8, True)
+    assert chunk.block_table == core.kv.block_ids(seq) and len(chunk.block_table) == 3
+    assert out.sampling.rows == [0, 0], "the prompt's last logits give both completions their first token"
+    result = core.runner.execute(out)
+    (request,) = core.scheduler.update_from_output(out, result.sampled)
+    parent, child = request.seqs
+    assert (parent.index, child.index) == (0, 1) and child.num_computed_tokens == parent.num_computed_tokens == 10
+    assert core.kv.tables[child.seq_id] == core.kv.tables[parent.seq_id], "a fork shares its parent's blocks"
+    assert [parent.token_ids[-1], child.token_ids[-1]] == result.sampled
+    check_block_accounting(core)
+
+    while core.has_unfinished:
+        core.step()
+        check_block_accounting(core)
+    assert [len(s.output_token_ids) for s in request.seqs] == [3, 3]
+    assert_all_blocks_back(core)
