@@ -109,7 +109,7 @@ async def wait_idle(engine: Service, timeout: float = 60.0) -> None:
     while True:
         snap = await asyncio.to_thread(telemetry, engine)
         if snap["num_running"] + snap["num_waiting"] + snap["num_swapped"] == 0 and \
-                snap["free_blocks"] == snap["num_blocks"]:
+                snap["free_blocks"] + snap["cached_blocks"] == snap["num_blocks"]:
             return
         if time.monotonic() > deadline:
             raise RuntimeError(f"the engine is still busy {timeout:g} s after the block: {snap}")

@@ -17,7 +17,7 @@ is unanswered, i.e. lost); a refused request waits ``Retry-After`` (at most 5 s)
   more probes, then a squeeze of micro-requests.
 
 Report: requests sent and answered (and the guard's own count of outcomes), the answers by status and
-route, blocks leaked (the engine's ``free_blocks`` short of ``num_blocks`` once idle at the end), the
+route, blocks leaked (the engine's blocks neither free nor cached once idle at the end), the
 guard's reservations and queue at the end, its RSS after warm-up and at the end (from /proc VmRSS), and
 latency p50/p99 per tenant over the answers the engine itself served.
 
@@ -328,9 +328,9 @@ def report(ledger: Ledger, snapshot: dict, metrics: str, downtime: list[dict], w
         "statuses": tally((a.status, a.route) for a in ledger.answers),
         "by_tenant": tally((a.tenant, a.status) for a in ledger.answers),
         "attack": tally((a.kind, a.status) for a in ledger.answers if a.tenant == "mallory"),
-        "engine_free_blocks": snapshot["free_blocks"],
+        "engine_reclaimable_blocks": snapshot["free_blocks"] + snapshot["cached_blocks"],
         "engine_num_blocks": snapshot["num_blocks"],
-        "leaked_blocks": snapshot["num_blocks"] - snapshot["free_blocks"],
+        "leaked_blocks": snapshot["num_blocks"] - snapshot["free_blocks"] - snapshot["cached_blocks"],
         "guard_reserved_blocks": metric_sum(metrics, "guard_reserved_blocks"),
         "guard_queued": metric_sum(metrics, "guard_queue_depth"),
         "detections": {k: v for k, v in metric_samples(metrics, "guard_detections_total").items() if v},
@@ -363,7 +363,7 @@ def print_report(result: dict) -> None:
     print("the attacker's answers by kind and status: " + ", ".join(f"{k}: {v}" for k, v in result["attack"].items()))
     print("detections: " + (", ".join(f"{{{k}}}: {v:.0f}" for k, v in result["detections"].items()) or "none")
           + "; mode transitions: " + ", ".join(f"{{{k}}}: {v:.0f}" for k, v in result["mode_transitions"].items()))
-    print(f"leaked blocks: {result['leaked_blocks']} (free {result['engine_free_blocks']} of "
+    print(f"leaked blocks: {result['leaked_blocks']} (free or cached {result['engine_reclaimable_blocks']} of "
           f"{result['engine_num_blocks']} once idle); guard reservations at the end: "
           f"{result['guard_reserved_blocks']:.0f} blocks, queued {result['guard_queued']:.0f}")
     print(f"guard RSS: {rss['warm']} MiB after warm-up, {rss['end']} MiB at the end ({rss['growth']:+.1%}), "

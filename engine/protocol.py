@@ -31,11 +31,23 @@ class TenantUsage(BaseModel):
     generation_tokens_total: int = 0
 
 
+class StepProgress(BaseModel):
+    """The payload of the telemetry stream's busy heartbeat (``: busy {...}``, an SSE comment sent while one
+    step runs): the running step has run ``step_running_s``; ``step`` is the last snapshot this stream sent
+    (None before the first), and no step boundary has been published since."""
+
+    model_config = ConfigDict(extra="ignore")  # the engine may say more; these two are the contract
+
+    step: int | None
+    step_running_s: float = Field(ge=0)
+
+
 class TelemetrySnapshot(BaseModel):
     """The engine's state after one step. Counters (``*_total``) only grow; rates cover the last second.
 
-    ``free_blocks`` counts every reclaimable block, the ``cached_blocks`` among them included, so
-    ``num_blocks - free_blocks`` is what running sequences hold.
+    The device pool is partitioned exactly as the metric ``engine_kv_blocks{state}`` partitions it:
+    ``free_blocks + cached_blocks + used_blocks == num_blocks``. Free and cached blocks are both
+    reclaimable (a new request can take either); a cached one still holds a prefix a later request may reuse.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -45,8 +57,9 @@ class TelemetrySnapshot(BaseModel):
     model: str
     block_size: int
     num_blocks: int
-    free_blocks: int
-    cached_blocks: int
+    free_blocks: int = Field(description="device blocks that hold nothing: neither a running sequence's KV "
+                             "nor a cached prefix")
+    cached_blocks: int = Field(description="device blocks no running sequence holds that keep a reusable prefix")
     swap_blocks: int
     swap_used_blocks: int
     num_running: int
@@ -67,6 +80,11 @@ class TelemetrySnapshot(BaseModel):
     bandwidth_utilization: float = Field(ge=0.0, le=1.0)
     healthy: bool
     tenants: dict[str, TenantUsage] = Field(default_factory=dict)
+
+    @property
+    def used_blocks(self) -> int:
+        """Device blocks held by running sequences: what is not reclaimable."""
+        return self.num_blocks - self.free_blocks - self.cached_blocks
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -151,6 +169,10 @@ class CompletionRequest(SamplingRequest):
     @property
     def max_output_tokens(self) -> int | None:
         return self.max_tokens
+
+    @property
+    def max_output_tokens_field(self) -> str:
+        return "max_tokens"
 
 
 class TextContentPart(OpenAIRequest):
@@ -321,6 +343,21 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+def error_type(status: int) -> str:
+    """OpenAI's error ``type`` for an answer with ``status``: the one table of the engine and the guard.
+
+    As OpenAI's API answers: a 4xx is ``invalid_request_error`` (a refused key and an unknown model too; their
+    ``code``, ``invalid_api_key`` or ``model_not_found``, tells them apart), except 429 ``rate_limit_error``;
+    a 5xx is ``server_error``, except 503 ``service_unavailable_error``. OpenAI's SDKs choose their exception
+    class by status alone, so ``type`` is for people and ``code`` for programs.
+    """
+    if status == 429:
+        return "rate_limit_error"
+    if status == 503:
+        return "service_unavailable_error"
+    return "invalid_request_error" if status < 500 else "server_error"
+
+
 class ErrorDetail(BaseModel):
     message: str
     type: str
@@ -330,6 +367,33 @@ class ErrorDetail(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorDetail
+
+    @classmethod
+    def of(cls, status: int, message: str, *, param: str | None = None, code: str | None = None) -> ErrorResponse:
+        return cls(error=ErrorDetail(message=message, type=error_type(status), param=param, code=code))
+
+
+# Server-sent events, framed one way by the engine and the guard. Each payload is one line (JSON is), so one
+# ``data:`` line carries it. A stream that completes ends with ``SSE_DONE``; one that fails after it started
+# ends with ``sse_error`` and no ``SSE_DONE``, so that a client can tell the two apart.
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse_data(payload: str) -> bytes:
+    return b"data: " + payload.encode() + b"\n\n"
+
+
+def sse_event(name: str, payload: str) -> bytes:
+    return b"event: " + name.encode() + b"\ndata: " + payload.encode() + b"\n\n"
+
+
+def sse_comment(text: str) -> bytes:
+    """A line every client skips: a heartbeat that keeps an idle stream (and the proxies on its way) open."""
+    return b": " + text.encode() + b"\n\n"
+
+
+def sse_error(error: ErrorResponse) -> bytes:
+    return sse_event("error", error.model_dump_json())
 
 
 # Tags pydantic puts in an error location for the union member (or constrained type) that was tried.

@@ -78,7 +78,7 @@ async def wait_idle(session: aiohttp.ClientSession, engine_url: str, timeout: fl
     while True:
         snap = await telemetry(session, engine_url)
         if snap["num_running"] + snap["num_waiting"] + snap["num_swapped"] == 0 and \
-                snap["free_blocks"] == snap["num_blocks"]:
+                snap["free_blocks"] + snap["cached_blocks"] == snap["num_blocks"]:
             return snap
         if time.monotonic() > deadline:
             raise RuntimeError(f"the engine is still busy {timeout:g} s after the run: {snap}")

@@ -80,7 +80,7 @@ def _free_blocks(report: dict) -> plt.Figure:
     figure, (blocks, preempted) = plt.subplots(2, 1, figsize=(10, 6), sharex=True, height_ratios=(2, 1))
     for name, run in runs.items():
         times, preemptions = _times(run), _series(run, "preemptions_total")
-        blocks.step(times, _series(run, "free_blocks"), where="post", color=COLORS[name], label=name)
+        blocks.step(times, _series(run, "reclaimable_blocks"), where="post", color=COLORS[name], label=name)
         preempted.step(times, [p - preemptions[0] for p in preemptions], where="post", color=COLORS[name],
                        label=name)
     num_blocks = _series(runs["guarded"], "num_blocks")[0]
@@ -92,7 +92,7 @@ def _free_blocks(report: dict) -> plt.Figure:
     for axis in (blocks, preempted):
         _mark_fill(axis, runs)
         axis.grid(True, alpha=0.3)
-    blocks.set_ylabel("engine free blocks")
+    blocks.set_ylabel("engine blocks free or cached")
     blocks.set_title("The engine's KV pool (GET /telemetry every 0.25 s)")
     blocks.legend(loc="lower left", fontsize=8)
     preempted.set_ylabel("preemptions\nsince the run began")

@@ -22,7 +22,7 @@ GUARD_GAUGES = {"guard_fill_squeeze_state", "guard_fill_squeeze_suspicion", "gua
 @dataclass(slots=True)
 class Sample:
     at: float  # monotonic
-    free_blocks: int
+    reclaimable_blocks: int  # free or cached: what a new request can take
     num_blocks: int
     preemptions_total: int
     num_running: int
@@ -78,7 +78,8 @@ async def sample_until(stop: asyncio.Event, engine_url: str, guard_url: str | No
             if snap is not None:
                 state = guard.get("guard_fill_squeeze_state")
                 samples.append(Sample(
-                    at=time.monotonic(), free_blocks=snap["free_blocks"], num_blocks=snap["num_blocks"],
+                    at=time.monotonic(), reclaimable_blocks=snap["free_blocks"] + snap["cached_blocks"],
+                    num_blocks=snap["num_blocks"],
                     preemptions_total=snap["preemptions_total"], num_running=snap["num_running"],
                     num_waiting=snap["num_waiting"],
                     attacker_blocks=snap["tenants"].get(attacker, {}).get("blocks", 0),

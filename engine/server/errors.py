@@ -1,8 +1,10 @@
 """Errors in the OpenAI shape ``{"error": {"message", "type", "param", "code"}}``, as responses and SSE events.
 
-Every failure the server reports goes through ``ApiError``: validation (pydantic, or the engine's own
-``ValueError("<field>: ...")``), an unavailable engine, a failed step, and aiohttp's own HTTP errors (404,
-405, 413), which the middleware rewrites so a client never has to parse two error formats.
+Every failure the server reports goes through ``ApiError``: validation (pydantic, a refused prompt from
+engine/prompting/prompts.py, or the engine's own ``ValueError("<field>: ...")``), an unavailable engine, a
+failed step, and aiohttp's own HTTP errors (404, 405, 413), which the middleware rewrites so a client never
+has to parse two error formats. The ``type`` follows from the status (``engine.protocol.error_type``, which
+the guard uses too).
 """
 
 from __future__ import annotations
@@ -14,13 +16,12 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 from pydantic import ValidationError
 
-from engine.protocol import ErrorDetail, ErrorResponse, validation_error_param
+from engine.prompting.prompts import PromptError
+from engine.protocol import ErrorResponse, validation_error_param
 from engine.server.request_stream import EngineUnavailable, RequestFailed
 
 log = logging.getLogger("engine.server.app")
 
-ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
-               413: "invalid_request_error", 500: "server_error", 503: "service_unavailable_error"}
 _FIELD = re.compile(r"[a-z_][a-z0-9_]*")
 
 
@@ -28,14 +29,10 @@ class ApiError(Exception):
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status = status
-        self.detail = ErrorDetail(message=message, type=ERROR_TYPES.get(status, "server_error"), param=param,
-                                  code=code)
-
-    def body(self) -> str:
-        return ErrorResponse(error=self.detail).model_dump_json()
+        self.body = ErrorResponse.of(status, message, param=param, code=code)
 
     def response(self) -> web.Response:
-        return web.Response(status=self.status, text=self.body(), content_type="application/json")
+        return web.Response(status=self.status, text=self.body.model_dump_json(), content_type="application/json")
 
     @classmethod
     def invalid(cls, exc: ValueError, rename: dict[str, str] | None = None) -> ApiError:
@@ -54,6 +51,10 @@ class ApiError(Exception):
         return cls(400, f"{param or 'body'}: {message}", param=param or "body")
 
     @classmethod
+    def from_prompt(cls, exc: PromptError) -> ApiError:
+        return cls(exc.status, str(exc), param=exc.param, code=exc.code)
+
+    @classmethod
     def from_engine(cls, exc: EngineUnavailable | RequestFailed) -> ApiError:
         if isinstance(exc, RequestFailed):
             return cls(500, str(exc), code="engine_step_failed")
@@ -66,6 +67,8 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
         return await handler(request)
     except ApiError as exc:
         return exc.response()
+    except PromptError as exc:
+        return ApiError.from_prompt(exc).response()
     except (EngineUnavailable, RequestFailed) as exc:
         return ApiError.from_engine(exc).response()
     except web.HTTPException as exc:

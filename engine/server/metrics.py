@@ -10,7 +10,8 @@ Label semantics:
 - ``engine_kv_blocks{state}`` partitions the device pool, so the three states sum to
   ``engine_kv_blocks_capacity``: ``used`` blocks are held by running sequences, ``cached`` ones are
   reclaimable but still hold a prefix a later request may reuse, ``free`` ones hold nothing reusable.
-  (``TelemetrySnapshot.free_blocks`` is ``free + cached``: everything a new request can get.)
+  They are ``TelemetrySnapshot``'s ``free_blocks``, ``used_blocks`` and ``cached_blocks``, which partition
+  the pool the same way.
 - ``engine_requests{state}`` counts sequences: a request with ``n=2`` is two once it has forked.
 - ``engine_e2e_request_latency_seconds`` covers requests that finished (stop or length), not aborted ones.
 
@@ -108,10 +109,9 @@ class _StateCollector(Collector):
             yield GaugeMetricFamily("engine_healthy", "1 when the engine serves requests", value=0)
             return
         snap = reading.snapshot
-        cached = snap.cached_blocks
-        used = snap.num_blocks - snap.free_blocks
+        used = snap.used_blocks
         yield _labelled(GaugeMetricFamily, "engine_kv_blocks", "Device KV blocks by state (they sum to capacity)",
-                        "state", {"free": snap.free_blocks - cached, "used": used, "cached": cached})
+                        "state", {"free": snap.free_blocks, "used": used, "cached": snap.cached_blocks})
         yield GaugeMetricFamily("engine_kv_blocks_capacity", "Device KV blocks in the pool", value=snap.num_blocks)
         yield GaugeMetricFamily("engine_kv_usage_ratio", "Share of device KV blocks held by running sequences",
                                 value=used / snap.num_blocks)

@@ -2,8 +2,9 @@
 ``/tokenize``, which counts a prompt the way those endpoints would, and ``/tokenizer``, which hands out what
 ``/tokenize`` counts with.
 
-A request is validated completely (pydantic, the model name, then the engine's own checks in
-``make_request``) before it reaches the scheduler, so a 400 leaves the engine untouched. Once added, the
+A request is validated completely (pydantic; then the model name, the prompt and the context window by
+engine/prompting/prompts.py, exactly as the guard checks them; then the engine's own checks in
+``make_request``) before it reaches the scheduler, so a refusal leaves the engine untouched. Once added, the
 engine request lives exactly as long as its handler: a client that disconnects cancels the handler (the
 server runs with ``handler_cancellation``), which aborts the request and frees its blocks at the next step.
 
@@ -23,8 +24,8 @@ from pydantic import ValidationError
 
 from engine.core import EngineCore
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.prompting.chat_template import ChatTemplate, ChatTemplateError
-from engine.prompting.tokenizer import ByteTokenizer, HFTokenizer
+from engine.prompting.chat_template import ChatTemplate
+from engine.prompting.prompts import PromptCounter, check_context
 from engine.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -33,7 +34,6 @@ from engine.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
-    ChatMessage,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
@@ -42,7 +42,6 @@ from engine.protocol import (
     SamplingRequest,
     TokenizeRequest,
     TokenizeResponse,
-    TokenizerInfo,
     Usage,
 )
 from engine.sampling_params import SamplingParams
@@ -50,7 +49,7 @@ from engine.sched.request import Request
 from engine.server.async_engine import AsyncEngine
 from engine.server.errors import ApiError
 from engine.server.request_stream import EngineUnavailable, RequestFailed
-from engine.server.sse import DONE, open_stream, send_data, send_error
+from engine.server.sse import open_stream, send_data, send_done, send_error
 
 TENANT_HEADER = "X-Tenant-Id"
 MAX_TENANT_LENGTH = 128
@@ -72,19 +71,23 @@ class OpenAIHandlers:
     def __init__(self, engine: AsyncEngine, chat_template: ChatTemplate) -> None:
         self.engine = engine
         self.chat_template = chat_template
+        self._counter: PromptCounter | None = None  # built from the core once the model has loaded
 
     async def completions(self, http: web.Request) -> web.StreamResponse:
         body = await _parse(http, CompletionRequest)
-        core = self._core_for(body.model)
-        request = _make_request(core, f"cmpl-{uuid.uuid4().hex}", body.single_prompt, body, body.max_tokens,
+        core, counter = self._ready()
+        prompt_ids = counter.request_ids(body)
+        check_context(body, len(prompt_ids), counter.max_model_len)
+        request = _make_request(core, f"cmpl-{uuid.uuid4().hex}", prompt_ids, body, body.max_tokens,
                                 _tenant(http), {})
         fmt = _CompletionFormat(request.request_id, core.model_name)
         return await self._respond(http, request, body, fmt)
 
     async def chat_completions(self, http: web.Request) -> web.StreamResponse:
         body = await _parse(http, ChatCompletionRequest)
-        core = self._core_for(body.model)
-        prompt_ids = self._chat_prompt_ids(core, body.messages)
+        core, counter = self._ready()
+        prompt_ids = counter.request_ids(body)
+        check_context(body, len(prompt_ids), counter.max_model_len)
         rename = {"prompt": "messages", "max_tokens": body.max_output_tokens_field}
         request = _make_request(core, f"chatcmpl-{uuid.uuid4().hex}", prompt_ids, body, body.max_output_tokens,
                                 _tenant(http), rename)
@@ -93,51 +96,25 @@ class OpenAIHandlers:
 
     async def tokenize(self, http: web.Request) -> web.Response:
         """``POST /tokenize``: the prompt's token ids exactly as a completion or chat request would see them
-        (the guard counts prompts with it, so that it never loads a tokenizer of its own)."""
+        (a client without ``GET /tokenizer``'s counter can count with it)."""
         body = await _parse(http, TokenizeRequest)
-        core = self._core_for(body.model)
-        prompt = body.single_prompt
-        if body.messages is not None:
-            ids = self._chat_prompt_ids(core, body.messages)
-        elif isinstance(prompt, list):
-            ids = prompt
-        elif core.tokenizer is None:
-            raise ApiError(400, "prompt: this model has no tokenizer; send token ids", param="prompt")
-        else:
-            ids = core.tokenizer.encode(prompt)
-        answer = TokenizeResponse(count=len(ids), max_model_len=core.max_model_len, tokens=ids)
+        _, counter = self._ready()
+        ids = counter.request_ids(body)
+        answer = TokenizeResponse(count=len(ids), max_model_len=counter.max_model_len, tokens=ids)
         return web.Response(text=answer.model_dump_json(), content_type="application/json")
 
     async def tokenizer(self, _: web.Request) -> web.Response:
-        """``GET /tokenizer``: the tokenizer and chat template ``/tokenize`` uses, so that a client (the guard)
-        can count prompts itself and save a round trip per request."""
-        core = self.engine.core
-        template = self.chat_template
-        info = TokenizerInfo(model=core.model_name, max_model_len=core.max_model_len, kind="none",
-                             chat_template=template.source, bos_token=template.bos_token,
-                             eos_token=template.eos_token)
-        if isinstance(core.tokenizer, ByteTokenizer):
-            info.kind = "bytes"
-        elif isinstance(core.tokenizer, HFTokenizer):
-            info.kind, info.tokenizer_json = "hf", core.tokenizer.to_json()
-        return web.Response(text=info.model_dump_json(), content_type="application/json")
+        """``GET /tokenizer``: what ``/tokenize`` counts with, so that a client (the guard) can rebuild the
+        same ``PromptCounter`` and save a round trip per request."""
+        _, counter = self._ready()
+        return web.Response(text=counter.describe().model_dump_json(), content_type="application/json")
 
-    def _core_for(self, model: str) -> EngineCore:
+    def _ready(self) -> tuple[EngineCore, PromptCounter]:
+        """The loaded core (``EngineUnavailable`` while there is none) and the counter of its model."""
         core = self.engine.core
-        if model != core.model_name:
-            raise ApiError(400, f"model: {model!r} is not served here; this engine serves {core.model_name!r}",
-                           param="model", code="model_not_found")
-        return core
-
-    def _chat_prompt_ids(self, core: EngineCore, messages: list[ChatMessage]) -> list[int]:
-        if core.tokenizer is None:
-            raise ApiError(400, "messages: this model has no tokenizer; send token ids to /v1/completions",
-                           param="messages")
-        try:
-            text = self.chat_template.render(messages)
-        except ChatTemplateError as exc:
-            raise ApiError.invalid(exc) from None
-        return core.tokenizer.encode(text, add_special_tokens=False)
+        if self._counter is None:
+            self._counter = PromptCounter(core.model_name, core.max_model_len, core.tokenizer, self.chat_template)
+        return core, self._counter
 
     async def _respond(self, http: web.Request, request: Request, body: SamplingRequest,
                        fmt: _Format) -> web.StreamResponse:
@@ -170,7 +147,7 @@ class OpenAIHandlers:
         assert output is not None and output.finished
         if include_usage:
             await send_data(response, fmt.usage_chunk(_usage(output)))
-        await response.write(DONE)
+        await send_done(response)
         return response
 
     @staticmethod
@@ -202,7 +179,7 @@ def _tenant(http: web.Request) -> str | None:
     return tenant
 
 
-def _make_request(core: EngineCore, request_id: str, prompt: str | list[int], body: SamplingRequest,
+def _make_request(core: EngineCore, request_id: str, prompt: list[int], body: SamplingRequest,
                   max_tokens: int | None, tenant: str | None, rename: dict[str, str]) -> Request:
     try:
         params = SamplingParams(n=body.n, max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,

@@ -1,4 +1,5 @@
-"""Server-sent events: one ``data:`` line per event, comments as heartbeats, and the OpenAI stream ending.
+"""Server-sent events onto an aiohttp response: data events, heartbeat comments, the error event and the
+OpenAI stream ending, framed by engine/protocol.py (the guard frames its events with the same functions).
 
 A stream that completes ends with ``data: [DONE]``; one that fails after it started ends with an ``error``
 event carrying the OpenAI error body, and no ``[DONE]``, so a client can tell the two apart.
@@ -8,9 +9,8 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from engine.protocol import SSE_DONE, sse_comment, sse_data, sse_error
 from engine.server.errors import ApiError
-
-DONE = b"data: [DONE]\n\n"
 
 
 async def open_stream(request: web.Request) -> web.StreamResponse:
@@ -21,12 +21,16 @@ async def open_stream(request: web.Request) -> web.StreamResponse:
 
 
 async def send_data(response: web.StreamResponse, payload: str) -> None:
-    await response.write(b"data: " + payload.encode() + b"\n\n")
+    await response.write(sse_data(payload))
 
 
 async def send_comment(response: web.StreamResponse, text: str) -> None:
-    await response.write(b": " + text.encode() + b"\n\n")
+    await response.write(sse_comment(text))
 
 
 async def send_error(response: web.StreamResponse, error: ApiError) -> None:
-    await response.write(b"event: error\ndata: " + error.body().encode() + b"\n\n")
+    await response.write(sse_error(error.body))
+
+
+async def send_done(response: web.StreamResponse) -> None:
+    await response.write(SSE_DONE)

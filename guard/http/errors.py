@@ -1,19 +1,12 @@
-"""Errors in the OpenAI shape, as JSON responses and as the SSE event that ends a failed stream."""
+"""The guard's own answers in the OpenAI error shape, as JSON responses and as the SSE event that ends a
+failed stream; the body, its ``type`` by status and the event's framing are the engine's (engine/protocol.py),
+so that a client reads the guard's errors and the engine's relayed ones alike."""
 
 from __future__ import annotations
 
-import json
-
 from aiohttp import web
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               413: "invalid_request_error", 429: "rate_limit_error", 502: "api_error", 503: "overloaded_error",
-               504: "timeout_error"}
-
-
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "api_error"), "param": param,
-                      "code": code}}
+from engine.protocol import ErrorResponse, sse_error
 
 
 def error_response(status: int, message: str, *, param: str | None = None, code: str | None = None,
@@ -21,9 +14,10 @@ def error_response(status: int, message: str, *, param: str | None = None, code:
     all_headers = dict(headers or {})
     if retry_after is not None:
         all_headers["Retry-After"] = str(retry_after)
-    return web.json_response(error_body(status, message, param, code), status=status, headers=all_headers)
+    body = ErrorResponse.of(status, message, param=param, code=code).model_dump_json()
+    return web.Response(text=body, status=status, content_type="application/json", headers=all_headers)
 
 
 def sse_error_event(status: int, message: str, code: str | None = None) -> bytes:
     """The event that ends a stream which failed after it started (no ``[DONE]`` follows it)."""
-    return b"event: error\ndata: " + json.dumps(error_body(status, message, code=code)).encode() + b"\n\n"
+    return sse_error(ErrorResponse.of(status, message, code=code))

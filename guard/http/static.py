@@ -12,6 +12,8 @@ import uuid
 
 from aiohttp import web
 
+from engine.protocol import SSE_DONE, sse_data
+
 
 def static_response(
     request: web.Request, path: str, message: str, stream: bool, headers: dict[str, str]
@@ -30,6 +32,6 @@ def static_response(
     delta = ({"index": 0, "delta": {"role": "assistant", "content": message}, "finish_reason": "stop"}
              if chat else {"index": 0, "text": message, "logprobs": None, "finish_reason": "stop"})
     event = {"id": ident, "object": obj, "created": created, "model": "static", "choices": [delta]}
-    body = b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n"
+    body = sse_data(json.dumps(event)) + SSE_DONE
     return web.Response(body=body, headers={**headers, "Content-Type": "text/event-stream",
                                              "Cache-Control": "no-cache"})

@@ -1,11 +1,12 @@
 """Prompt token counts, exactly as the engine counts them, and the check against its context window.
 
 The guard asks the engine once for its tokenizer (``GET /tokenizer``, as soon as the engine's telemetry
-names its model, so no request waits for it) and then counts every prompt itself with the same tokenizer
-(UTF-8 bytes for the built-in model, else ``tokenizer.json`` through the ``tokenizers`` package) and the
-same chat template, so a count always equals the engine's ``/tokenize`` and costs no round trip (that
-round trip was a fifth of the guard's CPU per request). An engine that has no ``/tokenizer`` (another
-server) is asked ``POST /tokenize`` for each request instead. The tokenizer is
+names its model, so no request waits for it) and rebuilds from it the ``PromptCounter`` the engine counts
+with (engine/prompting/prompts.py: UTF-8 bytes for the built-in model, else ``tokenizer.json`` through the
+``tokenizers`` package, and the same chat template). The guard then counts and refuses every prompt with the
+very code the engine runs, so a count always equals the engine's ``/tokenize``, a refusal its 400 or 404, and
+neither costs a round trip (that round trip was a fifth of the guard's CPU per request). An engine that has
+no ``/tokenizer`` (another server) is asked ``POST /tokenize`` for each request instead. The tokenizer is
 fetched again when the engine's telemetry names another model, so a restarted engine is never miscounted.
 Prompts longer than ``THREAD_THRESHOLD_CHARS`` are encoded on a worker thread, so that one huge prompt does
 not hold up every stream the guard relays.
@@ -17,10 +18,8 @@ import asyncio
 from dataclasses import dataclass
 
 import aiohttp
-import tokenizers
 
-from engine.prompting.chat_template import ChatTemplate, ChatTemplateError
-from engine.prompting.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from engine.prompting.prompts import PromptCounter, PromptError, check_context
 from engine.protocol import ChatCompletionRequest, TokenizerInfo
 from guard.http.validate import Invalid, ParsedRequest
 
@@ -33,45 +32,6 @@ class TokenLimits:
     max_tokens: int  # what the request may generate: the client's bound, or what the context leaves
 
 
-class LocalTokenizer:
-    """The engine's tokenizer and chat template, rebuilt from its ``GET /tokenizer`` answer."""
-
-    def __init__(self, info: TokenizerInfo) -> None:
-        self.model = info.model
-        self.max_model_len = info.max_model_len
-        self.tokenizer: Tokenizer | None = None
-        if info.kind == "bytes":
-            self.tokenizer = ByteTokenizer()
-        elif info.kind == "hf":
-            if info.tokenizer_json is None:
-                raise ValueError("GET /tokenizer: kind 'hf' without tokenizer_json")
-            # Only encode is used here, so the special ids (which only decoding needs) stay empty.
-            self.tokenizer = HFTokenizer(tokenizers.Tokenizer.from_str(info.tokenizer_json), (), None)
-        self.template = ChatTemplate(info.chat_template, info.bos_token, info.eos_token)
-
-    def count(self, parsed: ParsedRequest) -> int:
-        """The prompt's length in tokens, or ``Invalid`` with the 400 the engine's ``/tokenize`` would give."""
-        request = parsed.model
-        if request.model != self.model:
-            raise Invalid(400, f"model: {request.model!r} is not served here; this engine serves {self.model!r}",
-                          param="model", code="model_not_found")
-        if isinstance(request, ChatCompletionRequest):
-            if self.tokenizer is None:
-                raise Invalid(400, "messages: this model has no tokenizer; send token ids to /v1/completions",
-                              param="messages")
-            try:
-                text = self.template.render(request.messages)
-            except ChatTemplateError as exc:
-                raise Invalid(400, str(exc), param="messages") from None
-            return len(self.tokenizer.encode(text, add_special_tokens=False))
-        prompt = request.single_prompt
-        if isinstance(prompt, list):
-            return len(prompt)
-        if self.tokenizer is None:
-            raise Invalid(400, "prompt: this model has no tokenizer; send token ids", param="prompt")
-        return len(self.tokenizer.encode(prompt))
-
-
 class TokenCounter:
     """Counts prompt tokens as the engine does and checks them against its context window."""
 
@@ -79,7 +39,7 @@ class TokenCounter:
         self.session = session
         self.base = engine_url.rstrip("/")
         self.timeout = aiohttp.ClientTimeout(total=timeout_s * 2)
-        self.local: LocalTokenizer | None = None
+        self.local: PromptCounter | None = None
         self.remote_only = False  # the engine has no GET /tokenizer: ask POST /tokenize every time
         self._fetching: asyncio.Future[None] | None = None
         self._prefetched_for: str | None = None  # the model on_model last started a fetch for
@@ -94,18 +54,22 @@ class TokenCounter:
             self._start_fetch()
 
     async def count(self, parsed: ParsedRequest) -> TokenLimits:
+        """The prompt's tokens and the output bound, or ``Invalid`` with the refusal the engine would give."""
         if self.local is None and not self.remote_only:
             await self._fetch_tokenizer()
-        if self.local is not None:
-            local = self.local
-            if _prompt_chars(parsed) > THREAD_THRESHOLD_CHARS:
-                prompt = await asyncio.to_thread(local.count, parsed)
+        try:
+            if self.local is not None:
+                local = self.local
+                if _prompt_chars(parsed) > THREAD_THRESHOLD_CHARS:
+                    prompt = len(await asyncio.to_thread(local.request_ids, parsed.model))
+                else:
+                    prompt = len(local.request_ids(parsed.model))
+                window = local.max_model_len
             else:
-                prompt = local.count(parsed)
-            window = local.max_model_len
-        else:
-            prompt, window = await self._ask(parsed)
-        return _check_window(parsed, prompt, window)
+                prompt, window = await self._ask(parsed)
+            return TokenLimits(prompt, check_context(parsed.model, prompt, window))
+        except PromptError as exc:
+            raise Invalid(exc.status, str(exc), param=exc.param, code=exc.code) from None
 
     async def _fetch_tokenizer(self) -> None:
         """One fetch at a time: requests that arrive meanwhile wait for it instead of sending their own, and
@@ -135,7 +99,7 @@ class TokenCounter:
         except (aiohttp.ClientError, TimeoutError):
             raise Invalid(503, "the engine is unavailable", code="engine_unavailable", retry_after=1) from None
         try:
-            self.local = LocalTokenizer(TokenizerInfo.model_validate_json(raw))
+            self.local = PromptCounter.from_info(TokenizerInfo.model_validate_json(raw))
         except ValueError as exc:  # includes pydantic's ValidationError and a tokenizer.json that will not load
             raise Invalid(502, f"the engine's GET /tokenizer answer is unusable: {exc}",
                           code="bad_upstream_response") from None
@@ -162,16 +126,3 @@ def _prompt_chars(parsed: ParsedRequest) -> int:
     prompt = request.single_prompt
     return 0 if isinstance(prompt, list) else len(prompt)
 
-
-def _check_window(parsed: ParsedRequest, prompt: int, window: int) -> TokenLimits:
-    prompt_field = "messages" if "messages" in parsed.body else "prompt"
-    if prompt >= window:
-        raise Invalid(400, f"the prompt has {prompt} tokens; the context window is {window}",
-                      param=prompt_field, code="context_length_exceeded")
-    room = window - prompt
-    requested = parsed.max_tokens
-    if requested is not None and requested > room:
-        raise Invalid(400, f"{parsed.max_tokens_field} {requested} plus the {prompt}-token prompt exceeds the "
-                      f"context window of {window} tokens", param=parsed.max_tokens_field,
-                      code="context_length_exceeded")
-    return TokenLimits(prompt, requested if requested is not None else room)

@@ -2,9 +2,9 @@
 
 The body is read with a hard size cap (413), must be JSON of the right content type and pass the engine's
 own pydantic request models (400 with ``param`` naming the field: ``Content-Type`` or ``body`` when the
-fault is not in one field, so that every 400 points somewhere); guard/http/tokens.py then counts the prompt and
-checks it against the context window. Client-sent ``cache_salt``, ``priority`` and tenant hints are dropped:
-the guard sets them from the tenant.
+fault is not in one field, so that every 400 points somewhere); guard/http/tokens.py then counts the prompt
+and checks it against the context window. Client-sent ``cache_salt``, ``priority`` and tenant hints are
+dropped: the guard sets them from the tenant.
 """
 
 from __future__ import annotations
@@ -56,10 +56,6 @@ class ParsedRequest:
     @property
     def max_tokens(self) -> int | None:
         return self.model.max_output_tokens
-
-    @property
-    def max_tokens_field(self) -> str:
-        return getattr(self.model, "max_output_tokens_field", "max_tokens")
 
     def upstream_body(self, cache_salt: str, max_tokens: int | None, priority: int, model: str | None = None) -> bytes:
         """The body sent to an engine: the client's, with the guard's salt, priority and token bound (and the
