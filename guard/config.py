@@ -81,7 +81,12 @@ class Tenant(Strict):
 class Admission(Strict):
     safe_utilization: float = Field(0.85, gt=0, le=1.0)  # commit while used + reserved <= this * num_blocks
     resume_utilization: float | None = Field(None, gt=0, le=1.0)  # hysteresis: reopen below this
-    telemetry_stale_s: PositiveSeconds = 2.0  # older telemetry counts as a full pool
+    # The engine is down when its telemetry stream says nothing (no snapshot, no busy heartbeat) for this long,
+    # and its numbers count as a full pool when no snapshot (or busy heartbeat vouching for it) is this recent.
+    telemetry_stale_s: PositiveSeconds = 2.0
+    # A step that has run longer than this (as the engine's busy heartbeats say) is hung: the engine is down.
+    # Far above any real step (a long CPU prefill takes seconds), far below a client's patience.
+    step_hang_s: PositiveSeconds = 60.0
 
     @model_validator(mode="after")
     def _ordered(self) -> Admission:

@@ -60,7 +60,9 @@ class GuardState:
         return max(0.0, self.started_at + self.config.admission.telemetry_stale_s - time.monotonic())
 
     def primary_up(self) -> bool:
-        return self.primary.closed and (self.gate.usable or self.start_left() > 0)
+        """Its circuit is closed and its telemetry says it is alive: busy (in a long step) counts as up; silent,
+        unhealthy or hung (a step past ``step_hang_s``) as down (see guard/admission/gate.py)."""
+        return self.primary.closed and (self.gate.alive or self.start_left() > 0)
 
     async def wait_while_starting(self) -> None:
         """While starting, hold a request until the guard hears from its engine (or the start is over)."""

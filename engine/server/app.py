@@ -2,7 +2,25 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /tokenize``, ``GET /tokenizer`` (``openai_api``),
 ``GET /v1/models``, ``GET /health`` (200 ready, 503 loading/degraded/failed/stopped), ``GET /telemetry``
-(one snapshot), ``GET /telemetry/stream`` (SSE snapshots) and ``GET /metrics`` (Prometheus).
+(one snapshot), ``GET /telemetry/stream`` (SSE snapshots) and ``GET /metrics`` (Prometheus). ``/telemetry``
+and ``/metrics`` answer within ``SCRAPE_WAIT_S`` even during a long step, with the newest published reading.
+
+``/telemetry/stream`` sends snapshots as its only events (until an ``error`` event ends it when the engine
+stops), with heartbeat comments between them, and never waits for a step to end to send either:
+
+- ``data: <TelemetrySnapshot JSON>``: one at the first step boundary after connecting, then each one the
+  engine publishes (every ``PUBLISH_INTERVAL_S`` while busy, see async_engine), and a refresh every
+  ``REFRESH_S`` when nothing was published, so that an idle engine is never taken for a stale one.
+- ``: busy {"step": N, "step_running_s": S}``, a busy heartbeat: every ``HEARTBEAT_S`` while one step runs
+  and no snapshot can be had (a long prefill). ``S`` is how long the running step has run; ``N`` is the
+  ``step`` of the last snapshot sent on this stream (null before the first), the state the engine is still
+  in (give or take the steps of one ``PUBLISH_INTERVAL_S``): no later step boundary has been published.
+  A subscriber tells a busy engine (``S`` growing) from a hung one (``S`` past its limit) and from a dead
+  one (nothing at all).
+- ``: heartbeat`` every ``HEARTBEAT_S`` while idle.
+
+Heartbeats are SSE comments, which SSE clients skip, so that every subscriber that reads ``data:`` lines as
+snapshots still may; they keep the connection (and proxies on its way) open, and the guard reads the busy ones.
 
 The server listens while the model loads (``/health`` answers 503 ``loading`` meanwhile) and runs with
 ``handler_cancellation``: a client that disconnects cancels its handler, which aborts its request. On
@@ -22,7 +40,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from engine.config import EngineConfig
 from engine.model.loader import TINY
 from engine.prompting.chat_template import DEFAULT_TEMPLATE, ChatTemplate
-from engine.protocol import ModelCard, ModelList
+from engine.protocol import ModelCard, ModelList, StepProgress
 from engine.server.async_engine import AsyncEngine
 from engine.server.errors import ApiError, openai_errors
 from engine.server.metrics import EngineReading
@@ -30,11 +48,13 @@ from engine.server.openai_api import OpenAIHandlers
 from engine.server.request_stream import EngineUnavailable
 from engine.server.sse import open_stream, send_comment, send_data, send_error
 
-# The telemetry stream sends what the engine publishes (see PUBLISH_INTERVAL_S in async_engine), plus a
-# fresh snapshot every REFRESH_S when nothing was published, so a subscriber that ages its copy by the last
-# snapshot never takes an idle engine for a stale one, and heartbeat comments in between.
+# The telemetry stream's cadence (see the module docstring): something every HEARTBEAT_S at most, a snapshot
+# every REFRESH_S at most.
 HEARTBEAT_S = 0.5
 REFRESH_S = 1.0
+# /telemetry and /metrics wait this long for the next step boundary, then answer with the newest published
+# reading: a scrape must not outlast Prometheus's timeout (and read as a dead engine) during a long step.
+SCRAPE_WAIT_S = 1.0
 SHUTDOWN_TIMEOUT_S = 5.0
 
 
@@ -82,33 +102,43 @@ class TelemetryHandlers:
         return web.Response(text=ModelList(data=[card]).model_dump_json(), content_type="application/json")
 
     async def snapshot(self, _: web.Request) -> web.Response:
-        snapshot = await self.engine.snapshot()
-        return web.Response(text=snapshot.model_dump_json(), content_type="application/json")
+        reading = await self.engine.recent_reading(SCRAPE_WAIT_S)
+        return web.Response(text=self._json(reading), content_type="application/json")
 
     async def metrics(self, _: web.Request) -> web.Response:
         try:
-            reading = await self.engine.reading()
+            reading = await self.engine.recent_reading(SCRAPE_WAIT_S)
         except EngineUnavailable:
             reading = None  # still loading, or gone: the scrape says so with engine_healthy 0
         return web.Response(body=self.engine.metrics.render(reading), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def stream(self, http: web.Request) -> web.StreamResponse:
-        """SSE of snapshots: one on connect, then each one the engine publishes (every PUBLISH_INTERVAL_S
-        while busy, on change otherwise), a refresh every REFRESH_S, and heartbeats in between."""
+        """SSE of snapshots, with busy heartbeats during long steps and idle ones between (module docstring).
+        Readings are asked for with ``refresh()``, never awaited, so a long step never silences the stream."""
         response = await open_stream(http)
         loop = asyncio.get_running_loop()
         try:
             with self.engine.subscription():
-                reading = await self.engine.reading()
+                newest = self.engine.published  # what is already out there: only newer readings are sent
+                sent: EngineReading | None = None
+                self.engine.refresh()  # the first snapshot: the state at the next step boundary
+                sent_at = loop.time()
                 while True:
-                    await send_data(response, self._json(reading))
-                    sent_at = loop.time()
-                    while (published := await self.engine.next_reading(reading, HEARTBEAT_S)) is None:
-                        if loop.time() - sent_at >= REFRESH_S:
-                            published = await self.engine.reading()
-                            break
+                    reading = await self.engine.next_reading(newest, HEARTBEAT_S)
+                    if reading is not None:
+                        await send_data(response, self._json(reading))
+                        newest = sent = reading
+                        sent_at = loop.time()
+                        continue
+                    if (running_s := self.engine.step_running_s) is not None:
+                        step = sent.snapshot.step if sent is not None else None
+                        progress = StepProgress(step=step, step_running_s=round(running_s, 3))
+                        await send_comment(response, "busy " + progress.model_dump_json())
+                    else:
                         await send_comment(response, "heartbeat")
-                    reading = published
+                        # (A running step publishes a reading as it ends: nothing to ask for meanwhile.)
+                        if loop.time() - sent_at >= REFRESH_S:
+                            self.engine.refresh()
         except EngineUnavailable as exc:
             with contextlib.suppress(ConnectionResetError):  # at shutdown the subscriber may be gone already
                 await send_error(response, ApiError.from_engine(exc))

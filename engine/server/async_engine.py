@@ -9,6 +9,7 @@
     reading()     --/                                        step()  (one scheduled batch)
     RequestStream  <-- loop.call_soon_threadsafe -------     outputs, once per loop iteration,
     next_reading() <--/                                      with a reading while subscribed
+    step_running_s <-- one float (atomic) --------------     when the running step started
 
 Only the engine thread changes the core once it is loaded; everything else reaches it through commands
 that run between steps. So an abort frees its blocks at the next step boundary, and a reading (telemetry)
@@ -18,7 +19,14 @@ tokenizer, model name) and call ``EngineCore.make_request``, which only validate
 Telemetry subscribers do not poll: while any is subscribed, the engine thread attaches a reading to the
 notification it sends after a step anyway, at most every ``PUBLISH_INTERVAL_S`` (and always before it goes
 idle). So subscribers cost one snapshot per interval however many they are, and no extra wake-up of either
-thread (each wake-up of the event loop takes the GIL from the stepping thread).
+thread (each wake-up of the event loop takes the GIL from the stepping thread). Every reading taken for
+anyone (``reading()``, ``refresh()``) is published too, so a refresh asked for by one subscriber reaches all.
+
+A step can take seconds (a long prefill on a CPU), and no reading can be had until it ends. The event loop
+never has to wait for one to know the engine is alive: ``step_running_s`` says how long the running step
+has run (None between steps), from the start time the engine thread writes before each step and clears
+after it (a single attribute store, which the event loop reads without a lock). ``refresh()`` asks for a
+reading without waiting for it, so the telemetry stream keeps talking during a long step.
 
 Every added request ends in exactly one way: its final output, an error (``RequestFailed`` when a step
 failed under it, ``EngineUnavailable`` when the engine stops), or an abort by its owner; its
@@ -40,7 +48,6 @@ from dataclasses import dataclass
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.outputs import RequestOutput
-from engine.protocol import TelemetrySnapshot
 from engine.sched.request import Request
 from engine.server.metrics import EngineMetrics, EngineReading, LatencyRecorder
 from engine.server.request_stream import EngineUnavailable, RequestFailed, RequestStream
@@ -90,6 +97,7 @@ class AsyncEngine:
         self._subscribers = 0  # event loop writes, engine thread reads
         self._last_published = 0.0  # engine thread only
         self._readings = 0  # engine thread only: serial numbers put readings in order
+        self._step_started: float | None = None  # engine thread writes (monotonic), event loop reads
         # Event-loop side.
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready: asyncio.Future[None] | None = None
@@ -148,11 +156,23 @@ class AsyncEngine:
         finally:
             self._subscribers -= 1
 
-    async def next_reading(self, after: EngineReading, timeout: float) -> EngineReading | None:
-        """The newest published reading if it is newer than ``after``, else the next one; None after
-        ``timeout``. Readings are published only during a ``subscription()``, and only as the state changes.
+    @property
+    def published(self) -> EngineReading | None:
+        """The newest published reading (it may be old: nothing is published while nobody subscribes)."""
+        return self._published
+
+    @property
+    def step_running_s(self) -> float | None:
+        """Seconds the running step has run so far; None between steps."""
+        started = self._step_started  # read once: the engine thread may clear it meanwhile
+        return None if started is None else time.monotonic() - started
+
+    async def next_reading(self, after: EngineReading | None, timeout: float) -> EngineReading | None:
+        """The newest published reading if it is newer than ``after`` (any, if None), else the next one; None
+        after ``timeout``. Readings are published during a ``subscription()`` as the state changes, and
+        whenever one is taken (``reading()``, ``refresh()``).
         """
-        while self._published is None or self._published.serial <= after.serial:
+        while self._published is None or (after is not None and self._published.serial <= after.serial):
             if not self.ready:
                 raise EngineUnavailable(f"the engine is {self.status}")
             try:
@@ -186,15 +206,34 @@ class AsyncEngine:
                 self.abort(request.request_id)
 
     async def reading(self) -> EngineReading:
-        """State at the next step boundary. Concurrent callers share one reading."""
+        """State at the next step boundary (seconds away while a long step runs). Concurrent callers share
+        one reading."""
+        return await asyncio.shield(self._next_boundary_reading())
+
+    async def recent_reading(self, wait_s: float) -> EngineReading:
+        """The state at the next step boundary if it comes within ``wait_s``; else (a long step runs) the newest
+        published reading, an earlier boundary that is still consistent in itself; with none published, the
+        next boundary however long it takes. For scrapes that must not time out on a busy engine."""
+        pending = self._next_boundary_reading()
+        try:
+            return await asyncio.wait_for(asyncio.shield(pending), wait_s)
+        except TimeoutError:
+            if self._published is not None:
+                return self._published
+            return await asyncio.shield(pending)
+
+    def refresh(self) -> None:
+        """Ask for a reading at the next step boundary and publish it, without waiting (``next_reading``
+        gets it); a no-op while one is pending."""
+        self._next_boundary_reading()
+
+    def _next_boundary_reading(self) -> asyncio.Future[EngineReading]:
         if self._pending_read is None or self._pending_read.done():
             future: concurrent.futures.Future[EngineReading] = concurrent.futures.Future()
             self._submit(_Read(future))
             self._pending_read = asyncio.wrap_future(future)
-        return await asyncio.shield(self._pending_read)
-
-    async def snapshot(self) -> TelemetrySnapshot:
-        return (await self.reading()).snapshot
+            self._pending_read.add_done_callback(self._publish_read)
+        return self._pending_read
 
     async def shutdown(self) -> None:
         """Abort everything, release every block and stop the thread. Pending streams get ``EngineUnavailable``."""
@@ -220,10 +259,20 @@ class AsyncEngine:
                 if output.finished:
                     del self._streams[output.request_id]
         if reading is not None:
-            self._published = reading
-            # Wake every waiter of this publication; the next one gets a fresh event.
-            self._publication.set()
-            self._publication = asyncio.Event()
+            self._publish(reading)
+
+    def _publish_read(self, read: asyncio.Future[EngineReading]) -> None:
+        # A failed read (the engine stopped) was the caller's to report; retrieving it here keeps asyncio quiet.
+        if not read.cancelled() and read.exception() is None:
+            self._publish(read.result())
+
+    def _publish(self, reading: EngineReading) -> None:
+        if self._published is not None and reading.serial <= self._published.serial:
+            return  # a read and a publication of the same boundary can arrive in either order
+        self._published = reading
+        # Wake every waiter of this publication; the next one gets a fresh event.
+        self._publication.set()
+        self._publication = asyncio.Event()
 
     def _fail_requests(self, request_ids: list[str], error: BaseException) -> None:
         for request_id in request_ids:
@@ -315,7 +364,7 @@ class AsyncEngine:
         raise TypeError(f"unknown engine command {command!r}")
 
     def _step(self, core: EngineCore) -> list[RequestOutput]:
-        started = time.perf_counter()
+        started = self._step_started = time.monotonic()
         try:
             outputs = core.step()
         except Exception as exc:  # a failing step fails its requests, not the server
@@ -327,9 +376,12 @@ class AsyncEngine:
             self._consecutive_failures += 1
             self._post(self._fail_requests, failed, RequestFailed(f"the engine step failed: {exc!r}"))
             return []
+        finally:
+            self._step_started = None
+        finished = time.monotonic()
         self._consecutive_failures = 0
-        self.metrics.step_duration.observe(time.perf_counter() - started)
-        self._latency.observe(outputs, time.monotonic())
+        self.metrics.step_duration.observe(finished - started)
+        self._latency.observe(outputs, finished)
         return outputs
 
     def _publication_due(self, core: EngineCore) -> EngineReading | None:

@@ -12,10 +12,28 @@ short and it never has to preempt. ``threshold`` is ``safe_utilization`` while t
 request does not fit, the gate closes and reopens only below ``resume_utilization`` (hysteresis), so that a
 pool hovering at the edge is not refilled by a stream of small requests. Telemetry that is missing, stale or
 unhealthy counts as a full pool. A reservation is released exactly once, whatever ends the request.
+
+Liveness and numbers are told apart, so that a busy engine is never taken for a down one. The engine's
+telemetry stream sends snapshots at step boundaries and, while one step runs for seconds (a long prefill),
+busy heartbeats saying how long it has run (engine/server/app.py). Then:
+
+- ``alive`` (the engine is up, as far as its telemetry tells): a snapshot or a busy heartbeat came within
+  ``telemetry_stale_s``, the last snapshot says healthy, and no step has run past ``step_hang_s``. A hung
+  step is down however lively its heartbeats; a stream of plain heartbeats says nothing about the engine.
+- ``usable`` (the numbers may be admitted against): alive, and the last snapshot still describes the engine:
+  it arrived within ``telemetry_stale_s``, or a busy heartbeat since then names its ``step``. Such a
+  heartbeat says no step boundary has passed since that snapshot, and the engine's blocks change only at
+  step boundaries (the running step's blocks were allocated when it was scheduled; requests added, aborted
+  or finished meanwhile take or free blocks at the next boundary). So during one long step the last
+  snapshot plus the reservations bounds the pool as well as a fresh snapshot would (both lag the step in
+  progress alike), and admission goes on. A busy heartbeat that names no step (a stream reconnected in the
+  middle of a step has sent no snapshot yet) proves the engine alive, not the numbers current: the gate
+  admits nothing until the next snapshot, without taking the engine for down.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import deque
@@ -23,6 +41,8 @@ from dataclasses import dataclass
 
 from engine.protocol import TelemetrySnapshot
 from guard.config import Admission
+
+log = logging.getLogger("guard.admission.gate")
 
 DRAIN_WINDOW_S = 10.0
 
@@ -39,7 +59,9 @@ class AdmissionGate:
         self.config = config
         self.guard_tenants = guard_tenants
         self.snapshot: TelemetrySnapshot | None = None
-        self.received_at = 0.0
+        self.received_at = 0.0  # when the snapshot arrived, or a busy heartbeat last vouched for it
+        self.heard_at = 0.0  # when the engine's telemetry last said anything (a snapshot or a busy heartbeat)
+        self.step_started: float | None = None  # when the step busy heartbeats report started; None between
         self.open = True
         self.reservations: dict[str, Reservation] = {}
         self.reserved_by_tenant: dict[str, int] = {}
@@ -56,18 +78,45 @@ class AdmissionGate:
     # -- telemetry -------------------------------------------------------------------------------------
     def update(self, snapshot: TelemetrySnapshot) -> None:
         self.snapshot = snapshot
-        self.received_at = time.monotonic()
+        self.received_at = self.heard_at = time.monotonic()
+        self.step_started = None
         ours = sum(usage.blocks for name, usage in snapshot.tenants.items() if name in self.guard_tenants)
-        self.outside = max(0, snapshot.num_blocks - snapshot.free_blocks - ours)
+        self.outside = max(0, snapshot.used_blocks - ours)  # cached blocks are reclaimable: not outside use
+
+    def busy(self, step: int | None, step_running_s: float) -> None:
+        """A busy heartbeat: the engine is alive, in a step that has run ``step_running_s``, with no step
+        boundary since its snapshot ``step`` (None: the stream has sent no snapshot yet)."""
+        now = time.monotonic()
+        hung_before = self.hung()
+        self.heard_at = now
+        self.step_started = now - step_running_s
+        if self.snapshot is not None and step == self.snapshot.step:
+            self.received_at = now
+        if self.hung() and not hung_before:
+            log.warning("the engine's step has run %.1f s, past step_hang_s (%g s): the engine counts as down",
+                        step_running_s, self.config.step_hang_s)
 
     def telemetry_age(self) -> float:
+        """Seconds since the numbers were last known to describe the engine (infinite before any snapshot)."""
         return time.monotonic() - self.received_at if self.snapshot is not None else math.inf
+
+    def step_running_s(self) -> float:
+        """How long the engine's running step has run, as its busy heartbeats tell (0 between steps)."""
+        return 0.0 if self.step_started is None else time.monotonic() - self.step_started
+
+    def hung(self) -> bool:
+        return self.step_running_s() > self.config.step_hang_s
+
+    @property
+    def alive(self) -> bool:
+        """The engine is up as far as its telemetry tells (see the module docstring)."""
+        return (self.snapshot is not None and self.snapshot.healthy
+                and time.monotonic() - self.heard_at <= self.config.telemetry_stale_s and not self.hung())
 
     @property
     def usable(self) -> bool:
-        """Fresh, healthy telemetry: without it the pool counts as full."""
-        return (self.snapshot is not None and self.snapshot.healthy
-                and self.telemetry_age() <= self.config.telemetry_stale_s)
+        """Alive, with numbers that still describe the engine: without them the pool counts as full."""
+        return self.alive and self.telemetry_age() <= self.config.telemetry_stale_s
 
     # -- arithmetic ------------------------------------------------------------------------------------
     def blocks_for(self, prompt_tokens: int, max_tokens: int, n: int = 1) -> int | None:

@@ -12,7 +12,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from engine.protocol import TelemetrySnapshot
+from engine.protocol import StepProgress, TelemetrySnapshot
 from guard.admission.dispatch import Dispatcher, Rejected
 from guard.admission.gate import AdmissionGate
 from guard.config import Backend, GuardConfig
@@ -133,13 +133,17 @@ async def _start(app: web.Application) -> None:
         state.dispatcher.pump()
         state.update_mode()
 
+    def on_busy(progress: StepProgress) -> None:  # alive in a long step: liveness, not new numbers
+        state.gate.busy(progress.step, progress.step_running_s)
+        state.update_mode()
+
     def on_failure() -> None:  # the telemetry stream cannot reach the engine: count it against the breaker
         state.heard_from_engine.set()
         state.primary.record_failure()
         state.update_mode()
 
-    state.subscriber = TelemetrySubscriber(state.session, state.config.engine.url, on_snapshot, on_failure,
-                                           state.config.admission.telemetry_stale_s)
+    state.subscriber = TelemetrySubscriber(state.session, state.config.engine.url, on_snapshot, on_busy,
+                                           on_failure, state.config.admission.telemetry_stale_s)
     state.tasks = (asyncio.create_task(state.subscriber.run(), name="telemetry"),
                    asyncio.create_task(monitor(state), name="monitor"))
 

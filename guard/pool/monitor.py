@@ -1,5 +1,6 @@
 """Background health checks: each engine backend's ``/health`` feeds its circuit breaker, and the guard's
-mode is re-evaluated on every round (and on every telemetry snapshot, see app.py)."""
+mode is re-evaluated on every round (and on every telemetry snapshot or busy heartbeat, see app.py), so a
+primary whose telemetry goes silent or whose step passes ``step_hang_s`` is down within a round."""
 
 from __future__ import annotations
 
