@@ -1,11 +1,15 @@
-"""Shared fixtures. Every engine here is the real engine on the built-in tiny model, on CPU."""
+"""Shared fixtures. Every engine here is the real engine on the built-in tiny model, on CPU. The helpers
+every test shares live in ``tests/support/`` (see its ``__init__``)."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
+from support.processes import Processes
 
 from engine import LLM
 
@@ -19,3 +23,11 @@ if not torch.cuda.is_available():
 def llm() -> LLM:
     """A roomy engine shared by read-only tests (each test leaves it idle, with every block free)."""
     return LLM("tiny", device="cpu", num_blocks=512, block_size=16)
+
+
+@pytest.fixture
+def processes(tmp_path: Path) -> Iterator[Processes]:
+    """The process factory for one test: engines, guards and other servers as real processes, each logging
+    to ``tmp_path / "<name>.log"``, all stopped (SIGTERM, then SIGKILL) when the test ends."""
+    with Processes(tmp_path) as running:
+        yield running

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from prometheus_tools import ALERTS, ROOT, binary, run
+from support import ROOT
+from support.processes import run_command
+from support.prometheus_tools import ALERTS, binary
 
 from dashboards.exported import exported_series
 from dashboards.promql import counters_outside_readers, metric_uses
@@ -39,20 +41,20 @@ def alerts() -> list[dict]:
 
 
 def test_promtool_accepts_the_rules_and_the_prometheus_config() -> None:
-    result = run(binary("promtool"), "check", "config", ALERTS / "prometheus.yml")
+    result = run_command(binary("promtool"), "check", "config", ALERTS / "prometheus.yml")
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"{len(RULE_FILES)} rule files found" in result.stdout
-    result = run(binary("promtool"), "check", "rules", *RULE_FILES)
+    result = run_command(binary("promtool"), "check", "rules", *RULE_FILES)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_promtool_unit_tests_pass() -> None:
-    result = run(binary("promtool"), "test", "rules", *TEST_FILES)
+    result = run_command(binary("promtool"), "test", "rules", *TEST_FILES)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_amtool_accepts_the_alertmanager_config() -> None:
-    result = run(binary("amtool"), "check-config", ALERTS / "alertmanager.yml")
+    result = run_command(binary("amtool"), "check-config", ALERTS / "alertmanager.yml")
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -62,8 +64,8 @@ def test_amtool_accepts_the_alertmanager_config() -> None:
     (["alertname=Unlabelled"], "oncall-ticket"),
 ])
 def test_alertmanager_routes_by_severity(labels: list[str], receiver: str) -> None:
-    result = run(binary("amtool"), "config", "routes", "test", f"--config.file={ALERTS / 'alertmanager.yml'}",
-                 *labels)
+    result = run_command(binary("amtool"), "config", "routes", "test",
+                         f"--config.file={ALERTS / 'alertmanager.yml'}", *labels)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.strip() == receiver
 

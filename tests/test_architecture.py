@@ -8,11 +8,12 @@ checking or a late import hides is still two files that cannot be understood one
 from __future__ import annotations
 
 import ast
-import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from support import ROOT
+from support.processes import run_command
+
 PACKAGES = ("engine", "guard")
 # What the guard may import from the engine: the torch-free modules (DESIGN.md, "Layout").
 GUARD_MAY_IMPORT = ("engine.protocol", "engine.prompting", "engine.kv.hashing")
@@ -119,6 +120,6 @@ def test_the_engine_never_imports_the_guard():
 
 def test_importing_the_guard_app_loads_no_torch():
     code = "import sys, guard.http.app, guard.__main__; print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton')))"
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+    result = run_command(sys.executable, "-c", code)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"

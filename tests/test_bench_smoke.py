@@ -6,20 +6,17 @@ option or a changed engine API after the device time has already been spent.
 
 from __future__ import annotations
 
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from support import ROOT
+from support.processes import run_command
 
 pytest.importorskip("triton")
 
-ROOT = Path(__file__).resolve().parent.parent
-
 
 def run_smoke(script: str) -> str:
-    result = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--smoke"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=300, check=False)
+    result = run_command(sys.executable, ROOT / "bench" / script, "--smoke", timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SMOKE RUN" in result.stdout
     return result.stdout

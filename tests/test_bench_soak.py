@@ -5,17 +5,16 @@ nothing is lost."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from support import ROOT
+from support.processes import run_command
 
 
 def test_soak_runs_and_loses_nothing(tmp_path: Path) -> None:
     report = tmp_path / "soak.json"
-    command = [sys.executable, str(ROOT / "bench" / "soak.py"), "--minutes", "0.1", "--report", str(report)]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+    result = run_command(sys.executable, ROOT / "bench" / "soak.py", "--minutes", "0.1", "--report", report)
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].startswith("machine: ") and lines[1].startswith("command: ")

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from support import ROOT
+from support.processes import run_command
 
 
 def test_telemetry_overhead_benchmark_runs() -> None:
-    command = [sys.executable, str(ROOT / "bench" / "telemetry_overhead.py"), "--rounds", "4", "--round-seconds",
-               "0.3", "--amplify", "2", "--concurrency", "4", "--max-tokens", "16"]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+    result = run_command(sys.executable, ROOT / "bench" / "telemetry_overhead.py", "--rounds", "4",
+                         "--round-seconds", "0.3", "--amplify", "2", "--concurrency", "4", "--max-tokens", "16")
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].startswith("machine: ") and lines[1].startswith("command: ")

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import yaml
 from jsonschema import Draft202012Validator
-from prometheus_tools import ROOT
+from support import ROOT
 
-SCHEMA = Path(__file__).resolve().parent / "schemas" / "compose-spec.json"
+SCHEMA = ROOT / "tests" / "schemas" / "compose-spec.json"
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,10 @@ import sys
 
 import pytest
 import yaml
-from grafana_queries import custom_values, load_dashboards, panel_queries, substitute
 from prometheus_client.parser import text_string_to_metric_families
-from prometheus_tools import binary, run
+from support.grafana_queries import custom_values, load_dashboards, panel_queries, substitute
+from support.processes import run_command
+from support.prometheus_tools import binary
 
 from dashboards.__main__ import DASHBOARDS, check
 from dashboards.exported import exported_series
@@ -23,7 +24,7 @@ SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_s
 
 
 def test_committed_dashboards_are_current_and_pass_the_check() -> None:
-    result = run(sys.executable, "-m", "dashboards", "--check")
+    result = run_command(sys.executable, "-m", "dashboards", "--check")
     assert result.returncode == 0, result.stdout + result.stderr
     assert set(load_dashboards()) == set(DASHBOARDS)
 
@@ -38,7 +39,7 @@ def test_every_query_is_valid_promql(tmp_path) -> None:
                   for i, (_, expr) in enumerate(panel_queries(dashboard), start=len(rules))]
     path = tmp_path / "queries.yml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "panels", "rules": rules}]}))
-    result = run(binary("promtool"), "check", "rules", path)
+    result = run_command(binary("promtool"), "check", "rules", path)
     assert result.returncode == 0, result.stdout + result.stderr
 
 

@@ -10,8 +10,9 @@ import time
 
 import aiohttp
 import pytest
-from engine_server import ServerThread, wait_for
-from guard_server import GuardThread, guard_config
+from support.engine_server import ServerThread
+from support.guard_server import GuardThread, guard_config
+from support.wait import wait_for
 
 TENANTS = [
     {"name": "chat", "api_keys": ["sk-chat"], "lane": "interactive", "weight": 2},

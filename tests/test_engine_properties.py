@@ -7,7 +7,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from invariants import assert_all_blocks_back, check_block_accounting
+from support.invariants import assert_all_blocks_back, check_block_accounting
 
 from engine.config import EngineConfig
 from engine.core import EngineCore

@@ -8,17 +8,16 @@ and the three plots come out, so the harness cannot rot between the runs that ma
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from support.processes import run_command
+
 TTFT_FIGURES = {"n", "mean_ms", "p50_ms", "p90_ms", "p99_ms", "max_ms"}
 
 
 def test_fill_squeeze_quick(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "bench.attacks.fill_squeeze", "--quick", "--out", str(tmp_path)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+    done = run_command(sys.executable, "-m", "bench.attacks.fill_squeeze", "--quick", "--out", tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "QUICK RUN" in done.stdout
     report = json.loads((tmp_path / "report.json").read_text())

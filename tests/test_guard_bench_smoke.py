@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from support import ROOT
+from support.processes import run_command
 
 
 def run_quick(script: str, tmp_path: Path) -> tuple[str, dict]:
     result_file = tmp_path / "result.json"
-    command = [sys.executable, str(ROOT / "bench" / script), "--quick", "--json", str(result_file)]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=180, check=False)
+    done = run_command(sys.executable, ROOT / "bench" / script, "--quick", "--json", result_file, timeout=180)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "QUICK RUN" in done.stdout
     return done.stdout, json.loads(result_file.read_text())

@@ -8,8 +8,10 @@ import urllib.request
 
 import openai
 import pytest
-from engine_server import ServerThread, request, wait_for
-from guard_server import GuardThread, guard_config
+from support.engine_server import ServerThread
+from support.guard_server import GuardThread, guard_config
+from support.net import request
+from support.wait import wait_for
 
 
 @pytest.fixture(scope="module")
@@ -83,11 +85,20 @@ def test_sse_is_relayed_byte_for_byte(guard: GuardThread, engine: ServerThread) 
     assert text == json.loads(direct)["choices"][0]["text"]
 
 
+def test_a_model_the_engine_does_not_serve_is_404_model_not_found(guard: GuardThread, engine: ServerThread) -> None:
+    before = engine.telemetry()["prompt_tokens_total"]
+    with pytest.raises(openai.NotFoundError) as info:
+        client(guard).completions.create(model="nope", prompt="x", max_tokens=2)
+    assert info.value.status_code == 404
+    assert (info.value.body["code"], info.value.body["param"]) == ("model_not_found", "model")
+    assert engine.telemetry()["prompt_tokens_total"] == before
+
+
 def test_unauthorized(guard: GuardThread) -> None:
     with pytest.raises(openai.AuthenticationError) as info:
         client(guard, key="sk-wrong").completions.create(model="tiny", prompt="x", max_tokens=2)
     assert info.value.status_code == 401
-    assert info.value.body["code"] == "invalid_api_key" and info.value.body["type"] == "authentication_error"
+    assert info.value.body["code"] == "invalid_api_key" and info.value.body["type"] == "invalid_request_error"
     assert info.value.response.headers["X-Request-Id"].startswith("req-")
     status, _ = request(guard.url + "/v1/models")
     assert status == 401
@@ -102,7 +113,6 @@ def test_unauthorized(guard: GuardThread) -> None:
         ({"model": "tiny", "prompt": "x" * 5000}, "prompt"),
         ({"model": "tiny", "prompt": ""}, "prompt"),
         ({"model": "tiny", "prompt": "x", "n": 0}, "n"),
-        ({"model": "nope", "prompt": "x"}, "model"),
         ({"prompt": "x"}, "model"),
     ],
 )
@@ -177,4 +187,4 @@ def test_unknown_paths_and_methods_get_openai_errors_with_a_request_id(guard: Gu
             assert error.code == status
             assert error.headers["Content-Type"].startswith("application/json")
             assert error.headers["X-Request-Id"].startswith("req-")
-            assert json.loads(error.read())["error"]["type"] in ("not_found_error", "api_error")
+            assert json.loads(error.read())["error"]["type"] == "invalid_request_error"

@@ -9,10 +9,12 @@ import time
 
 import aiohttp
 import pytest
-from engine_server import ServerThread, request, wait_for
-from guard_server import GuardThread, guard_config
-from processes import EngineProcess
 from prometheus_client.parser import text_string_to_metric_families
+from support.engine_server import ServerThread
+from support.guard_server import GuardThread, guard_config
+from support.net import request
+from support.processes import EngineProcess
+from support.wait import wait_for
 
 ROUTING = {"min_dwell_s": 1.0, "cooldown_s": 0.5, "health_interval_s": 0.2, "failure_threshold": 2}
 
@@ -56,7 +58,7 @@ def test_engine_killed_then_restarted(tmp_path) -> None:
                 # another has even started.
                 await asyncio.wait([asyncio.create_task(e.wait()) for e in started],
                                    return_when=asyncio.FIRST_COMPLETED)
-                primary.stop()
+                primary.kill()
                 killed = time.monotonic()
                 streams = await asyncio.wait_for(asyncio.gather(*in_flight), 30)
                 after = await stream_once(guard.url, {"model": "tiny", "prompt": "hi", "max_tokens": 4})

@@ -1,6 +1,6 @@
-"""The guard counts prompts itself with the tokenizer the engine hands out (``GET /tokenizer``): its counts
-must equal the engine's own ``POST /tokenize``, for the built-in byte tokenizer and for a checkpoint with a
-``tokenizer.json`` and a chat template of its own."""
+"""The guard counts prompts itself with the ``PromptCounter`` rebuilt from the engine's ``GET /tokenizer``:
+its counts must equal the engine's own ``POST /tokenize``, and its refusals the engine's, for the built-in
+byte tokenizer and for a checkpoint with a ``tokenizer.json`` and a chat template of its own."""
 
 from __future__ import annotations
 
@@ -12,14 +12,16 @@ import aiohttp
 import pytest
 import tokenizers
 import transformers
-from engine_server import ServerThread, request
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.engine_server import ServerThread
+from support.net import request
 from test_model_hf import SMALL, save_hf_model
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from engine.prompting.prompts import PromptCounter, PromptError
 from engine.protocol import CompletionRequest, TokenizerInfo
-from guard.http.tokens import LocalTokenizer, TokenCounter
+from guard.http.tokens import TokenCounter
 from guard.http.validate import MODELS, Invalid, ParsedRequest
 
 CORPUS = ["The quick brown fox jumps over the lazy dog.", "Grüße aus München 🙂", "def f(x):\n    return x\n"] * 30
@@ -85,18 +87,19 @@ def test_the_engine_hands_out_its_tokenizer(engine: ServerThread, checkpoint: Pa
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(prompt=TEXT.filter(bool), messages=st.lists(st.tuples(ROLES, TEXT), min_size=1, max_size=4))
 def test_local_counts_equal_the_engines(engine: ServerThread, prompt: str, messages: list) -> None:
-    local = LocalTokenizer(tokenizer_info(engine))
+    local = PromptCounter.from_info(tokenizer_info(engine))
     model = local.model
     completion = {"model": model, "prompt": prompt}
     chat = {"model": model, "messages": [{"role": role, "content": text} for role, text in messages]}
     for path, body in (("/v1/completions", completion), ("/v1/chat/completions", chat)):
         status, answer = engine_count(engine, body)
         assert status == 200, answer
-        assert local.count(parsed(path, body)) == answer["count"] == len(answer["tokens"])
+        ids = local.request_ids(parsed(path, body).model)
+        assert ids == answer["tokens"] and len(ids) == answer["count"]
 
 
 def test_refusals_match_the_engines(engine: ServerThread) -> None:
-    local = LocalTokenizer(tokenizer_info(engine))
+    local = PromptCounter.from_info(tokenizer_info(engine))
     wrong_model = {"model": "another-model", "prompt": "hi"}
     refused = {"model": local.model, "messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}
     cases = [("/v1/completions", wrong_model)]
@@ -104,11 +107,33 @@ def test_refusals_match_the_engines(engine: ServerThread) -> None:
         cases.append(("/v1/chat/completions", refused))
     for path, body in cases:
         status, answer = engine_count(engine, body)
-        with pytest.raises(Invalid) as info:
-            local.count(parsed(path, body))
+        with pytest.raises(PromptError) as info:
+            local.request_ids(parsed(path, body).model)
         error = answer["error"]
-        assert (info.value.status, info.value.message, info.value.param, info.value.code) == (
+        assert (info.value.status, str(info.value), info.value.param, info.value.code) == (
             status, error["message"], error["param"], error["code"])
+
+
+async def test_context_refusals_match_the_engines(engine: ServerThread) -> None:
+    window = engine.core.max_model_len
+    model = engine.core.model_name
+    cases = [
+        ("/v1/completions", {"model": model, "prompt": [1] * window}),
+        ("/v1/completions", {"model": model, "prompt": [1] * 10, "max_tokens": window}),
+        ("/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "Grüße " * window}]}),
+        ("/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "hi"}],
+                                  "max_completion_tokens": window}),
+    ]
+    async with aiohttp.ClientSession() as session:
+        counter = TokenCounter(session, engine.url, timeout_s=5)
+        for path, body in cases:
+            status, answer = request(engine.url + path, json.dumps(body).encode())
+            with pytest.raises(Invalid) as info:
+                await counter.count(parsed(path, body))
+            error = json.loads(answer)["error"]
+            assert error["code"] == "context_length_exceeded", error
+            assert (info.value.status, info.value.message, info.value.param, info.value.code) == (
+                status, error["message"], error["param"], error["code"])
 
 
 async def test_a_model_change_fetches_the_tokenizer_again(engine: ServerThread) -> None:

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support import ROOT
 
 from engine.protocol import TelemetrySnapshot, TenantUsage
 from guard.admission.dispatch import Dispatcher, Rejected, Ticket, TicketState
@@ -37,7 +38,7 @@ def write(tmp_path: Path, text: str) -> Path:
 
 
 def test_example_config_loads() -> None:
-    config = load_config(Path(__file__).parent.parent / "guard.example.yaml")
+    config = load_config(ROOT / "guard.example.yaml")
     assert [t.name for t in config.tenants] == ["acme", "globex", "bulk"]
     assert config.admission.safe_utilization == 0.85
 
@@ -112,11 +113,11 @@ def test_lanes_order_work_inside_a_tenant() -> None:
     assert [fair.pop(t) for _ in range(3)] == ["interactive-1", "batch-1", "batch-2"]
 
 
-def snapshot(num_blocks: int = 100, free: int = 100, block_size: int = 16,
+def snapshot(num_blocks: int = 100, free: int = 100, block_size: int = 16, cached: int = 0,
              tenants_usage: dict[str, TenantUsage] | None = None, **tenants: int) -> TelemetrySnapshot:
     return TelemetrySnapshot(
         time=0, step=0, model="tiny", block_size=block_size, num_blocks=num_blocks, free_blocks=free,
-        cached_blocks=0, swap_blocks=0, swap_used_blocks=0, num_running=0, num_waiting=0, num_swapped=0,
+        cached_blocks=cached, swap_blocks=0, swap_used_blocks=0, num_running=0, num_waiting=0, num_swapped=0,
         preemptions_total=0, preemptions_recompute_total=0, preemptions_swap_total=0,
         prefix_cache_queries_total=0, prefix_cache_hits_total=0, prompt_tokens_total=0,
         generation_tokens_total=0, step_time_s=0, itl_s=0, tokens_per_s=0, bytes_moved_per_s=0,
@@ -136,6 +137,8 @@ def test_gate_commits_against_live_usage_with_hysteresis() -> None:
     assert not gate.try_reserve("r2", "acme", 5), "closed: only below resume_utilization (50)"
     gate.update(snapshot(free=40, acme=50))  # acme's blocks are covered by its reservation
     assert gate.committed() == 70
+    gate.update(snapshot(free=10, cached=30, acme=50))  # cached blocks are reclaimable: nobody's use
+    assert gate.outside == 10 and gate.committed() == 70
     assert gate.release("r1") and not gate.release("r1")
     assert gate.try_reserve("r2", "acme", 20) and gate.open
     gate.received_at -= 10

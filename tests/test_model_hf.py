@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from single_sequence import SingleSequence
+from support.single_sequence import SingleSequence
 
 from engine.kernels import TorchAttentionBackend
 from engine.model import LoadedModel, load_model

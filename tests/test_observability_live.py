@@ -15,8 +15,17 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from grafana_queries import all_of, custom_values, load_dashboards, panel_queries, query_variables, substitute
-from live_stack import SCRAPE_INTERVAL_S, TENANTS, Ports, Processes, Prometheus, WebhookReceiver, start_stack
+from support.grafana_queries import (
+    all_of,
+    custom_values,
+    load_dashboards,
+    panel_queries,
+    query_variables,
+    substitute,
+)
+from support.live_stack import SCRAPE_INTERVAL_S, TENANTS, Ports, Prometheus, WebhookReceiver, start_stack
+from support.processes import Processes
+from support.wait import wait_for
 
 from dashboards.promql import metric_uses
 
@@ -35,13 +44,9 @@ REQUESTS_PER_TENANT = 6
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Ports, Processes, WebhookReceiver]]:
     root = tmp_path_factory.mktemp("observability")
     ports = Ports()
-    processes = Processes(root)
-    with WebhookReceiver(ports.webhook) as webhook:
-        try:
-            start_stack(root, ports, processes)
-            yield ports, processes, webhook
-        finally:
-            processes.stop_all()
+    with WebhookReceiver(ports.webhook) as webhook, Processes(root) as processes:
+        start_stack(root, ports, processes)
+        yield ports, processes, webhook
 
 
 def post(ports: Ports, key: str, body: dict, headers: dict[str, str] | None = None) -> tuple[int, str]:
@@ -79,7 +84,8 @@ def drive_traffic(ports: Ports, indices: range) -> None:
 def wait_scraped(prometheus: Prometheus, completed: int) -> None:
     """Until Prometheus has scraped at least ``completed`` completed requests of every tenant."""
     served = f'count(sum by (tenant) (guard_requests_total{{outcome="completed"}}) >= {completed})'
-    result = prometheus.wait_for(served, lambda r: bool(r) and r[0]["value"][1] == str(len(TENANTS)), 15)
+    result = wait_for(lambda: prometheus.query(served), lambda r: bool(r) and r[0]["value"][1] == str(len(TENANTS)),
+                      15, interval=0.25, message=lambda: f"not scraped: {served}")
     assert result and result[0]["value"][1] == str(len(TENANTS)), f"not scraped: {served}"
 
 
@@ -113,7 +119,7 @@ def test_dashboards_show_data_and_a_dead_engine_pages_on_call(stack) -> None:
 
     # The incident: the engine dies. Clients keep coming (the guard degrades to its static fallback).
     killed_at = time.time()
-    processes.kill("engine")
+    processes["engine"].kill()
     for i in range(3):
         post(ports, TENANTS[0][1], {"model": "tiny", "prompt": f"after the crash {i}", "max_tokens": 4})
         time.sleep(0.5)

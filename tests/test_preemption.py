@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from invariants import assert_all_blocks_back
+from support.invariants import assert_all_blocks_back
 
 from engine import LLM, SamplingParams
 

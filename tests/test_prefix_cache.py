@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from invariants import assert_all_blocks_back
+from support.invariants import assert_all_blocks_back
 
 from engine import LLM, SamplingParams
 
@@ -38,7 +38,7 @@ def test_cached_blocks_are_reclaimable_and_reported(llm: LLM) -> None:
     llm.generate(PROMPT + "cache me", GREEDY, cache_salt="tenant-d")
     snap = llm.telemetry()
     assert snap.cached_blocks > 0
-    assert snap.free_blocks == snap.num_blocks
+    assert snap.free_blocks + snap.cached_blocks == snap.num_blocks and snap.used_blocks == 0
 
 
 def test_disabled_prefix_cache_never_hits() -> None:

@@ -12,9 +12,10 @@ from typing import Any
 
 import aiohttp
 import pytest
-from engine_server import ServerThread
-from guard_server import guard_config
-from nothing_lost import Client, Tally, assert_nothing_lost, ready_guard, until
+from support.engine_server import ServerThread
+from support.guard_server import guard_config
+from support.nothing_lost import Client, Tally, assert_nothing_lost, ready_guard
+from support.wait import until
 
 # One sequence at a time, so a request can be made to wait inside the engine, before its first token.
 ENGINE = {"num_blocks": 64, "block_size": 16, "max_num_seqs": 1}

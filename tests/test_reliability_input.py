@@ -14,10 +14,10 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
-from engine_server import ServerThread
-from guard_server import GuardThread, guard_config
 from multidict import CIMultiDict
-from nothing_lost import Answer, Client, Tally, assert_nothing_lost, assert_openai_error, ready_guard
+from support.engine_server import ServerThread
+from support.guard_server import GuardThread, guard_config
+from support.nothing_lost import Answer, Client, Tally, assert_nothing_lost, assert_openai_error, ready_guard
 
 MAX_BODY = 4096
 

@@ -1,13 +1,12 @@
 """Reliability, processes coming and going (issue 7, cases 13 to 15): the engine restarted twice under load,
 SIGTERM to a guard process with 50 streams running and more queued, and configurations the guard must refuse
-to start with. Engines and guards that get killed or signalled are real processes (tests/processes.py)."""
+to start with. Engines and guards that get killed or signalled are real processes (support.processes)."""
 
 from __future__ import annotations
 
 import asyncio
 import signal
 import socket
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -16,9 +15,10 @@ from typing import Any
 
 import pytest
 import yaml
-from engine_server import ServerThread, request
-from guard_server import guard_config
-from nothing_lost import (
+from support.engine_server import ServerThread
+from support.guard_server import guard_config
+from support.net import free_port, request
+from support.nothing_lost import (
     Answer,
     Client,
     Tally,
@@ -26,9 +26,9 @@ from nothing_lost import (
     assert_openai_error,
     assert_stream_failed,
     ready_guard,
-    until,
 )
-from processes import ROOT, EngineProcess, free_port, start_guard
+from support.processes import Processes, run_command
+from support.wait import until
 
 ROUTING = {"min_dwell_s": 1.0, "cooldown_s": 0.5, "health_interval_s": 0.2, "failure_threshold": 2}
 
@@ -41,55 +41,54 @@ def ended_properly(answer: Answer) -> bool:
     return isinstance(answer.json(), dict)
 
 
-async def test_13_engine_restarted_twice_under_load_hangs_nothing_and_the_guard_recovers_alone() -> None:
+async def test_13_engine_restarted_twice_under_load_hangs_nothing_and_the_guard_recovers_alone(
+        processes: Processes) -> None:
     """Six clients in closed loops while the engine is killed (SIGKILL), restarted, stopped (SIGTERM) and
     restarted: every request ends within its deadline with an answer, and after each restart the guard goes
     back to serving from the engine without anyone touching it."""
     tally = Tally()
     answers: list[tuple[float, Answer]] = []
-    engine = EngineProcess("--num-blocks", "512").start()
+    engine = processes.engine("--num-blocks", "512")
     config = guard_config(engine.url, routing=ROUTING, admission={"telemetry_stale_s": 1.0})
-    try:
-        async with ready_guard(config, timeout=10) as guard:
-            stop = asyncio.Event()
+    async with ready_guard(config, timeout=10) as guard:
+        stop = asyncio.Event()
 
-            async def closed_loop(key: str, stream: bool) -> None:
-                client = Client(guard.url, tally, key=key)
-                while not stop.is_set():
-                    body = {"model": "tiny", "prompt": f"restart {key}", "max_tokens": 96, "ignore_eos": True,
-                            "stream": stream}
-                    answer = await asyncio.wait_for(client.call(body), 30)  # a hung request fails the test
-                    answers.append((time.monotonic(), answer))
-                    if answer.status != 200:
-                        await asyncio.sleep(0.1)  # as a client honouring a short Retry-After would
-
-            clients = [asyncio.create_task(closed_loop(key, stream))
-                       for key in ("sk-acme", "sk-globex", "sk-bulk") for stream in (True, False)]
-            recovered_at = []
-            for sig in (signal.SIGKILL, signal.SIGTERM):
-                await asyncio.sleep(2)
-                await asyncio.to_thread(engine.stop, sig)
-                await asyncio.to_thread(engine.start)
-                await until(lambda: guard.call(lambda: guard.state.modes.mode == "normal"
-                                               and guard.state.primary_up()), bool, 20)
-                recovered_at.append(time.monotonic())
-            await asyncio.sleep(2)
-            stop.set()
-            await asyncio.gather(*clients)
-
-            print("answers by status:", Counter(answer.status for _, answer in answers))
-            for _, answer in answers:
-                assert answer.status in (200, 502, 503, 504), answer
-                assert ended_properly(answer), answer.body[-300:]
+        async def closed_loop(key: str, stream: bool) -> None:
+            client = Client(guard.url, tally, key=key)
+            while not stop.is_set():
+                body = {"model": "tiny", "prompt": f"restart {key}", "max_tokens": 96, "ignore_eos": True,
+                        "stream": stream}
+                answer = await asyncio.wait_for(client.call(body), 30)  # a hung request fails the test
+                answers.append((time.monotonic(), answer))
                 if answer.status != 200:
-                    assert_openai_error(answer, answer.status)
-            for since in recovered_at:
-                served = [a for at, a in answers if at > since and a.status == 200 and "X-Guard-Route" not in a.headers
-                          and ended_properly(a) and b"event: error" not in a.body]
-                assert served, "the engine served again after its restart"
-            await assert_nothing_lost(guard, tally, [engine])
-    finally:
-        engine.stop()
+                    await asyncio.sleep(0.1)  # as a client honouring a short Retry-After would
+
+        clients = [asyncio.create_task(closed_loop(key, stream))
+                   for key in ("sk-acme", "sk-globex", "sk-bulk") for stream in (True, False)]
+        recovered_at = []
+        for sig in (signal.SIGKILL, signal.SIGTERM):
+            await asyncio.sleep(2)
+            code = await asyncio.to_thread(engine.stop, sig)
+            assert sig is signal.SIGKILL or code == 0, f"no clean exit on {sig.name}:\n{engine.log_tail()}"
+            await asyncio.to_thread(engine.start)
+            await until(lambda: guard.call(lambda: guard.state.modes.mode == "normal"
+                                           and guard.state.primary_up()), bool, 20)
+            recovered_at.append(time.monotonic())
+        await asyncio.sleep(2)
+        stop.set()
+        await asyncio.gather(*clients)
+
+        print("answers by status:", Counter(answer.status for _, answer in answers))
+        for _, answer in answers:
+            assert answer.status in (200, 502, 503, 504), answer
+            assert ended_properly(answer), answer.body[-300:]
+            if answer.status != 200:
+                assert_openai_error(answer, answer.status)
+        for since in recovered_at:
+            served = [a for at, a in answers if at > since and a.status == 200 and "X-Guard-Route" not in a.headers
+                      and ended_properly(a) and b"event: error" not in a.body]
+            assert served, "the engine served again after its restart"
+        await assert_nothing_lost(guard, tally, [engine])
 
 
 @pytest.fixture
@@ -99,7 +98,7 @@ def sigterm_engine() -> Any:
 
 
 async def test_14_sigterm_with_50_streams_closes_the_listener_ends_streams_and_refuses_the_queue(
-        tmp_path: Path, sigterm_engine: ServerThread) -> None:
+        tmp_path: Path, sigterm_engine: ServerThread, processes: Processes) -> None:
     """50 streams run (bulk's first among them) and bulk has 5 more requests queued behind its block cap
     when the guard gets SIGTERM: the listener closes at once, the queued requests get 503, each stream
     finishes within the shutdown timeout or ends with an error event, the guard exits, and the engine is
@@ -111,39 +110,35 @@ async def test_14_sigterm_with_50_streams_closes_the_listener_ends_streams_and_r
                {"name": "bulk", "api_keys": ["sk-bulk"], "lane": "batch", "max_blocks_share": 0.01}]
     guard_config(sigterm_engine.url, tmp_path, listen={"host": "127.0.0.1", "port": port}, tenants=tenants,
                  limits={"shutdown_timeout": shutdown_timeout})
-    guard = start_guard(tmp_path / "guard.yaml", tmp_path / "guard.log", url)
+    guard = processes.guard(tmp_path / "guard.yaml")
     tally = Tally()
-    try:
-        client = Client(url, tally)
-        body = {"model": "tiny", "prompt": "x" * 15, "max_tokens": 400, "ignore_eos": True, "stream": True}
-        started = [asyncio.Event() for _ in range(50)]
-        # Half are short enough to end within the shutdown timeout (50 streams decode ~10 tokens/s each on
-        # two shared cores), half are not.
-        streams = [asyncio.create_task(client.call({**body, "max_tokens": 400 if i % 2 else 20},
-                                                   key="sk-bulk" if i == 0 else "sk-acme", started=event))
-                   for i, event in enumerate(started)]
-        await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 30)
-        queued = [asyncio.create_task(client.call(body, key="sk-bulk")) for _ in range(5)]
-        await until(lambda: queue_depth(url, "bulk"), lambda n: n == 5, 5)
+    client = Client(url, tally)
+    body = {"model": "tiny", "prompt": "x" * 15, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    started = [asyncio.Event() for _ in range(50)]
+    # Half are short enough to end within the shutdown timeout (50 streams decode ~10 tokens/s each on
+    # two shared cores), half are not.
+    streams = [asyncio.create_task(client.call({**body, "max_tokens": 400 if i % 2 else 20},
+                                               key="sk-bulk" if i == 0 else "sk-acme", started=event))
+               for i, event in enumerate(started)]
+    await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 30)
+    queued = [asyncio.create_task(client.call(body, key="sk-bulk")) for _ in range(5)]
+    await until(lambda: queue_depth(url, "bulk"), lambda n: n == 5, 5)
 
-        guard.send_signal(signal.SIGTERM)
-        signalled = time.monotonic()
-        await until(lambda: refuses_connections(port), bool, 1)
-        assert not all(stream.done() for stream in streams), "the listener closed while streams still ran"
-        for answer in await asyncio.wait_for(asyncio.gather(*queued), 1):
-            assert_openai_error(answer, 503, "shutting_down")
-        answers = await asyncio.wait_for(asyncio.gather(*streams), shutdown_timeout + 5)
-        finished = sum(a.events()[-1] == b"data: [DONE]" for a in answers)
-        for answer in answers:
-            if answer.events()[-1] != b"data: [DONE]":
-                assert assert_stream_failed(answer)["code"] == "shutting_down"
-        assert guard.wait(shutdown_timeout + 5) == 0, (tmp_path / "guard.log").read_text()[-2000:]
-        print(f"{finished} of 50 streams finished, the others ended with an error event; exit after "
-              f"{time.monotonic() - signalled:.2f} s")
-        await assert_nothing_lost(None, tally, [sigterm_engine])
-    finally:
-        if guard.poll() is None:
-            guard.kill()
+    guard.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    await until(lambda: refuses_connections(port), bool, 1)
+    assert not all(stream.done() for stream in streams), "the listener closed while streams still ran"
+    for answer in await asyncio.wait_for(asyncio.gather(*queued), 1):
+        assert_openai_error(answer, 503, "shutting_down")
+    answers = await asyncio.wait_for(asyncio.gather(*streams), shutdown_timeout + 5)
+    finished = sum(a.events()[-1] == b"data: [DONE]" for a in answers)
+    for answer in answers:
+        if answer.events()[-1] != b"data: [DONE]":
+            assert assert_stream_failed(answer)["code"] == "shutting_down"
+    assert guard.wait(shutdown_timeout + 5) == 0, guard.log_text()[-2000:]
+    print(f"{finished} of 50 streams finished, the others ended with an error event; exit after "
+          f"{time.monotonic() - signalled:.2f} s")
+    await assert_nothing_lost(None, tally, [sigterm_engine])
 
 
 def queue_depth(url: str, tenant: str) -> float:
@@ -178,10 +173,8 @@ async def test_15_invalid_config_refuses_to_start_naming_the_problem(tmp_path: P
     async def start(name: str, text: str) -> tuple[int, str]:
         path = tmp_path / f"{name.replace(' ', '_')}.yaml"
         path.write_text(text)
-        process = await asyncio.create_subprocess_exec(sys.executable, "-m", "guard", "--config", str(path),
-                                                       cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        _, err = await asyncio.wait_for(process.communicate(), 30)
-        return process.returncode, err.decode()
+        done = await asyncio.to_thread(run_command, sys.executable, "-m", "guard", "--config", path, timeout=30)
+        return done.returncode, done.stderr
 
     results = await asyncio.gather(*(start(name, text) for name, (text, _) in INVALID_CONFIGS.items()))
     for (name, (_, problem)), (code, err) in zip(INVALID_CONFIGS.items(), results, strict=True):

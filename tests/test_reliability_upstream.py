@@ -1,7 +1,7 @@
 """Reliability, upstream faults (issue 7, cases 1, 2, 3, 6, 7, 8): what a client sees when the engine dies,
 refuses, hangs, crawls or answers garbage, and that nothing is lost afterwards.
 
-The faults come from ``fault_upstream.FaultUpstream`` (a fake engine: a real one cannot produce them on
+The faults come from ``support.fault_upstream.FaultUpstream`` (a fake engine: a real one cannot produce them on
 demand); the real engine serves as the fallback where one is needed. Every test ends with
 ``assert_nothing_lost``: requests in = responses out, every upstream idle with all its blocks free (for the
 fake: every connection the guard opened is closed), no reservation left in the guard.
@@ -17,19 +17,19 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from engine_server import ServerThread
-from fault_upstream import DONE, FaultUpstream, token_event
-from guard_server import GuardThread, guard_config
-from nothing_lost import (
+from support.engine_server import ServerThread
+from support.fault_upstream import DONE, FaultUpstream, token_event
+from support.guard_server import GuardThread, guard_config
+from support.net import free_port
+from support.nothing_lost import (
     Client,
     Tally,
     assert_nothing_lost,
     assert_openai_error,
     assert_stream_failed,
     ready_guard,
-    until,
 )
-from processes import free_port
+from support.wait import until
 
 FAST_ROUTING = {"min_dwell_s": 1.0, "cooldown_s": 0.5, "health_interval_s": 0.2, "failure_threshold": 2}
 

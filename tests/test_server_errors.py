@@ -6,7 +6,8 @@ import json
 from collections.abc import Iterator
 
 import pytest
-from engine_server import ServerThread, request
+from support.engine_server import ServerThread
+from support.net import request
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -32,7 +33,6 @@ def engine_state(server: ServerThread) -> tuple:
         (COMPLETIONS, b'{"model": "tiny", "prompt": ', "body"),
         (COMPLETIONS, b'["not", "an", "object"]', "body"),
         (COMPLETIONS, {"prompt": "hello"}, "model"),
-        (COMPLETIONS, {**OK_PROMPT, "model": "gpt-4"}, "model"),
         (COMPLETIONS, {**OK_PROMPT, "max_tokens": "12"}, "max_tokens"),
         (COMPLETIONS, {**OK_PROMPT, "max_tokens": 0}, "max_tokens"),
         (COMPLETIONS, {**OK_PROMPT, "max_tokens": 1_000_000}, "max_tokens"),
@@ -71,6 +71,18 @@ def test_invalid_requests_are_400_naming_the_field(server: ServerThread, path: s
     assert error["type"] == "invalid_request_error"
     assert error["param"] == param, error
     assert error["message"].startswith(f"{param}:"), error
+    assert engine_state(server) == before, "nothing entered the scheduler"
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT, "/tokenize"])
+def test_a_model_not_served_here_is_404_model_not_found(server: ServerThread, path: str) -> None:
+    before = engine_state(server)
+    body = {**(OK_CHAT if path == CHAT else OK_PROMPT), "model": "gpt-4"}
+    status, answer = request(server.url + path, json.dumps(body).encode())
+    error = json.loads(answer)["error"]
+    assert status == 404, answer
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", "model", "model_not_found")
+    assert error["message"].startswith("model:"), error
     assert engine_state(server) == before, "nothing entered the scheduler"
 
 

@@ -8,8 +8,9 @@ from collections.abc import Iterator
 
 import openai
 import pytest
-from engine_server import ServerThread, request
-from invariants import assert_all_blocks_back
+from support.engine_server import ServerThread
+from support.invariants import assert_all_blocks_back
+from support.net import request
 
 from engine import LLM, SamplingParams
 from engine.prompting.chat_template import DEFAULT_TEMPLATE, ChatTemplate

@@ -9,7 +9,7 @@ import tokenizers
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from single_sequence import SingleSequence
+from support.single_sequence import SingleSequence
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from engine.kernels import TorchAttentionBackend

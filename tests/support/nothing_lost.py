@@ -7,8 +7,9 @@ it can never be counted as answered). ``assert_nothing_lost``:
 - requests in = responses out: every request came back whole (a status and its entire body; for a stream,
   through ``[DONE]`` or an ``error`` event) or was abandoned by the test on purpose, and the guard recorded
   exactly one outcome for each in ``guard_requests_total``;
-- every upstream is idle again with ``free_blocks == num_blocks`` (the fake upstream counts its open
-  streams the same way, so for it this also says that the guard closed every connection it opened);
+- every upstream is idle again, every block free or cached (``free_blocks + cached_blocks == num_blocks``;
+  the fake upstream counts its open streams the same way, so for it this also says that the guard closed
+  every connection it opened);
 - the guard holds no reservation and queues nothing.
 """
 
@@ -16,20 +17,20 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import aiohttp
-from engine_server import request
-from guard_server import GuardThread
 from multidict import CIMultiDict
 
 from guard.config import GuardConfig
 
-T = TypeVar("T")
+from .guard_server import GuardThread
+from .net import request
+from .wait import until
+
 ERROR_KEYS = {"message", "type", "param", "code"}
 
 
@@ -118,16 +119,6 @@ def guard_outcomes(guard_url: str) -> float:
                if line.startswith("guard_requests_total{"))
 
 
-async def until(probe: Callable[[], T], done: Callable[[T], bool], timeout: float, interval: float = 0.02) -> T:
-    """Like ``engine_server.wait_for``, but yields to the test's own event loop (its clients keep running)."""
-    deadline = time.monotonic() + timeout
-    while not done(value := probe()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"still not done after {timeout} s: {value}")
-        await asyncio.sleep(interval)
-    return value
-
-
 @asynccontextmanager
 async def ready_guard(config: GuardConfig, timeout: float = 5.0) -> AsyncIterator[GuardThread]:
     """A guard that has seen its engine (its first telemetry snapshot arrived), stopped on the way out."""
@@ -138,7 +129,7 @@ async def ready_guard(config: GuardConfig, timeout: float = 5.0) -> AsyncIterato
 
 def idle_and_free(snapshot: dict[str, Any]) -> bool:
     busy = snapshot["num_running"] + snapshot["num_waiting"] + snapshot["num_swapped"]
-    return busy == 0 and snapshot["free_blocks"] == snapshot["num_blocks"]
+    return busy == 0 and snapshot["free_blocks"] + snapshot["cached_blocks"] == snapshot["num_blocks"]
 
 
 def guard_holds_nothing(guard: GuardThread) -> tuple[dict, int]:

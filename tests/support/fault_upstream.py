@@ -38,14 +38,15 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import threading
 import time
 from collections import Counter
-from typing import Any, Self
+from typing import Any
 
 from aiohttp import web
 
 from engine.protocol import TelemetrySnapshot
+
+from .loop_thread import AppThread
 
 NUM_BLOCKS = 4096
 MAX_MODEL_LEN = 2048
@@ -64,52 +65,26 @@ HTML = b"<html><head><title>502 Bad Gateway</title></head><body><center><h1>502 
        b"<hr><center>nginx</center></body></html>\n"
 
 
-class FaultUpstream:
+class FaultUpstream(AppThread):
     """The fake on a loopback port, served from its own event-loop thread (``with FaultUpstream() as up``)."""
 
     def __init__(self) -> None:
-        self.url = ""
-        self.port = 0
+        super().__init__("fault-upstream", handler_cancellation=True, access_log=None)
         self.received: Counter[str] = Counter()  # path -> requests that reached a handler
         self.bodies: list[dict[str, Any]] = []  # every completion body, in arrival order
         self.headers: list[dict[str, str]] = []  # and its headers
         self.active = 0  # completion handlers running
         self.bytes_sent = 0  # body bytes of completions written (each write waits until the socket takes it)
         self._refuse_after_tokenize = False
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="fault-upstream", daemon=True)
-        self._runner: web.AppRunner | None = None
-        self._site: web.TCPSite | None = None
 
-    # -- lifecycle (called from the test's thread) --------------------------------------------------------
-    def __enter__(self) -> Self:
-        self._thread.start()
-        self._runner = web.AppRunner(self._app(), handler_cancellation=True, access_log=None)
-        self._run(self._runner.setup())
-        self.accept_connections()
-        self.url = f"http://127.0.0.1:{self.port}"
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._runner is not None:
-            self._run(self._runner.cleanup())
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
-
+    # -- what a test does (from its own thread) -----------------------------------------------------------
     def accept_connections(self) -> None:
-        """Listen (again) on the same port."""
-        async def listen() -> None:
-            assert self._runner is not None
-            self._site = web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True)
-            await self._site.start()
-            self.port = self._site.port
-
-        self._run(listen())
+        """Listen again on the same port."""
+        self.run(self.listen(), timeout=30)
 
     def refuse_connections(self) -> None:
         """Close the listening socket; connections already open stay up."""
-        self._run(self._stop_listening())
+        self.run(self.stop_listening(), timeout=30)
 
     def refuse_after_tokenize(self) -> None:
         self._refuse_after_tokenize = True
@@ -117,15 +92,8 @@ class FaultUpstream:
     def telemetry(self) -> dict[str, Any]:
         return json.loads(self._snapshot().model_dump_json())
 
-    def _run(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(30)
-
-    async def _stop_listening(self) -> None:
-        assert self._site is not None
-        await self._site.stop()  # the listener only: open connections are the runner's, and stay
-
     # -- the app ------------------------------------------------------------------------------------------
-    def _app(self) -> web.Application:
+    def make_app(self) -> web.Application:
         @web.middleware
         async def one_request_per_connection(request: web.Request, handler: Any) -> web.StreamResponse:
             response = await handler(request)
@@ -178,7 +146,7 @@ class FaultUpstream:
         count = len(str(body.get("prompt", "")).encode())
         if self._refuse_after_tokenize:
             self._refuse_after_tokenize = False
-            await self._stop_listening()
+            await self.stop_listening()
         return web.json_response({"count": count, "max_model_len": MAX_MODEL_LEN, "tokens": list(range(count))})
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:

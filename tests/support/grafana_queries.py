@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 from typing import Any
 
-DASHBOARDS = Path(__file__).resolve().parent.parent / "dashboards" / "json"
+from . import ROOT
+
+DASHBOARDS = ROOT / "dashboards" / "json"
 LABEL_VALUES = re.compile(r"^label_values\((?:(?P<selector>.+),\s*)?(?P<label>[A-Za-z_][A-Za-z0-9_]*)\)$")
 
 

@@ -1,0 +1,34 @@
+"""What the tests share: one helper for each job. Tests import it as ``from support.<module> import ...``
+(pytest puts ``tests/`` on ``sys.path``); the modules import each other relatively.
+
+Servers and processes
+- ``net``: ``free_port()``, ``request(url, body)`` (status and body, errors included), ``health(url)``.
+- ``wait``: ``wait_for(probe, done, timeout)`` polls until ``done(probe())``; ``until`` is its async twin.
+- ``loop_thread``: ``LoopThread``, the one in-process server helper (an event loop on a daemon thread;
+  ``run(coro)``, ``call(fn)`` on that loop), and ``AppThread``, an aiohttp app served from one.
+- ``engine_server``: ``ServerThread``, the real engine (tiny model, CPU) in-process, on a loopback port.
+- ``guard_server``: ``GuardThread``, the real guard in-process; ``guard_config(engine_url, ...)``.
+- ``processes``: the one process factory: ``EngineProcess``, ``GuardProcess``, ``Process`` (any server),
+  ``Processes`` (a named group stopped together; the ``processes`` fixture); ``run_command(*command)``
+  runs a tool or script to completion.
+
+Integrity checks and purpose-built parts
+- ``nothing_lost``: the reliability tests' counted ``Client``/``Tally``, ``ready_guard``, and the closing
+  check ``assert_nothing_lost`` (every request answered, every block back, nothing held by the guard).
+- ``fault_upstream``: ``FaultUpstream``, a fake engine for the faults a real one cannot produce on demand.
+- ``live_stack``: engine, guard, Prometheus, Alertmanager and an on-call webhook receiver, as processes.
+- ``prometheus_tools``: the Prometheus/Alertmanager binaries (``binary(name)``) and ``ALERTS``.
+- ``grafana_queries``: the committed dashboards' queries with their template variables substituted.
+- ``triton_aot.py``: a script (run by path, in a subprocess) compiling every Triton kernel for a GPU target.
+- ``invariants``: the engine's block accounting after any operation (``check_block_accounting``, built on
+  ``KVCacheManager.check``) and ``assert_all_blocks_back`` once nothing is live.
+- ``single_sequence``: runs one sequence through the model without the scheduler, for attention tests.
+
+``ROOT`` is the repository's root.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]

@@ -1,0 +1,52 @@
+"""A real guard for tests: ``GuardThread`` serves the guard app on a loopback port from its own event-loop
+thread, so synchronous clients (the ``openai`` SDK) and the engine's own server thread can talk to it, and
+``guard.call(fn)`` reads its state on its loop. ``guard_config`` is the tests' configuration."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from aiohttp import web
+
+from guard.config import GuardConfig
+from guard.http.app import STATE, GuardState, create_app
+
+from .loop_thread import AppThread
+
+
+def guard_config(engine_url: str, tmp_path: Path | None = None, **overrides: Any) -> GuardConfig:
+    """Three tenants (acme, globex: interactive; bulk: batch) in front of ``engine_url``; ``overrides``
+    replace top-level keys. With ``tmp_path``, also written to ``tmp_path / "guard.yaml"`` (for a guard
+    process, and to exercise the YAML path)."""
+    raw: dict[str, Any] = {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "engine": {"name": "primary", "url": engine_url},
+        "secret": "test-secret",
+        "tenants": [
+            {"name": "acme", "api_keys": ["sk-acme"], "weight": 2, "lane": "interactive"},
+            {"name": "globex", "api_keys": ["sk-globex"], "weight": 1, "lane": "interactive"},
+            {"name": "bulk", "api_keys": ["sk-bulk"], "weight": 1, "lane": "batch", "max_queue": 256},
+        ],
+    }
+    raw.update(overrides)
+    if tmp_path is not None:  # also exercise the YAML path
+        (tmp_path / "guard.yaml").write_text(yaml.safe_dump(raw))
+    return GuardConfig.model_validate(raw)
+
+
+class GuardThread(AppThread):
+    """``with GuardThread(config) as guard``: listening on a free loopback port once entered."""
+
+    def __init__(self, config: GuardConfig) -> None:
+        super().__init__("test-guard-loop", handler_cancellation=True,
+                         shutdown_timeout=config.limits.shutdown_timeout)
+        self.config = config
+
+    def make_app(self) -> web.Application:
+        return create_app(self.config)
+
+    @property
+    def state(self) -> GuardState:
+        return self.app[STATE]
