@@ -1,6 +1,7 @@
 """The guard counts prompts itself with the ``PromptCounter`` rebuilt from the engine's ``GET /tokenizer``:
 its counts must equal the engine's own ``POST /tokenize``, and its refusals the engine's, for the built-in
-byte tokenizer and for a checkpoint with a ``tokenizer.json`` and a chat template of its own."""
+byte tokenizer, for a checkpoint with a ``tokenizer.json`` and a chat template of its own, and for ``smollm2``,
+whose tokenizer and template the engine rebuilds from GGUF metadata."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 from pathlib import Path
 
 import aiohttp
+import gguf
 import pytest
 import tokenizers
 import transformers
@@ -19,6 +21,8 @@ from support.net import request
 from test_model_hf import SMALL, save_hf_model
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from engine.model.sources import SMOLLM2, smollm2_path
+from engine.prompting.gguf_vocab import read_gguf_vocab
 from engine.prompting.prompts import PromptCounter, PromptError
 from engine.protocol import CompletionRequest, TokenizerInfo
 from guard.http.tokens import TokenCounter
@@ -50,9 +54,9 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
-@pytest.fixture(scope="module", params=["tiny", "bpe"])
+@pytest.fixture(scope="module", params=["tiny", "bpe", SMOLLM2])
 def engine(request: pytest.FixtureRequest, checkpoint: Path):
-    model = "tiny" if request.param == "tiny" else str(checkpoint)
+    model = str(checkpoint) if request.param == "bpe" else request.param
     with ServerThread(model=model, num_blocks=64) as server:
         yield server
 
@@ -61,6 +65,12 @@ def tokenizer_info(engine: ServerThread) -> TokenizerInfo:
     status, body = request(engine.url + "/tokenizer")
     assert status == 200
     return TokenizerInfo.model_validate_json(body)
+
+
+@pytest.fixture(scope="module")
+def local(engine: ServerThread) -> PromptCounter:
+    """The guard's counter for ``engine``, rebuilt once: SmolLM2's tokenizer.json is megabytes to parse."""
+    return PromptCounter.from_info(tokenizer_info(engine))
 
 
 def parsed(path: str, body: dict) -> ParsedRequest:
@@ -78,6 +88,11 @@ def test_the_engine_hands_out_its_tokenizer(engine: ServerThread, checkpoint: Pa
     assert info.max_model_len == engine.core.max_model_len and info.model == engine.core.model_name
     if info.model == "tiny":
         assert info.kind == "bytes" and info.tokenizer_json is None
+    elif info.model == SMOLLM2:
+        reader = gguf.GGUFReader(smollm2_path())
+        assert info.kind == "hf" and info.tokenizer_json == read_gguf_vocab(reader).tokenizer.to_json()
+        assert (info.chat_template, info.bos_token, info.eos_token) == (
+            reader.fields["tokenizer.chat_template"].contents(), "<|im_start|>", "<|im_end|>")
     else:
         assert info.kind == "hf" and json.loads(info.tokenizer_json) == json.loads(
             (checkpoint / "tokenizer.json").read_text())
@@ -86,8 +101,8 @@ def test_the_engine_hands_out_its_tokenizer(engine: ServerThread, checkpoint: Pa
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(prompt=TEXT.filter(bool), messages=st.lists(st.tuples(ROLES, TEXT), min_size=1, max_size=4))
-def test_local_counts_equal_the_engines(engine: ServerThread, prompt: str, messages: list) -> None:
-    local = PromptCounter.from_info(tokenizer_info(engine))
+def test_local_counts_equal_the_engines(engine: ServerThread, local: PromptCounter, prompt: str,
+                                        messages: list) -> None:
     model = local.model
     completion = {"model": model, "prompt": prompt}
     chat = {"model": model, "messages": [{"role": role, "content": text} for role, text in messages]}
@@ -98,12 +113,11 @@ def test_local_counts_equal_the_engines(engine: ServerThread, prompt: str, messa
         assert ids == answer["tokens"] and len(ids) == answer["count"]
 
 
-def test_refusals_match_the_engines(engine: ServerThread) -> None:
-    local = PromptCounter.from_info(tokenizer_info(engine))
+def test_refusals_match_the_engines(engine: ServerThread, local: PromptCounter) -> None:
     wrong_model = {"model": "another-model", "prompt": "hi"}
     refused = {"model": local.model, "messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}
     cases = [("/v1/completions", wrong_model)]
-    if local.model != "tiny":  # only the checkpoint's template refuses a role
+    if local.template.source == CHAT_TEMPLATE:  # only the BPE checkpoint's template refuses a role
         cases.append(("/v1/chat/completions", refused))
     for path, body in cases:
         status, answer = engine_count(engine, body)
@@ -120,6 +134,7 @@ async def test_context_refusals_match_the_engines(engine: ServerThread) -> None:
     cases = [
         ("/v1/completions", {"model": model, "prompt": [1] * window}),
         ("/v1/completions", {"model": model, "prompt": [1] * 10, "max_tokens": window}),
+        ("/v1/completions", {"model": model, "prompt": [[1] * 10, [1] * window]}),  # a batch: each prompt fits
         ("/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "Grüße " * window}]}),
         ("/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "hi"}],
                                   "max_completion_tokens": window}),
@@ -161,3 +176,18 @@ async def test_the_first_snapshot_fetches_the_tokenizer_before_any_request(engin
                 break
             await asyncio.sleep(0.05)
         assert counter.local is not None and counter.local.model == engine.core.model_name
+
+
+async def test_a_batch_is_counted_prompt_by_prompt_with_or_without_the_tokenizer(engine: ServerThread) -> None:
+    """Locally, and through ``POST /tokenize`` (one call per prompt) for an engine without ``GET /tokenizer``:
+    the same counts, and one output bound that fits beside every prompt."""
+    model, window = engine.core.model_name, engine.core.max_model_len
+    body = {"model": model, "prompt": ["one prompt", [5, 6, 7]], "max_tokens": None}
+    expected = [engine_count(engine, {"model": model, "prompt": p})[1]["count"] for p in body["prompt"]]
+    async with aiohttp.ClientSession() as session:
+        for remote in (False, True):
+            counter = TokenCounter(session, engine.url, timeout_s=5)
+            counter.remote_only = remote
+            limits = await counter.count(parsed("/v1/completions", body))
+            assert (limits.prompts, limits.prompt_tokens) == (expected, sum(expected)), remote
+            assert limits.max_tokens == window - max(expected), remote
