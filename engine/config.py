@@ -18,10 +18,12 @@ class EngineConfig:
     """``num_blocks=None`` sizes the pool from memory: ``gpu_memory_utilization`` of the GPU, or
     ``cpu_kv_cache_bytes`` on CPU (never more than ``max_num_seqs`` full-context sequences need).
     ``swap_blocks=None`` gives swap mode as many host blocks as device blocks, and recompute mode none.
-    ``max_model_len=None`` takes the model's context length.
+    ``max_model_len=None`` takes the model's context length. ``served_model_name=None`` serves the model as
+    its alias (``tiny``, ``smollm2``) or its directory's or file's stem, never as a path.
     """
 
     model: str = "tiny"
+    served_model_name: str | None = None
     device: str = "auto"
     dtype: str = "auto"
     block_size: int = 16
@@ -42,7 +44,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         cuda = isinstance(self.device, str) and (self.device == "cuda" or self.device.startswith("cuda:"))
         checks = [
-            ("model", isinstance(self.model, str) and self.model != "", "a model name or a local Hugging Face directory"),
+            ("model", isinstance(self.model, str) and self.model != "",
+             "'tiny', 'smollm2', a local Hugging Face directory or a .gguf file"),
+            ("served_model_name", self.served_model_name is None
+             or (isinstance(self.served_model_name, str) and self.served_model_name.strip() != ""),
+             "a non-empty string or None"),
             ("device", self.device in ("auto", "cpu") or cuda, "'auto', 'cpu' or 'cuda[:N]'"),
             ("device", not cuda or torch.cuda.is_available(), "'cpu' or 'auto' on a machine without CUDA"),
             ("dtype", self.dtype in DTYPES, f"one of {sorted(DTYPES)}"),

@@ -66,7 +66,8 @@ class EngineCore:
 
     @property
     def model_name(self) -> str:
-        return self.loaded.name
+        """The id clients see and must send: ``--served-model-name``, else the loader's default (never a path)."""
+        return self.config.served_model_name or self.loaded.name
 
     @property
     def has_unfinished(self) -> bool:

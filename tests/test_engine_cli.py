@@ -10,6 +10,8 @@ from dataclasses import fields
 import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from support.engine_server import ServerThread
+from support.net import request
 from support.processes import Processes
 from support.wait import wait_for
 
@@ -39,7 +41,8 @@ def test_help_explains_a_flag_for_every_engine_option(capsys: pytest.CaptureFixt
 
 @pytest.mark.parametrize(("argv", "field"), [(["--block-size", "12"], "block_size"),
                                              (["--num-blocks", "0"], "num_blocks"),
-                                             (["--preemption-mode", "drop"], "--preemption-mode")])
+                                             (["--preemption-mode", "drop"], "--preemption-mode"),
+                                             (["--served-model-name", " "], "served_model_name")])
 def test_invalid_flags_exit_2_naming_the_option(capsys: pytest.CaptureFixture[str], argv: list[str],
                                                 field: str) -> None:
     with pytest.raises(SystemExit) as exit_info:
@@ -55,6 +58,18 @@ def metric_values(text: str) -> dict[tuple[str, str | None], float]:
             label = next(iter(sample.labels.values()), None) if len(sample.labels) == 1 else None
             values[(sample.name, label)] = sample.value
     return values
+
+
+def test_served_model_name_is_the_id_clients_see_and_send() -> None:
+    with ServerThread(served_model_name="kvguard-demo", num_blocks=16) as server:
+        assert [card["id"] for card in json.loads(server.get("/v1/models")[1])["data"]] == ["kvguard-demo"]
+        assert server.telemetry()["model"] == "kvguard-demo"
+        for model, status in (("kvguard-demo", 200), ("tiny", 404)):
+            body = json.dumps({"model": model, "prompt": "hi", "max_tokens": 2}).encode()
+            answer = request(server.url + "/v1/completions", body)
+            assert answer[0] == status, answer
+            if status == 200:
+                assert json.loads(answer[1])["model"] == "kvguard-demo"
 
 
 async def get_json(session: aiohttp.ClientSession, url: str) -> dict:

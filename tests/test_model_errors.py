@@ -60,7 +60,8 @@ def edit_weights(directory: Path, change: Callable[[dict[str, torch.Tensor]], No
 def test_valid_directory_loads(model_dir: Path) -> None:
     loaded = load(model_dir)
     assert loaded.config.architecture == "llama" and loaded.tokenizer is None
-    assert loaded.name == str(model_dir)
+    assert loaded.name == "model", "served as the directory's name, never its path"
+    assert load(Path(f"{model_dir}/")).name == "model"
 
 
 def test_missing_directory_names_the_field_and_path(tmp_path: Path) -> None:

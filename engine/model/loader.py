@@ -1,9 +1,11 @@
-"""Build a model, its config and its tokenizer from ``"tiny"`` or a local Hugging Face directory.
+"""Build a model, its config, tokenizer and chat template from what a ``model`` argument names (sources.py):
+the built-in ``tiny``, a local Hugging Face directory, or a GGUF file (``smollm2`` is one; gguf_loader.py).
 
-The checkpoint is checked before any tensor is read: every parameter must be present exactly once with the
-right shape, and nothing else may be there, except rotary ``inv_freq`` buffers (recomputed here) and a
-redundant ``lm_head.weight`` beside tied embeddings. Weights are cast to the engine's dtype and moved to its
-device one tensor at a time, so peak host memory stays near one tensor rather than a second copy of the model.
+A checkpoint is checked before any tensor is read: every parameter must be present exactly once with the
+right shape, and nothing else may be there, except (in a directory) rotary ``inv_freq`` buffers (recomputed
+here) and a redundant ``lm_head.weight`` beside tied embeddings. Weights are cast to the engine's dtype and
+moved to its device one tensor at a time, so peak host memory stays near one tensor rather than a second
+copy of the model.
 """
 
 from __future__ import annotations
@@ -17,39 +19,45 @@ from safetensors import SafetensorError, safe_open
 from engine.kernels.backend import AttentionBackend
 from engine.model.config import ModelConfig
 from engine.model.errors import ModelLoadError
+from engine.model.gguf_loader import GGUFCheckpoint
 from engine.model.llama import LlamaForCausalLM
+from engine.model.sources import resolve_model
 from engine.model.tiny import tiny_config, tiny_state_dict
+from engine.prompting.chat_template import DEFAULT_TEMPLATE, ChatTemplate
 from engine.prompting.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
-
-TINY = "tiny"
 
 
 @dataclass(slots=True)
 class LoadedModel:
     model: LlamaForCausalLM  # eval mode, no grads, on the requested device and dtype
     config: ModelConfig
-    tokenizer: Tokenizer | None  # None when the directory has no tokenizer.json: token ids in and out only
-    name: str  # the ``model`` argument as given: what /v1/models reports
+    tokenizer: Tokenizer | None  # None when the checkpoint has no tokenizer: token ids in and out only
+    chat_template: ChatTemplate  # the checkpoint's own, else DEFAULT_TEMPLATE
+    name: str  # the id served unless --served-model-name says otherwise: the alias or the path's stem
 
 
 def load_model(
     model: str, device: torch.device, dtype: torch.dtype, attn_backend: AttentionBackend
 ) -> LoadedModel:
-    if model == TINY:
+    source = resolve_model(model)
+    if source.path is None:  # the built-in model
         config = tiny_config()
         weights = {name: t.to(device=device, dtype=dtype) for name, t in tiny_state_dict().items()}
-        return LoadedModel(_build(config, weights, device, attn_backend), config, ByteTokenizer(), TINY)
-
-    directory = Path(model)
-    if not directory.is_dir():
-        raise ModelLoadError(
-            f"model: must be the built-in {TINY!r} or an existing Hugging Face directory, got {model!r}"
-        )
-    config = ModelConfig.from_hf_dir(directory)
-    weights = _read_checkpoint(directory, _parameter_shapes(config, attn_backend), config, device, dtype)
-    return LoadedModel(
-        _build(config, weights, device, attn_backend), config, _read_tokenizer(directory, config), model
-    )
+        tokenizer, template = ByteTokenizer(), ChatTemplate(DEFAULT_TEMPLATE)
+    elif source.kind == "gguf":
+        checkpoint = GGUFCheckpoint.open(source.path)
+        config = checkpoint.config
+        weights = checkpoint.read_weights(_parameter_shapes(config, attn_backend), device, dtype)
+        vocab = checkpoint.vocab  # None: the file has no tokenizer, so neither a template
+        tokenizer = vocab.tokenizer if vocab is not None else None
+        template = (vocab.chat_template if vocab is not None else None) or ChatTemplate(DEFAULT_TEMPLATE)
+    else:
+        config = ModelConfig.from_hf_dir(source.path)
+        shapes = _parameter_shapes(config, attn_backend)
+        weights = _read_checkpoint(source.path, shapes, config, device, dtype)
+        tokenizer, template = _read_tokenizer(source.path, config), ChatTemplate.for_model(str(source.path))
+    decoder = _build(config, weights, device, attn_backend)
+    return LoadedModel(decoder, config, tokenizer, template, source.name)
 
 
 def _parameter_shapes(config: ModelConfig, attn_backend: AttentionBackend) -> dict[str, tuple[int, ...]]:

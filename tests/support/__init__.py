@@ -23,6 +23,10 @@ Integrity checks and purpose-built parts
 - ``invariants``: the engine's block accounting after any operation (``check_block_accounting``, built on
   ``KVCacheManager.check``) and ``assert_all_blocks_back`` once nothing is live.
 - ``single_sequence``: runs one sequence through the model without the scheduler, for attention tests.
+- ``gguf_files``: ``write_tiny_gguf``, a small random Qwen2/Llama GGUF (every loadable tensor type, a minimal
+  byte-level BPE vocabulary, a ChatML template), written with llama.cpp's writer, for the GGUF loader tests.
+- ``hf_reference``: ``transformers`` as the reference: ``hf_greedy`` (never stops at EOS) and
+  ``hf_last_logits``.
 
 ``ROOT`` is the repository's root.
 """
