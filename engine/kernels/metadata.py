@@ -15,7 +15,7 @@ slot ``s`` is ``(s // block_size, s % block_size)`` in that pool.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +31,9 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     max_query_len: int
     max_seq_len: int
+    # Scratch a backend may fill on first use and reuse in every layer of the step (the torch backend keeps
+    # its decode gather indices and padding mask here). Never an argument: ``dataclasses.replace`` drops it.
+    backend_cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
