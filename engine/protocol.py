@@ -104,19 +104,33 @@ NonEmptyStr = Annotated[str, Field(min_length=1)]
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
 
+MAX_PROMPTS = 128  # prompts in one /v1/completions batch: each becomes an engine request of its own
+
+
 def _one_prompt(prompt: str | list[Any]) -> str | list[Any]:
     if isinstance(prompt, list) and (not prompt or isinstance(prompt[0], (str, list))) and len(prompt) != 1:
-        raise ValueError("must be one prompt (a non-empty string or list of token ids); send one request per prompt")
+        raise ValueError("must be one prompt (a non-empty string or list of token ids)")
     return prompt
 
 
-def _unwrap(prompt: str | list[Any]) -> str | list[int]:
-    """A prompt out of its batch of one (the only batch size served)."""
-    return prompt[0] if isinstance(prompt, list) and isinstance(prompt[0], (str, list)) else prompt
+def _at_most_max_prompts(prompt: str | list[Any]) -> str | list[Any]:
+    # Checked on the parsed prompt, not as the batch type's bound: a union's failure reports its deepest
+    # member's error, which for a long batch of texts would be "prompt[0]: Input should be a valid integer".
+    if len(_batch(prompt)) > MAX_PROMPTS:
+        raise ValueError(f"a batch holds at most {MAX_PROMPTS} prompts, got {len(prompt)}")
+    return prompt
 
 
-# A text, token ids, or a batch of exactly one of those (OpenAI accepts batches; this engine serves one).
-Prompt = Annotated[NonEmptyStr | TokenIds | list[NonEmptyStr | TokenIds], AfterValidator(_one_prompt)]
+def _batch(prompt: str | list[Any]) -> list[str | list[int]]:
+    """A prompt field as its list of prompts: a batch as it is, a single text or token list as a batch of one."""
+    return prompt if isinstance(prompt, list) and isinstance(prompt[0], (str, list)) else [prompt]
+
+
+# What OpenAI accepts as ``prompt``: a text, token ids, or a batch (a list) of either.
+Prompt = Annotated[NonEmptyStr | TokenIds | Annotated[list[NonEmptyStr | TokenIds], Field(min_length=1)],
+                   AfterValidator(_at_most_max_prompts)]
+# ``/tokenize`` counts one prompt: the same shapes, with a batch of exactly one.
+OnePrompt = Annotated[Prompt, AfterValidator(_one_prompt)]
 
 
 class OpenAIRequest(BaseModel):
@@ -134,7 +148,7 @@ class SamplingRequest(OpenAIRequest):
     model: str
     n: int = Field(1, ge=1, le=128)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_p: float = Field(1.0, ge=0.0, le=1.0)  # 0 keeps only the likeliest token: greedy, as OpenAI reads it
     top_k: int = Field(0, ge=-1)
     seed: int | None = None
     stop: NonEmptyStr | list[NonEmptyStr] | None = None
@@ -162,9 +176,10 @@ class CompletionRequest(SamplingRequest):
     best_of: int | None = Field(None, ge=1, le=1)
 
     @property
-    def single_prompt(self) -> str | list[int]:
-        """The prompt, unwrapped from a batch of one (the only batch size served)."""
-        return _unwrap(self.prompt)
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts in order; choice ``i`` of prompt ``p`` is the answer's choice ``p * n + i``, as OpenAI
+        numbers a batch's choices."""
+        return _batch(self.prompt)
 
     @property
     def max_output_tokens(self) -> int | None:
@@ -216,7 +231,7 @@ class TokenizeRequest(OpenAIRequest):
     """``POST /tokenize``: count a prompt, or a conversation rendered by the chat template, as the engine would."""
 
     model: str
-    prompt: Prompt | None = None
+    prompt: OnePrompt | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
 
     @model_validator(mode="after")
@@ -227,7 +242,7 @@ class TokenizeRequest(OpenAIRequest):
 
     @property
     def single_prompt(self) -> str | list[int] | None:
-        return None if self.prompt is None else _unwrap(self.prompt)
+        return None if self.prompt is None else _batch(self.prompt)[0]
 
 
 class TokenizeResponse(BaseModel):

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import urllib.request
 
+import aiohttp
 import openai
 import pytest
+from aiohttp import web
 from support.engine_server import ServerThread
 from support.guard_server import GuardThread, guard_config
 from support.net import request
@@ -188,3 +191,56 @@ def test_unknown_paths_and_methods_get_openai_errors_with_a_request_id(guard: Gu
             assert error.headers["Content-Type"].startswith("application/json")
             assert error.headers["X-Request-Id"].startswith("req-")
             assert json.loads(error.read())["error"]["type"] == "invalid_request_error"
+
+
+def test_models_retrieve_is_authenticated_and_relays_the_engines_card(guard: GuardThread) -> None:
+    assert client(guard).models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError) as info:
+        client(guard).models.retrieve("gpt-4")
+    assert info.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.AuthenticationError):
+        client(guard, key="sk-wrong").models.retrieve("tiny")
+
+
+def test_a_batch_of_prompts_is_counted_and_reserved_prompt_by_prompt(guard: GuardThread, engine: ServerThread) -> None:
+    sdk = client(guard)
+    batch = sdk.completions.create(model="tiny", prompt=["a", "bc"], max_tokens=3, temperature=0,
+                                   extra_body={"ignore_eos": True})
+    assert [c.index for c in batch.choices] == [0, 1]
+    assert (batch.usage.prompt_tokens, batch.usage.completion_tokens) == (3, 6)
+    streamed = list(sdk.completions.create(model="tiny", prompt=["a", "bc"], max_tokens=3, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True}))
+    assert {c.choices[0].index for c in streamed if c.choices} == {0, 1}
+    # Each prompt is its own engine request with its own blocks: 69 each here, which one request may hold
+    # (the budget is 0.85 * 256 = 217 blocks) but four together may not.
+    per_prompt = -(-(1000 + 100) // engine.core.block_size)
+    assert sdk.completions.create(model="tiny", prompt=[[1] * 1000], max_tokens=100).usage.prompt_tokens == 1000
+    with pytest.raises(openai.BadRequestError) as info:
+        sdk.completions.create(model="tiny", prompt=[[1] * 1000] * 4, max_tokens=100)
+    assert f"needs {4 * per_prompt} KV blocks" in info.value.body["message"]
+    # Every prompt must fit the window, as the engine checks it.
+    with pytest.raises(openai.BadRequestError) as info:
+        sdk.completions.create(model="tiny", prompt=["a", [1] * 2048])
+    assert (info.value.body["param"], info.value.body["code"]) == ("prompt", "context_length_exceeded")
+
+
+def test_a_client_gone_at_the_end_of_the_stream_ends_it_quietly(
+    guard: GuardThread, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The client leaves between the last event and the stream's end: ``write_eof`` then fails, which must
+    count as a client that left (with everything sent, completed) and log no traceback."""
+    write_eof = web.StreamResponse.write_eof
+
+    async def client_gone_at_eof(self: web.StreamResponse, data: bytes = b"") -> None:
+        if "X-Guard-Tenant" in self.headers:  # the guard's answers only, not the engine's (same process)
+            raise aiohttp.ClientConnectionResetError("Cannot write to closing transport")
+        await write_eof(self, data)
+
+    monkeypatch.setattr(web.StreamResponse, "write_eof", client_gone_at_eof)
+    before = metric(guard, "guard_requests_total", tenant="globex")
+    body = json.dumps({"model": "tiny", "prompt": "bye", "max_tokens": 3, "stream": True}).encode()
+    with contextlib.suppress(Exception):  # the answer lacks its chunked ending: how a client sees it varies
+        request(guard.url + "/v1/completions", body, {"Authorization": "Bearer sk-globex"})
+    wait_for(lambda: metric(guard, "guard_requests_total", tenant="globex"), lambda v: v == before + 1, 5)
+    assert metric(guard, "guard_requests_total", tenant="globex", outcome="upstream_error") == 0
+    assert not [r for r in caplog.records if r.exc_info], "no traceback"

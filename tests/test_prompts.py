@@ -35,11 +35,16 @@ def test_the_window_holds_the_prompt_and_at_least_one_output_token() -> None:
     assert check_context(completion(max_tokens=1), WINDOW - 1, WINDOW) == 1
     assert check_context(chat(), WINDOW - 5, WINDOW) == 5, "no bound: all the window leaves"
     status, param, code, message = refusal(check_context, completion(), WINDOW, WINDOW)
-    assert (status, param, code) == (400, "prompt", "context_length_exceeded") and message.startswith("prompt:")
+    assert (status, param, code) == (400, "prompt", "context_length_exceeded")
+    # OpenAI's words, which clients (litellm's ContextWindowExceededError among them) recognise.
+    assert message == (f"This model's maximum context length is {WINDOW} tokens. However, your messages resulted "
+                       f"in {WINDOW} tokens. Please reduce the length of the messages.")
     assert refusal(check_context, chat(), WINDOW, WINDOW)[1] == "messages"
     status, param, code, message = refusal(check_context, completion(max_tokens=WINDOW - 9), 10, WINDOW)
     assert (status, param, code) == (400, "max_tokens", "context_length_exceeded")
-    assert message == f"max_tokens: {WINDOW - 9} plus the 10-token prompt exceeds the context window of {WINDOW} tokens"
+    assert message == (f"This model's maximum context length is {WINDOW} tokens. However, you requested "
+                       f"{WINDOW + 1} tokens (10 in the messages, {WINDOW - 9} in the completion). Please reduce the "
+                       "length of the messages or completion.")
     assert refusal(check_context, chat(max_completion_tokens=WINDOW), 1, WINDOW)[1] == "max_completion_tokens"
     assert refusal(check_context, chat(max_tokens=WINDOW), 1, WINDOW)[1] == "max_tokens"
 
@@ -59,3 +64,15 @@ def test_counts_refusals_and_the_round_trip_through_tokenizer_info() -> None:
     assert refusal(bare.request_ids, completion())[:2] == (400, "prompt")
     assert refusal(bare.request_ids, chat())[:2] == (400, "messages")
     assert PromptCounter.from_info(bare.describe()).tokenizer is None
+
+
+def test_a_completion_batch_is_counted_prompt_by_prompt() -> None:
+    counter = PromptCounter("tiny", WINDOW, ByteTokenizer(), ChatTemplate(DEFAULT_TEMPLATE))
+    for prompt, expected in (("ab", [[97, 98]]), ([5, 6], [[5, 6]]), (["ab", "c"], [[97, 98], [99]]),
+                             ([[5], [6, 7]], [[5], [6, 7]]), (["ab", [6]], [[97, 98], [6]])):
+        assert counter.batch_ids(completion(prompt=prompt)) == expected, prompt
+    assert counter.batch_ids(chat()) == [counter.request_ids(chat())]
+    assert refusal(counter.request_ids, completion(prompt=["a", "b"]))[:2] == (400, "prompt")
+    with pytest.raises(ValueError, match="one prompt"):
+        TokenizeRequest(model="tiny", prompt=["a", "b"])
+    assert TokenizeRequest(model="tiny", prompt=["a"]).single_prompt == "a"

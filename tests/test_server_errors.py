@@ -47,7 +47,11 @@ def engine_state(server: ServerThread) -> tuple:
         (COMPLETIONS, {**OK_PROMPT, "prompt": ""}, "prompt"),
         (COMPLETIONS, {**OK_PROMPT, "prompt": "x" * 2100}, "prompt"),
         (COMPLETIONS, {**OK_PROMPT, "prompt": [1, 99999]}, "prompt"),
-        (COMPLETIONS, {**OK_PROMPT, "prompt": ["a", "b"]}, "prompt"),
+        # A batch is refused whole when any prompt is: the good first one must not be queued either.
+        (COMPLETIONS, {**OK_PROMPT, "prompt": ["a", [1, 99999]]}, "prompt"),
+        (COMPLETIONS, {**OK_PROMPT, "prompt": ["a", "x" * 2100]}, "prompt"),
+        (COMPLETIONS, {**OK_PROMPT, "prompt": ["a", ""]}, "prompt[1]"),
+        (COMPLETIONS, {**OK_PROMPT, "prompt": ["a"] * 129}, "prompt"),
         (COMPLETIONS, {**OK_PROMPT, "prompt": []}, "prompt"),
         (COMPLETIONS, {**OK_PROMPT, "priority": 1.5}, "priority"),
         (CHAT, {**OK_CHAT, "messages": []}, "messages"),
@@ -70,7 +74,10 @@ def test_invalid_requests_are_400_naming_the_field(server: ServerThread, path: s
     assert set(error) == {"message", "type", "param", "code"}
     assert error["type"] == "invalid_request_error"
     assert error["param"] == param, error
-    assert error["message"].startswith(f"{param}:"), error
+    if error["code"] == "context_length_exceeded":  # in OpenAI's words, which clients match on
+        assert error["message"].startswith("This model's maximum context length is 2048 tokens."), error
+    else:
+        assert error["message"].startswith(f"{param}:"), error
     assert engine_state(server) == before, "nothing entered the scheduler"
 
 

@@ -141,8 +141,67 @@ def test_tenant_header_accounts_usage(client: openai.OpenAI, server: ServerThrea
     assert tenant["prompt_tokens_total"] == 4 and tenant["generation_tokens_total"] == 6
 
 
-def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
+def test_models_lists_the_served_model(client: openai.OpenAI, server: ServerThread) -> None:
     assert [m.id for m in client.models.list().data] == ["tiny"]
+    card = client.models.retrieve("tiny")
+    assert (card.id, card.object, card.model_extra["max_model_len"]) == ("tiny", "model", 2048)
+    assert card.model_dump() == client.models.list().data[0].model_dump()
+    for other in ("gpt-4", "org/tiny"):
+        with pytest.raises(openai.NotFoundError) as info:
+            client.models.retrieve(other)
+        assert (info.value.body["code"], info.value.body["param"]) == ("model_not_found", "model")
+
+
+def test_context_overflow_is_worded_as_openai_words_it(client: openai.OpenAI) -> None:
+    """Clients recognise the overflow by OpenAI's message (litellm maps it to ContextWindowExceededError)."""
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt=[1] * 2000, max_tokens=100)
+    assert info.value.body == {
+        "message": "This model's maximum context length is 2048 tokens. However, you requested 2100 tokens (2000 in "
+                   "the messages, 100 in the completion). Please reduce the length of the messages or completion.",
+        "type": "invalid_request_error", "param": "max_tokens", "code": "context_length_exceeded"}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x" * 2100}])
+    assert info.value.body["message"].startswith("This model's maximum context length is 2048 tokens. However, "
+                                                 "your messages resulted in ")
+    assert (info.value.body["param"], info.value.body["code"]) == ("messages", "context_length_exceeded")
+
+
+def test_top_p_zero_is_greedy(client: openai.OpenAI) -> None:
+    """OpenAI accepts ``top_p=0`` and reads it as "only the likeliest token": the same tokens as temperature 0."""
+    greedy = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, **GREEDY)
+    for seed in (1, 2):
+        nucleus = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=1.0, top_p=0,
+                                            seed=seed, extra_body={"ignore_eos": True})
+        assert nucleus.choices[0].text == greedy.choices[0].text
+    chat = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, top_p=0, temperature=1.5)
+    assert chat.choices[0].message.content == client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=8, temperature=0).choices[0].message.content
+
+
+def test_a_batch_of_prompts_gets_n_choices_each(client: openai.OpenAI, llm: LLM) -> None:
+    """OpenAI's batch: ``prompt`` a list of texts or of token-id lists; choice ``i`` of prompt ``p`` is index
+    ``p * n + i``; usage sums over the prompts; streamed chunks carry the same indices."""
+    prompts = ["first prompt", "the second, longer prompt"]
+    params = {"max_tokens": 6, "temperature": 1.0, "seed": 5, "n": 2, "extra_body": {"ignore_eos": True}}
+    expected = [text for prompt in prompts
+                for text in offline(llm, prompt, max_tokens=6, temperature=1.0, seed=5, n=2, ignore_eos=True)]
+    whole = client.completions.create(model="tiny", prompt=prompts, **params)
+    assert [c.index for c in whole.choices] == [0, 1, 2, 3]
+    assert [c.text for c in whole.choices] == expected
+    assert whole.usage.prompt_tokens == sum(len(p) for p in prompts) and whole.usage.completion_tokens == 24
+    as_ids = client.completions.create(model="tiny", prompt=[list(p.encode()) for p in prompts], **params)
+    assert [c.text for c in as_ids.choices] == expected
+    streamed = [""] * 4
+    chunks = list(client.completions.create(model="tiny", prompt=prompts, stream=True,
+                                            stream_options={"include_usage": True}, **params))
+    for chunk in chunks:
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == expected
+    assert len({c.id for c in chunks}) == 1 and chunks[-1].usage.completion_tokens == 24
+    single = client.completions.create(model="tiny", prompt=[prompts[1]], max_tokens=6, **GREEDY)
+    assert single.choices[0].text == offline(llm, prompts[1], max_tokens=6, temperature=0.0, ignore_eos=True)[0]
 
 
 def test_sdk_sees_validation_errors(client: openai.OpenAI) -> None:

@@ -7,7 +7,8 @@ The engine builds a ``PromptCounter`` from its loaded model and counts every ``/
 which the guard rebuilds the same counter (``from_info``). Both then call ``check_context`` with the count.
 
 Every refusal is a ``PromptError``: a message that starts with the field it names (``param``), and OpenAI's
-``code`` where OpenAI has one. The engine's own ``EngineCore.make_request`` still validates what its Python
+``code`` where OpenAI has one; a context overflow is worded as OpenAI words it (clients match on it) and
+names its field in ``param`` only. The engine's own ``EngineCore.make_request`` still validates what its Python
 API receives; a request these checks pass can only fail there on limits the guard cannot see (the KV pool's
 size, the model's vocabulary).
 """
@@ -73,14 +74,27 @@ class PromptCounter:
         return info
 
     def request_ids(self, request: PromptRequest) -> list[int]:
-        """The prompt's ids exactly as the request's endpoint sees them (``/tokenize`` as either endpoint)."""
+        """The prompt's ids exactly as the request's endpoint sees them (``/tokenize`` as either endpoint),
+        for a request of one prompt; a completion batch is counted prompt by prompt with ``batch_ids``."""
+        if isinstance(request, TokenizeRequest):
+            self.check_model(request.model)
+            if request.messages is not None:
+                return self.chat_ids(request.messages)
+            prompt = request.single_prompt
+            assert prompt is not None  # a TokenizeRequest holds exactly one of prompt and messages
+            return self.prompt_ids(prompt)
+        batch = self.batch_ids(request)
+        if len(batch) != 1:
+            raise PromptError(f"prompt: one prompt expected, got a batch of {len(batch)}", param="prompt")
+        return batch[0]
+
+    def batch_ids(self, request: CompletionRequest | ChatCompletionRequest) -> list[list[int]]:
+        """Each prompt's ids, in order: a completion's prompts (OpenAI accepts a batch), or the one
+        conversation of a chat. Each is its own engine request, checked against the window on its own."""
         self.check_model(request.model)
-        messages = request.messages if isinstance(request, (ChatCompletionRequest, TokenizeRequest)) else None
-        if messages is not None:
-            return self.chat_ids(messages)
-        prompt = request.single_prompt
-        assert prompt is not None  # TokenizeRequest holds exactly one of prompt and messages
-        return self.prompt_ids(prompt)
+        if isinstance(request, ChatCompletionRequest):
+            return [self.chat_ids(request.messages)]
+        return [self.prompt_ids(prompt) for prompt in request.prompts]
 
     def check_model(self, model: str) -> None:
         if model != self.model:
@@ -112,20 +126,32 @@ def check_context(request: CompletionRequest | ChatCompletionRequest, prompt_tok
 
     Refuses (``context_length_exceeded``) a prompt that leaves no room for one output token, naming the
     prompt's field, and an output bound that does not fit beside the prompt, naming the field that set it.
+    The messages are OpenAI's own, word for word (``context_overflow_message``), because clients recognise
+    the overflow by them (litellm's ``ContextWindowExceededError`` looks for "maximum context length").
     """
     prompt_field = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
     max_tokens, max_tokens_field = request.max_output_tokens, request.max_output_tokens_field
     if prompt_tokens >= window:
-        raise PromptError(f"{prompt_field}: {prompt_tokens} prompt tokens leave no room for output in the context "
-                          f"window of {window} tokens", param=prompt_field, code="context_length_exceeded")
+        raise PromptError(context_overflow_message(window, prompt_tokens), param=prompt_field,
+                          code="context_length_exceeded")
     room = window - prompt_tokens
     if max_tokens is None:
         return room
     if max_tokens > room:
-        raise PromptError(f"{max_tokens_field}: {max_tokens} plus the {prompt_tokens}-token prompt exceeds the "
-                          f"context window of {window} tokens", param=max_tokens_field,
+        raise PromptError(context_overflow_message(window, prompt_tokens, max_tokens), param=max_tokens_field,
                           code="context_length_exceeded")
     return max_tokens
+
+
+def context_overflow_message(window: int, prompt_tokens: int, max_tokens: int | None = None) -> str:
+    """OpenAI's words for a request that does not fit its model's context window: the prompt alone (no
+    ``max_tokens``), or the prompt plus the output bound. OpenAI says "messages" on both endpoints."""
+    head = f"This model's maximum context length is {window} tokens. "
+    if max_tokens is None:
+        return head + (f"However, your messages resulted in {prompt_tokens} tokens. "
+                       "Please reduce the length of the messages.")
+    return head + (f"However, you requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, "
+                   f"{max_tokens} in the completion). Please reduce the length of the messages or completion.")
 
 
 def _not_empty(ids: list[int], field: str, text: str) -> list[int]:

@@ -1,7 +1,7 @@
 """The engine's HTTP server: the aiohttp app, its telemetry endpoints, and its lifecycle.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /tokenize``, ``GET /tokenizer`` (``openai_api``),
-``GET /v1/models``, ``GET /health`` (200 ready, 503 loading/degraded/failed/stopped), ``GET /telemetry``
+``GET /v1/models``, ``GET /v1/models/{id}`` (404 ``model_not_found`` for any id but the served one), ``GET /health`` (200 ready, 503 loading/degraded/failed/stopped), ``GET /telemetry``
 (one snapshot), ``GET /telemetry/stream`` (SSE snapshots) and ``GET /metrics`` (Prometheus). ``/telemetry``
 and ``/metrics`` answer within ``SCRAPE_WAIT_S`` even during a long step, with the newest published reading.
 
@@ -38,8 +38,6 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.config import EngineConfig
-from engine.model.loader import TINY
-from engine.prompting.chat_template import DEFAULT_TEMPLATE, ChatTemplate
 from engine.protocol import ModelCard, ModelList, StepProgress
 from engine.server.async_engine import AsyncEngine
 from engine.server.errors import ApiError, openai_errors
@@ -60,9 +58,7 @@ SHUTDOWN_TIMEOUT_S = 5.0
 
 def create_app(engine: AsyncEngine) -> web.Application:
     """The app for ``engine``; starting the app starts loading the engine, stopping it stops the engine."""
-    template = ChatTemplate(DEFAULT_TEMPLATE) if engine.config.model == TINY else ChatTemplate.for_model(
-        engine.config.model)
-    openai = OpenAIHandlers(engine, template)
+    openai = OpenAIHandlers(engine)  # the chat template comes with the loaded model
     telemetry = TelemetryHandlers(engine)
     app = web.Application(middlewares=[openai_errors])
     app.router.add_post("/v1/completions", openai.completions)
@@ -70,6 +66,7 @@ def create_app(engine: AsyncEngine) -> web.Application:
     app.router.add_post("/tokenize", openai.tokenize)
     app.router.add_get("/tokenizer", openai.tokenizer)
     app.router.add_get("/v1/models", telemetry.models)
+    app.router.add_get("/v1/models/{id:.+}", telemetry.model)  # ids may hold a slash ("org/name")
     app.router.add_get("/health", telemetry.health)
     app.router.add_get("/telemetry", telemetry.snapshot)
     app.router.add_get("/telemetry/stream", telemetry.stream)
@@ -97,9 +94,19 @@ class TelemetryHandlers:
         return web.json_response({"status": status}, status=200 if self.engine.healthy else 503)
 
     async def models(self, _: web.Request) -> web.Response:
+        return web.Response(text=ModelList(data=[self._card()]).model_dump_json(), content_type="application/json")
+
+    async def model(self, http: web.Request) -> web.Response:
+        """One model's card, as OpenAI's ``GET /v1/models/{id}``: only the served model has one."""
+        card, model_id = self._card(), http.match_info["id"]
+        if model_id != card.id:
+            raise ApiError(404, f"model: {model_id!r} is not served here; this engine serves {card.id!r}",
+                           param="model", code="model_not_found")
+        return web.Response(text=card.model_dump_json(), content_type="application/json")
+
+    def _card(self) -> ModelCard:
         core = self.engine.core
-        card = ModelCard(id=core.model_name, created=self.started, max_model_len=core.max_model_len)
-        return web.Response(text=ModelList(data=[card]).model_dump_json(), content_type="application/json")
+        return ModelCard(id=core.model_name, created=self.started, max_model_len=core.max_model_len)
 
     async def snapshot(self, _: web.Request) -> web.Response:
         reading = await self.engine.recent_reading(SCRAPE_WAIT_S)

@@ -8,6 +8,11 @@ engine/prompting/prompts.py, exactly as the guard checks them; then the engine's
 engine request lives exactly as long as its handler: a client that disconnects cancels the handler (the
 server runs with ``handler_cancellation``), which aborts the request and frees its blocks at the next step.
 
+A ``/v1/completions`` batch (``prompt`` a list of prompts) becomes one engine request per prompt, all added
+together and living as long as the handler: one that fails fails the whole answer (the others are aborted),
+and choice ``i`` of prompt ``p`` is the answer's choice ``p * n + i``, as OpenAI numbers them; usage sums
+over the prompts.
+
 Streamed text: each chunk carries what a choice's text gained since the previous chunk. With stop strings
 the last ``len(longest stop) - 1`` characters are held back until the choice finishes, because they may be
 the start of a stop string, which is cut from the output and must never have been sent.
@@ -15,8 +20,11 @@ the start of a stop string, which is cut from the output and must never have bee
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, aclosing, asynccontextmanager
 from typing import Protocol, TypeVar, cast
 
 from aiohttp import web
@@ -24,7 +32,6 @@ from pydantic import ValidationError
 
 from engine.core import EngineCore
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.prompting.chat_template import ChatTemplate
 from engine.prompting.prompts import PromptCounter, check_context
 from engine.protocol import (
     AssistantMessage,
@@ -48,7 +55,7 @@ from engine.sampling_params import SamplingParams
 from engine.sched.request import Request
 from engine.server.async_engine import AsyncEngine
 from engine.server.errors import ApiError
-from engine.server.request_stream import EngineUnavailable, RequestFailed
+from engine.server.request_stream import EngineUnavailable, RequestFailed, RequestStream
 from engine.server.sse import open_stream, send_data, send_done, send_error
 
 TENANT_HEADER = "X-Tenant-Id"
@@ -64,24 +71,26 @@ class _Format(Protocol):
 
     def usage_chunk(self, usage: Usage) -> str: ...
 
-    def whole(self, output: RequestOutput, usage: Usage) -> str: ...
+    def whole(self, outputs: list[RequestOutput], usage: Usage) -> str: ...
 
 
 class OpenAIHandlers:
-    def __init__(self, engine: AsyncEngine, chat_template: ChatTemplate) -> None:
+    def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
-        self.chat_template = chat_template
         self._counter: PromptCounter | None = None  # built from the core once the model has loaded
 
     async def completions(self, http: web.Request) -> web.StreamResponse:
         body = await _parse(http, CompletionRequest)
         core, counter = self._ready()
-        prompt_ids = counter.request_ids(body)
-        check_context(body, len(prompt_ids), counter.max_model_len)
-        request = _make_request(core, f"cmpl-{uuid.uuid4().hex}", prompt_ids, body, body.max_tokens,
-                                _tenant(http), {})
-        fmt = _CompletionFormat(request.request_id, core.model_name)
-        return await self._respond(http, request, body, fmt)
+        batch = counter.batch_ids(body)
+        for prompt_ids in batch:
+            check_context(body, len(prompt_ids), counter.max_model_len)
+        tenant, completion_id = _tenant(http), f"cmpl-{uuid.uuid4().hex}"
+        # A batch's engine requests are told apart by a suffix; the answer carries the one id.
+        ids = [completion_id] if len(batch) == 1 else [f"{completion_id}-{p}" for p in range(len(batch))]
+        requests = [_make_request(core, request_id, prompt_ids, body, body.max_tokens, tenant, {})
+                    for request_id, prompt_ids in zip(ids, batch, strict=True)]
+        return await self._respond(http, requests, body, _CompletionFormat(completion_id, core.model_name))
 
     async def chat_completions(self, http: web.Request) -> web.StreamResponse:
         body = await _parse(http, ChatCompletionRequest)
@@ -91,8 +100,7 @@ class OpenAIHandlers:
         rename = {"prompt": "messages", "max_tokens": body.max_output_tokens_field}
         request = _make_request(core, f"chatcmpl-{uuid.uuid4().hex}", prompt_ids, body, body.max_output_tokens,
                                 _tenant(http), rename)
-        fmt = _ChatFormat(request.request_id, core.model_name)
-        return await self._respond(http, request, body, fmt)
+        return await self._respond(http, [request], body, _ChatFormat(request.request_id, core.model_name))
 
     async def tokenize(self, http: web.Request) -> web.Response:
         """``POST /tokenize``: the prompt's token ids exactly as a completion or chat request would see them
@@ -113,53 +121,83 @@ class OpenAIHandlers:
         """The loaded core (``EngineUnavailable`` while there is none) and the counter of its model."""
         core = self.engine.core
         if self._counter is None:
-            self._counter = PromptCounter(core.model_name, core.max_model_len, core.tokenizer, self.chat_template)
+            self._counter = PromptCounter(core.model_name, core.max_model_len, core.tokenizer,
+                                          core.loaded.chat_template)
         return core, self._counter
 
-    async def _respond(self, http: web.Request, request: Request, body: SamplingRequest,
+    async def _respond(self, http: web.Request, requests: list[Request], body: SamplingRequest,
                        fmt: _Format) -> web.StreamResponse:
         if body.stream:
-            return await self._stream(http, request, body.include_usage, fmt)
-        async with self.engine.generate(request) as stream:
-            output = await stream.final()
-        return web.Response(text=fmt.whole(output, _usage(output)), content_type="application/json")
+            return await self._stream(http, requests, body.include_usage, fmt)
+        async with self._generate(requests) as streams:
+            outputs = list(await asyncio.gather(*(stream.final() for stream in streams)))
+        return web.Response(text=fmt.whole(outputs, _usage(outputs)), content_type="application/json")
 
-    async def _stream(self, http: web.Request, request: Request, include_usage: bool,
+    @asynccontextmanager
+    async def _generate(self, requests: list[Request]) -> AsyncIterator[list[RequestStream]]:
+        """``generate`` for all of ``requests`` at once: each is added before any step can run, and leaving
+        the block early (an error, one request failing, a cancelled handler) aborts every one still running."""
+        async with AsyncExitStack() as stack:
+            yield [await stack.enter_async_context(self.engine.generate(request)) for request in requests]
+
+    async def _stream(self, http: web.Request, requests: list[Request], include_usage: bool,
                       fmt: _Format) -> web.StreamResponse:
         response = await open_stream(http)
-        holdback = max((len(s) for s in request.params.stop or []), default=1) - 1
-        sent: dict[int, int] = {}  # choice index -> characters of its text already sent
+        holdback = max((len(s) for s in requests[0].params.stop or []), default=1) - 1
+        n = requests[0].params.n
+        sent: dict[int, int] = {}  # the answer's choice index -> characters of its text already sent
         ended: set[int] = set()
-        output: RequestOutput | None = None
+        finals: dict[int, RequestOutput] = {}  # prompt index -> its request's final output
         try:
-            async with self.engine.generate(request) as stream:
-                async for output in stream:
+            async with self._generate(requests) as streams, aclosing(_merged(streams)) as merged:
+                async for prompt, output in merged:
                     for completion in output.outputs:
-                        if completion.index not in ended:
-                            await self._send_delta(response, fmt, completion, sent, holdback)
+                        index = prompt * n + completion.index
+                        if index not in ended:
+                            await self._send_delta(response, fmt, index, completion, sent, holdback)
                             if completion.finish_reason is not None:
-                                ended.add(completion.index)
+                                ended.add(index)
+                    if output.finished:
+                        finals[prompt] = output
         except (RequestFailed, EngineUnavailable) as exc:
             await send_error(response, ApiError.from_engine(exc))
             return response
         except ConnectionResetError:
-            return response  # the client left; leaving ``generate`` has aborted the request
-        assert output is not None and output.finished
+            return response  # the client left; leaving ``generate`` has aborted the requests
+        assert len(finals) == len(requests)
         if include_usage:
-            await send_data(response, fmt.usage_chunk(_usage(output)))
+            await send_data(response, fmt.usage_chunk(_usage(list(finals.values()))))
         await send_done(response)
         return response
 
     @staticmethod
-    async def _send_delta(response: web.StreamResponse, fmt: _Format, completion: CompletionOutput,
+    async def _send_delta(response: web.StreamResponse, fmt: _Format, index: int, completion: CompletionOutput,
                           sent: dict[int, int], holdback: int) -> None:
-        start = sent.get(completion.index, 0)
+        start = sent.get(index, 0)
         final = completion.finish_reason is not None
         end = len(completion.text) if final else max(start, len(completion.text) - holdback)
         if end > start or final:
-            await send_data(response, fmt.chunk(completion.index, completion.text[start:end],
-                                                _finish_reason(completion)))
-            sent[completion.index] = end
+            await send_data(response, fmt.chunk(index, completion.text[start:end], _finish_reason(completion)))
+            sent[index] = end
+
+
+async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The outputs of ``streams`` as each comes, tagged with its stream's position, until every stream has
+    given its final one; raises the first request error. A stream holds only its newest output, so waiting
+    on each stream's next one (and cancelling those waits on the way out) loses nothing and changes nothing."""
+    waits = {asyncio.ensure_future(anext(stream)): position for position, stream in enumerate(streams)}
+    try:
+        while waits:
+            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for wait in done:
+                position = waits.pop(wait)
+                output = wait.result()
+                yield position, output
+                if not output.finished:
+                    waits[asyncio.ensure_future(anext(streams[position]))] = position
+    finally:
+        for wait in waits:
+            wait.cancel()
 
 
 async def _parse(http: web.Request, model: type[Body]) -> Body:
@@ -182,19 +220,25 @@ def _tenant(http: web.Request) -> str | None:
 def _make_request(core: EngineCore, request_id: str, prompt: list[int], body: SamplingRequest,
                   max_tokens: int | None, tenant: str | None, rename: dict[str, str]) -> Request:
     try:
-        params = SamplingParams(n=body.n, max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                                top_k=body.top_k, seed=body.seed, stop=body.stop, ignore_eos=body.ignore_eos)
+        # OpenAI reads top_p=0 as "keep only the likeliest token": greedy, which temperature 0 says exactly
+        # (and a nucleus of zero mass is no distribution to sample from).
+        greedy = body.top_p == 0.0
+        params = SamplingParams(n=body.n, max_tokens=max_tokens, temperature=0.0 if greedy else body.temperature,
+                                top_p=1.0 if greedy else body.top_p, top_k=body.top_k, seed=body.seed,
+                                stop=body.stop, ignore_eos=body.ignore_eos)
         return core.make_request(prompt, params, request_id=request_id, tenant=tenant, cache_salt=body.cache_salt,
                                  priority=body.priority, stream=body.stream)
     except ValueError as exc:
         raise ApiError.invalid(exc, rename) from None
 
 
-def _usage(output: RequestOutput) -> Usage:
-    prompt = len(output.prompt_token_ids)
-    completion = sum(len(c.token_ids) for c in output.outputs)
+def _usage(outputs: list[RequestOutput]) -> Usage:
+    """The usage of a whole answer: summed over its requests (a batch's prompts) and their choices."""
+    prompt = sum(len(output.prompt_token_ids) for output in outputs)
+    completion = sum(len(c.token_ids) for output in outputs for c in output.outputs)
+    cached = sum(output.num_cached_tokens for output in outputs)
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=output.num_cached_tokens))
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 def _finish_reason(completion: CompletionOutput) -> FinishReason | None:
@@ -218,9 +262,11 @@ class _CompletionFormat:
     def usage_chunk(self, usage: Usage) -> str:
         return self._response([], usage)
 
-    def whole(self, output: RequestOutput, usage: Usage) -> str:
-        return self._response([CompletionChoice(index=c.index, text=c.text, finish_reason=_finish_reason(c))
-                               for c in output.outputs], usage)
+    def whole(self, outputs: list[RequestOutput], usage: Usage) -> str:
+        n = len(outputs[0].outputs)
+        return self._response([CompletionChoice(index=prompt * n + c.index, text=c.text,
+                                                finish_reason=_finish_reason(c))
+                               for prompt, output in enumerate(outputs) for c in output.outputs], usage)
 
 
 class _ChatFormat:
@@ -246,7 +292,8 @@ class _ChatFormat:
     def usage_chunk(self, usage: Usage) -> str:
         return self._chunk([], usage)
 
-    def whole(self, output: RequestOutput, usage: Usage) -> str:
+    def whole(self, outputs: list[RequestOutput], usage: Usage) -> str:
+        [output] = outputs  # a chat has one conversation
         choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text), finish_reason=_finish_reason(c))
                    for c in output.outputs]
         return ChatCompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=choices,

@@ -9,6 +9,7 @@ import os
 import time
 
 import aiohttp
+import yarl
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -52,6 +53,8 @@ async def identify(request: web.Request, handler) -> web.StreamResponse:
 
 
 async def models(request: web.Request) -> web.StreamResponse:
+    """``GET /v1/models`` and ``GET /v1/models/{id}``: authenticated, then the engine's own answer (its 404
+    ``model_not_found`` for an id it does not serve included)."""
     state = request.app[STATE]
     try:
         authenticate(request)
@@ -59,8 +62,10 @@ async def models(request: web.Request) -> web.StreamResponse:
         return exc.response()
     assert state.session is not None
     timeout = aiohttp.ClientTimeout(total=state.config.upstream.connect_timeout * 2)
+    # The raw path, so that an id's escapes (a slash as %2F) reach the engine as the client sent them.
+    url = state.config.engine.url.rstrip("/") + request.raw_path.split("?", 1)[0]
     try:
-        async with state.session.get(state.config.engine.url.rstrip("/") + "/v1/models", timeout=timeout) as r:
+        async with state.session.get(yarl.URL(url, encoded=True), timeout=timeout) as r:
             return web.Response(body=await r.read(), status=r.status, content_type="application/json")
     except (aiohttp.ClientError, TimeoutError):
         return error_response(503, "the engine is unavailable", code="engine_unavailable", retry_after=1)
@@ -105,6 +110,7 @@ def create_app(config: GuardConfig) -> web.Application:
     app.router.add_post("/v1/completions", completion)
     app.router.add_post("/v1/chat/completions", completion)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{id:.+}", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics_endpoint)
     app.on_startup.append(_start)

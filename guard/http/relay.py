@@ -193,8 +193,11 @@ class Relay:
             if not completed:
                 observer.failed = True
                 await _try_write(response, self.failure_event("the engine stream ended early"))
-            else:
+                return response
+            try:
                 await response.write_eof()
+            except ConnectionError:  # the client left after the last chunk was handed to the transport
+                observer.client_gone = True
             return response
         finally:
             self._open.discard(upstream)

@@ -10,6 +10,10 @@ no ``/tokenizer`` (another server) is asked ``POST /tokenize`` for each request 
 fetched again when the engine's telemetry names another model, so a restarted engine is never miscounted.
 Prompts longer than ``THREAD_THRESHOLD_CHARS`` are encoded on a worker thread, so that one huge prompt does
 not hold up every stream the guard relays.
+
+A ``/v1/completions`` batch is counted prompt by prompt, as the engine runs each as a request of its own:
+every prompt must fit the window, and the one output bound the batch is sent with is the client's, or
+(when it sets none) the room its longest prompt leaves, so that every prompt's reservation holds its output.
 """
 
 from __future__ import annotations
@@ -28,8 +32,13 @@ THREAD_THRESHOLD_CHARS = 16_384
 
 @dataclass(slots=True)
 class TokenLimits:
-    prompt_tokens: int
-    max_tokens: int  # what the request may generate: the client's bound, or what the context leaves
+    prompts: list[int]  # each prompt's tokens: one for a chat, one per prompt of a completion batch
+    max_tokens: int  # what each prompt may generate: the client's bound, or what the context leaves
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The request's prompt tokens, all its prompts together (what usage reports and quotas charge)."""
+        return sum(self.prompts)
 
 
 class TokenCounter:
@@ -61,13 +70,13 @@ class TokenCounter:
             if self.local is not None:
                 local = self.local
                 if _prompt_chars(parsed) > THREAD_THRESHOLD_CHARS:
-                    prompt = len(await asyncio.to_thread(local.request_ids, parsed.model))
+                    batch = await asyncio.to_thread(local.batch_ids, parsed.model)
                 else:
-                    prompt = len(local.request_ids(parsed.model))
-                window = local.max_model_len
+                    batch = local.batch_ids(parsed.model)
+                prompts, window = [len(ids) for ids in batch], local.max_model_len
             else:
-                prompt, window = await self._ask(parsed)
-            return TokenLimits(prompt, check_context(parsed.model, prompt, window))
+                prompts, window = await self._ask(parsed)
+            return TokenLimits(prompts, min([check_context(parsed.model, prompt, window) for prompt in prompts]))
         except PromptError as exc:
             raise Invalid(exc.status, str(exc), param=exc.param, code=exc.code) from None
 
@@ -104,8 +113,18 @@ class TokenCounter:
             raise Invalid(502, f"the engine's GET /tokenizer answer is unusable: {exc}",
                           code="bad_upstream_response") from None
 
-    async def _ask(self, parsed: ParsedRequest) -> tuple[int, int]:
-        query = {key: parsed.body[key] for key in ("model", "prompt", "messages") if key in parsed.body}
+    async def _ask(self, parsed: ParsedRequest) -> tuple[list[int], int]:
+        """Each prompt's count and the context window, from the engine's ``POST /tokenize`` (one prompt per call)."""
+        request = parsed.model
+        if isinstance(request, ChatCompletionRequest):
+            return await self._ask_one({"model": request.model, "messages": parsed.body["messages"]})
+        counts, window = [], 0
+        for prompt in request.prompts:
+            count, window = await self._ask_one({"model": request.model, "prompt": prompt})
+            counts += count
+        return counts, window
+
+    async def _ask_one(self, query: dict) -> tuple[list[int], int]:
         try:
             async with self.session.post(self.base + "/tokenize", json=query, timeout=self.timeout) as response:
                 answer = await response.json(content_type=None)
@@ -116,13 +135,12 @@ class TokenCounter:
             raise Invalid(response.status if response.status < 500 else 503,
                           error.get("message", "the engine could not tokenize the prompt"),
                           param=error.get("param"), code=error.get("code"))
-        return int(answer["count"]), int(answer["max_model_len"])
+        return [int(answer["count"])], int(answer["max_model_len"])
 
 
 def _prompt_chars(parsed: ParsedRequest) -> int:
     request = parsed.model
     if isinstance(request, ChatCompletionRequest):
         return sum(len(message.text) for message in request.messages)
-    prompt = request.single_prompt
-    return 0 if isinstance(prompt, list) else len(prompt)
+    return sum(len(prompt) for prompt in request.prompts if isinstance(prompt, str))
 
