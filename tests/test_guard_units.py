@@ -131,6 +131,7 @@ def test_gate_commits_against_live_usage_with_hysteresis() -> None:
     gate.update(snapshot(free=90))  # 10 blocks used by someone the guard does not know
     assert gate.blocks_for(prompt_tokens=20, max_tokens=30) == 4
     assert gate.blocks_for(prompt_tokens=20, max_tokens=30, n=3) == 4 + 2 * 3
+    assert gate.batch_blocks_for([20, 20, 5], max_tokens=30) == 4 + 4 + 3
     assert gate.try_reserve("r1", "acme", 60) and gate.committed() == 70
     assert not gate.try_reserve("r2", "acme", 20), "70 + 20 > 80"
     assert not gate.open

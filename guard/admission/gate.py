@@ -128,6 +128,13 @@ class AdmissionGate:
         # Each fork copies the shared partial block on its first write, then grows its own output blocks.
         return first + (n - 1) * (-(-max_tokens // size) + 1)
 
+    def batch_blocks_for(self, prompts_tokens: list[int], max_tokens: int, n: int = 1) -> int | None:
+        """Blocks a batch of prompts can ever hold: each prompt is an engine request of its own, with its own
+        partial blocks, so the sum of theirs; None while the block size is unknown."""
+        if self.snapshot is None:
+            return None
+        return sum(self.blocks_for(prompt, max_tokens, n) or 0 for prompt in prompts_tokens)
+
     @property
     def budget(self) -> int:
         """Blocks the guard will commit at most (``safe_utilization * num_blocks``); 0 without telemetry."""

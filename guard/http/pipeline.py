@@ -20,7 +20,6 @@ from guard.config import Lane, Tenant
 from guard.http.errors import error_response
 from guard.http.relay import StreamObserver, UpstreamUnavailable
 from guard.http.static import static_response
-from guard.http.tokens import TokenLimits
 from guard.http.validate import Invalid, ParsedRequest, parse_request
 from guard.pool.routing import Route
 from guard.runtime import (
@@ -100,7 +99,7 @@ async def serve_primary(
     await state.wait_while_starting()  # a guard that just started may not have heard from its engine yet
     try:
         limits = await state.counter.count(parsed)
-        blocks = reservation(state, limits, parsed.n)
+        blocks = state.gate.batch_blocks_for(limits.prompts, limits.max_tokens, parsed.n)
         if blocks is None:
             raise Invalid(503, "no telemetry from the engine yet", code="engine_unavailable", retry_after=1)
         if blocks > state.gate.budget:
@@ -118,7 +117,7 @@ async def serve_primary(
         return error_response(429, ABUSE_MESSAGE, code=ABUSE_CODE, retry_after=ABUSE_RETRY_AFTER_S)
     if suspicion == "suspect":  # escalate: fewer tokens, a smaller share of blocks, served last
         limits.max_tokens = min(limits.max_tokens, SUSPECT_MAX_TOKENS)
-        blocks = reservation(state, limits, parsed.n) or blocks
+        blocks = state.gate.batch_blocks_for(limits.prompts, limits.max_tokens, parsed.n) or blocks
         lane = lane.model_copy(update={"priority": max(ln.priority for ln in state.config.lanes.values()) + 1})
 
     ticket = Ticket(request[REQUEST_ID], tenant, lane, limits.prompt_tokens, limits.max_tokens, blocks)
@@ -148,18 +147,6 @@ async def serve_primary(
         state.dispatcher.finish(ticket)
         if outcome != "fallback":
             metrics.child(metrics.requests, *labels, outcome).inc()
-
-
-def reservation(state: GuardState, limits: TokenLimits, n: int) -> int | None:
-    """Blocks the request can ever hold: each prompt of a batch is an engine request of its own, with its own
-    partial blocks, so the sum of theirs; None while the block size is unknown."""
-    total = 0
-    for prompt in limits.prompts:
-        blocks = state.gate.blocks_for(prompt, limits.max_tokens, n)
-        if blocks is None:
-            return None
-        total += blocks
-    return total
 
 
 async def serve_elsewhere(
