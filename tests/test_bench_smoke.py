@@ -35,8 +35,11 @@ def test_kernel_bandwidth_smoke() -> None:
     assert sum(line.startswith("qwen2.5-0.5b") for line in out.splitlines()) == 4
 
 
+@pytest.mark.slow
 def test_cpu_real_model_smoke() -> None:
-    """The real model on both sides (loading it is most of the minute this takes), a few tiny requests."""
+    """The real model on both sides (loading it is most of the minute this takes), a few tiny requests.
+    In ``make test-slow``: transformers' GGUF load alone takes 20-50 s here, and the SmolLM2 parity tests
+    already load the same model in both the engine and transformers in ``make test``."""
     out = run_smoke("cpu_real_model.py")
     for row in ("batch, useful output tokens/s", "single-stream decode tokens/s"):
         assert next(line for line in out.splitlines() if line.startswith(row)).endswith("x")
