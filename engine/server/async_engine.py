@@ -6,7 +6,7 @@
     ------------------------------                        ---------------------------------------
     add(request)  --\\                                      loads the model, then loops:
     abort(id)     ---+-- command queue (thread-safe) --->    apply queued commands (add/abort/read)
-    reading()     --/                                        step()  (one scheduled batch)
+    recent_reading() /                                       step()  (one scheduled batch)
     RequestStream  <-- loop.call_soon_threadsafe -------     outputs, once per loop iteration,
     next_reading() <--/                                      with a reading while subscribed
     step_running_s <-- one float (atomic) --------------     when the running step started
@@ -20,7 +20,7 @@ Telemetry subscribers do not poll: while any is subscribed, the engine thread at
 notification it sends after a step anyway, at most every ``PUBLISH_INTERVAL_S`` (and always before it goes
 idle). So subscribers cost one snapshot per interval however many they are, and no extra wake-up of either
 thread (each wake-up of the event loop takes the GIL from the stepping thread). Every reading taken for
-anyone (``reading()``, ``refresh()``) is published too, so a refresh asked for by one subscriber reaches all.
+anyone (``recent_reading()``, ``refresh()``) is published too, so a refresh asked for by one subscriber reaches all.
 
 A step can take seconds (a long prefill on a CPU), and no reading can be had until it ends. The event loop
 never has to wait for one to know the engine is alive: ``step_running_s`` says how long the running step
@@ -170,7 +170,7 @@ class AsyncEngine:
     async def next_reading(self, after: EngineReading | None, timeout: float) -> EngineReading | None:
         """The newest published reading if it is newer than ``after`` (any, if None), else the next one; None
         after ``timeout``. Readings are published during a ``subscription()`` as the state changes, and
-        whenever one is taken (``reading()``, ``refresh()``).
+        whenever one is taken (``recent_reading()``, ``refresh()``).
         """
         while self._published is None or (after is not None and self._published.serial <= after.serial):
             if not self.ready:
@@ -205,15 +205,11 @@ class AsyncEngine:
             if not stream.done:
                 self.abort(request.request_id)
 
-    async def reading(self) -> EngineReading:
-        """State at the next step boundary (seconds away while a long step runs). Concurrent callers share
-        one reading."""
-        return await asyncio.shield(self._next_boundary_reading())
-
     async def recent_reading(self, wait_s: float) -> EngineReading:
         """The state at the next step boundary if it comes within ``wait_s``; else (a long step runs) the newest
         published reading, an earlier boundary that is still consistent in itself; with none published, the
-        next boundary however long it takes. For scrapes that must not time out on a busy engine."""
+        next boundary however long it takes. For scrapes that must not time out on a busy engine. Concurrent
+        callers share one reading."""
         pending = self._next_boundary_reading()
         try:
             return await asyncio.wait_for(asyncio.shield(pending), wait_s)
