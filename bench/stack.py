@@ -70,12 +70,12 @@ def healthy(url: str) -> bool:
 
 
 def guard_has_telemetry(url: str) -> bool:
-    """The guard's contract metric ``guard_telemetry_age_seconds`` says it has a fresh engine snapshot."""
+    """The guard's contract metric ``guard_telemetry_age_seconds{backend}`` says it has a fresh snapshot of
+    every replica."""
     with urllib.request.urlopen(url + "/metrics", timeout=2.0) as response:
-        for line in response.read().decode().splitlines():
-            if line.startswith("guard_telemetry_age_seconds "):
-                return float(line.split()[1]) < 1.0
-    return False
+        ages = [float(line.split()[-1]) for line in response.read().decode().splitlines()
+                if line.startswith("guard_telemetry_age_seconds{")]
+    return bool(ages) and max(ages) < 1.0
 
 
 def start(name: str, command: list[str], url: str, workdir: Path, ready: Callable[[str], bool] = healthy,

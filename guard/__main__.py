@@ -38,8 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"guard: invalid configuration: {exc}", file=sys.stderr)
         return 2
-    print(f"guard listening on http://{config.listen.host}:{config.listen.port} -> engine {config.engine.url}",
-          flush=True)
+    engines = ", ".join(f"{b.name} {b.url}" for b in config.pool)
+    print(f"guard listening on http://{config.listen.host}:{config.listen.port} -> engines {engines} "
+          f"(routing: {config.routing.policy})", flush=True)
     app = create_app(config)
     # What exists now (modules, pydantic schemas, the app) lives as long as the process: keep it out of the
     # collector's reach, so that a full collection walks only what requests left behind. Walking ~50k

@@ -110,8 +110,10 @@ class Upstream(Strict):
 
 
 class Routing(Strict):
-    """Mode thresholds on saturation = (committed + queued blocks) / pool blocks; see guard/pool/routing.py."""
+    """The replica picker's policy (guard/pool/picker.py) and the mode thresholds on saturation =
+    (committed + queued blocks) / the blocks of the replicas that are up (guard/pool/routing.py)."""
 
+    policy: Literal["kvguard", "round_robin", "least_loaded", "prefix"] = "kvguard"
     pressure_enter: float = Field(0.9, gt=0)
     pressure_exit: float = Field(0.7, gt=0)
     degraded_enter: float = Field(1.5, gt=0)
@@ -135,7 +137,8 @@ class Limits(Strict):
 
 class GuardConfig(Strict):
     listen: Listen = Listen()
-    engine: Backend
+    engine: Backend | None = None  # a pool of one, as before pools existed
+    engines: list[Backend] = Field(default_factory=list)  # a pool of replicas serving the same model
     fallbacks: list[Backend | StaticFallback] = Field(default_factory=list)
     admission: Admission = Admission()
     upstream: Upstream = Upstream()
@@ -145,8 +148,15 @@ class GuardConfig(Strict):
     tenants: list[Tenant] = Field(min_length=1)
     secret: str = Field("change-me", min_length=1)  # HMAC key for per-tenant cache salts
 
+    @property
+    def pool(self) -> list[Backend]:
+        """The engine replicas, in config order (``engine:`` is a pool of one)."""
+        return [self.engine] if self.engine is not None else self.engines
+
     @model_validator(mode="after")
     def _consistent(self) -> GuardConfig:
+        if (self.engine is None) == (not self.engines):
+            raise ValueError("give either engine (one replica) or engines (a list of replicas), not both or neither")
         names = [t.name for t in self.tenants]
         if dup := sorted({n for n in names if names.count(n) > 1}):
             raise ValueError(f"duplicate tenant name(s): {', '.join(dup)}")
@@ -156,9 +166,9 @@ class GuardConfig(Strict):
         for tenant in self.tenants:
             if tenant.lane not in self.lanes:
                 raise ValueError(f"tenant {tenant.name!r}: unknown lane {tenant.lane!r} (lanes: {sorted(self.lanes)})")
-        backends = [self.engine.name] + [f.name for f in self.fallbacks]
-        if len(backends) != len(set(backends)):
-            raise ValueError("engine and fallback names must be unique")
+        backends = [b.name for b in self.pool] + [f.name for f in self.fallbacks]
+        if dup := sorted({n for n in backends if backends.count(n) > 1}):
+            raise ValueError(f"engine and fallback names must be unique (give each replica a name): {', '.join(dup)}")
         return self
 
 

@@ -10,8 +10,6 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
-OUTCOMES = ("completed", "rejected_quota", "rejected_overload", "rejected_invalid", "unauthorized", "fallback",
-            "upstream_error", "cancelled")
 MODES = ("normal", "pressure", "degraded")
 # From well under a millisecond (a cached reply) to minutes (a queued batch job).
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -53,8 +51,26 @@ class GuardMetrics:
         self.upstream_requests = Counter("guard_upstream_requests_total", "Requests sent upstream, by status "
                                          "code (or 'error' when none came back).", ["backend", "code"],
                                          registry=r)
-        self.telemetry_age = Gauge("guard_telemetry_age_seconds", "Age of the newest engine telemetry.",
-                                   registry=r)
+        self.telemetry_age = Gauge("guard_telemetry_age_seconds", "Age of the newest telemetry of each engine "
+                                   "replica.", ["backend"], registry=r)
+        # The pool, per replica (``backend`` is the replica's configured name).
+        self.backend_reserved = Gauge("guard_backend_reserved_blocks", "KV blocks reserved on the replica by "
+                                      "admitted requests.", ["backend"], registry=r)
+        self.backend_budget = Gauge("guard_backend_budget_blocks", "KV blocks the guard may commit on the replica "
+                                    "(safe_utilization x its blocks; 0 without telemetry).", ["backend"], registry=r)
+        self.backend_used = Gauge("guard_backend_used_blocks", "KV blocks in use on the replica, as it reports.",
+                                  ["backend"], registry=r)
+        self.routed = Counter("guard_routed_requests_total", "Requests the picker sent to the replica.",
+                              ["backend"], registry=r)
+        self.prefix_predicted = Counter("guard_prefix_predicted_hit_tokens_total", "Prompt tokens the guard "
+                                        "predicted cached on the replica it picked (from the replica's KV events).",
+                                        ["backend"], registry=r)
+        self.prefix_reported_hits = Counter("guard_prefix_reported_hit_tokens_total", "Prefix-cache hits in "
+                                            "tokens, as the replica's telemetry reports them.", ["backend"],
+                                            registry=r)
+        self.prefix_reported_queries = Counter("guard_prefix_reported_query_tokens_total", "Prefix-cache "
+                                               "lookups in tokens, as the replica's telemetry reports them.",
+                                               ["backend"], registry=r)
         self.client_retries = Counter("guard_client_retries_total", "Requests that clients marked as retries "
                                       "(X-Stainless-Retry-Count > 0 or Retry-Attempt).", ["tenant"], registry=r)
         # (metric, label values) -> its child; label values come from the configuration and fixed sets only

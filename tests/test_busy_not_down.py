@@ -230,8 +230,8 @@ def watch(guard: GuardThread, seconds: float) -> list[dict[str, Any]]:
     """The guard's view every 0.1 s for ``seconds``: is the primary up, may the gate admit, the mode."""
     def sample() -> dict[str, Any]:
         state = guard.state
-        return {"up": state.primary_up(), "usable": state.gate.usable, "mode": state.modes.mode,
-                "step_running_s": state.gate.step_running_s(), "age": state.gate.telemetry_age()}
+        return {"up": state.pool.any_up(), "usable": state.pool.replicas[0].gate.usable, "mode": state.modes.mode,
+                "step_running_s": state.pool.replicas[0].gate.step_running_s(), "age": state.pool.replicas[0].gate.telemetry_age()}
 
     samples = []
     deadline = time.monotonic() + seconds
@@ -247,7 +247,7 @@ def scripted_guard(fake: ScriptedTelemetry) -> GuardThread:
 
 
 def first_snapshot(guard: GuardThread) -> None:
-    wait_for(lambda: guard.call(lambda: guard.state.gate.snapshot is not None), bool, 10)
+    wait_for(lambda: guard.call(lambda: guard.state.pool.replicas[0].gate.snapshot is not None), bool, 10)
 
 
 def test_busy_heartbeats_keep_a_busy_engine_up_and_its_numbers_usable(llm: LLM) -> None:
@@ -282,7 +282,7 @@ def test_a_silent_engine_is_down_within_telemetry_stale_s(llm: LLM, silence: lis
     with ScriptedTelemetry(llm.telemetry(), scripts) as fake, scripted_guard(fake) as guard:
         first_snapshot(guard)
         quiet_since = time.monotonic()
-        wait_for(lambda: guard.call(guard.state.primary_up), lambda up: not up, STALE_S + 2.0)
+        wait_for(lambda: guard.call(guard.state.pool.any_up), lambda up: not up, STALE_S + 2.0)
         assert STALE_S - 0.2 < time.monotonic() - quiet_since < STALE_S + 1.0
         wait_for(lambda: guard.call(lambda: guard.state.modes.mode), lambda mode: mode == "degraded", 2.0)
 
@@ -298,7 +298,7 @@ def test_busy_heartbeats_after_a_reconnection_prove_life_not_numbers(llm: LLM) -
         assert all(s["up"] and s["mode"] == "normal" for s in samples), samples
         stale = [s for s in samples if s["age"] > STALE_S + 0.1]
         assert stale and not any(s["usable"] for s in stale), samples
-        wait_for(lambda: guard.call(lambda: guard.state.gate.usable), bool, 3.0)  # snapshot 9: numbers again
+        wait_for(lambda: guard.call(lambda: guard.state.pool.any_usable()), bool, 3.0)  # snapshot 9: numbers again
 
 
 # ------------------------------------------------------------------------------------------- the reproduction

@@ -68,7 +68,7 @@ SCENARIOS = {"chat": chat, "document": document, "agent": agent}
 
 def run_benign(names: list[str], seconds: float) -> None:
     with ServerThread(num_blocks=96) as engine, GuardThread(guard_config(engine.url, tenants=TENANTS)) as guard:
-        wait_for(lambda: guard.call(guard.state.primary_up), bool, 10)
+        wait_for(lambda: guard.call(guard.state.pool.any_up), bool, 10)
         statuses: list[int] = []
         states: set[tuple[str, str]] = set()
 
@@ -89,7 +89,7 @@ def run_benign(names: list[str], seconds: float) -> None:
         # the only answer the detector's escalation gives.
         assert statuses and 429 not in statuses, sorted(set(statuses))
         assert statuses.count(200) >= 0.9 * len(statuses), sorted(set(statuses))
-        assert guard.call(lambda: not guard.state.gate.reservations)
+        assert guard.call(lambda: not guard.state.pool.reservations())
 
 
 def test_benign_scenarios_together_stay_normal() -> None:

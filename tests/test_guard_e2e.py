@@ -26,7 +26,7 @@ def engine():
 @pytest.fixture(scope="module")
 def guard(engine):
     with GuardThread(guard_config(engine.url)) as g:
-        wait_for(lambda: g.call(lambda: g.state.gate.usable), bool, 5)
+        wait_for(lambda: g.call(lambda: g.state.pool.any_usable()), bool, 5)
         yield g
 
 

@@ -31,7 +31,7 @@ def test_three_backlogged_tenants_share_by_weight() -> None:
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
     with ServerThread(num_blocks=48, block_size=16, max_num_seqs=32) as engine, \
             GuardThread(guard_config(engine.url, tenants=tenants)) as guard:
-        wait_for(lambda: guard.call(lambda: guard.state.gate.usable), bool, 5)
+        wait_for(lambda: guard.call(lambda: guard.state.pool.any_usable()), bool, 5)
 
         def service() -> dict[str, float]:
             return guard.call(lambda: {n: q.service for n, q in guard.state.dispatcher.fair.tenants.items()})
@@ -57,7 +57,7 @@ def test_three_backlogged_tenants_share_by_weight() -> None:
         print("service per tenant over the window:", got, "jain:", jain)
         assert all(abs(x - mean) <= 0.1 * mean for x in per_weight), got
         assert jain >= 0.98, jain
-        assert guard.call(lambda: not guard.state.gate.reservations)
+        assert guard.call(lambda: not guard.state.pool.reservations())
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,7 @@ def test_backpressure_keeps_the_engine_from_preempting(small_engine: ServerThrea
 
     before = engine.telemetry()["preemptions_total"]
     with GuardThread(guard_config(engine.url, tenants=tenants)) as guard:
-        wait_for(lambda: guard.call(lambda: guard.state.gate.usable), bool, 5)
+        wait_for(lambda: guard.call(lambda: guard.state.pool.any_usable()), bool, 5)
         guarded = asyncio.run(burst(guard.url, "sk-load"))
         idle = engine.wait_idle()
         assert idle["preemptions_total"] == before, "the guard kept the engine from preempting"
@@ -92,7 +92,7 @@ def test_backpressure_keeps_the_engine_from_preempting(small_engine: ServerThrea
         for status, headers, payload in guarded:
             assert status == 200 or (status in (429, 503) and 1 <= int(headers["Retry-After"]) <= 60), payload
         assert sum(1 for status, _, _ in guarded if status == 200) >= 30
-        assert guard.call(lambda: not guard.state.gate.reservations and not guard.state.gate.reserved_by_tenant)
+        assert guard.call(lambda: not guard.state.pool.reservations() and not guard.state.pool.reserved_by_tenant())
         assert idle["free_blocks"] + idle["cached_blocks"] == idle["num_blocks"]
         assert guard.call(lambda: all(len(q) == 0 for q in guard.state.dispatcher.fair.tenants.values()))
 

@@ -85,7 +85,7 @@ def test_engine_killed_then_restarted(tmp_path) -> None:
             status, headers, _ = asyncio.run(stream_once(guard.url, {"model": "tiny", "prompt": "x",
                                                                      "max_tokens": 2}))
             assert status == 200 and "X-Guard-Route" not in headers
-            assert guard.call(lambda: not guard.state.gate.reservations)
+            assert guard.call(lambda: not guard.state.pool.reservations())
             assert mode_transitions(guard.url)[("normal", "degraded")] >= 1
             assert 'guard_mode{mode="normal"} 1.0' in request(guard.url + "/metrics")[1].decode()
     finally:
@@ -127,7 +127,7 @@ def test_saturation_sends_sheddable_lanes_to_the_fallback(engines) -> None:
         assert mode_transitions(guard.url)[("normal", "pressure")] >= 1
         assert json.loads(request(guard.url + "/health")[1])["status"] == "ok"
         wait_for(lambda: guard.call(lambda: guard.state.modes.mode), lambda m: m == "normal", 10)
-        assert guard.call(lambda: not guard.state.gate.reservations)
+        assert guard.call(lambda: not guard.state.pool.reservations())
 
 
 def test_a_fresh_guard_serves_its_first_request_on_the_primary() -> None:

@@ -26,7 +26,8 @@ from engine.prompting.gguf_vocab import read_gguf_vocab
 from engine.prompting.prompts import PromptCounter, PromptError
 from engine.protocol import CompletionRequest, TokenizerInfo
 from guard.http.tokens import TokenCounter
-from guard.http.validate import MODELS, Invalid, ParsedRequest
+from guard.errors import GuardError
+from guard.http.validate import MODELS, ParsedRequest
 
 CORPUS = ["The quick brown fox jumps over the lazy dog.", "Grüße aus München 🙂", "def f(x):\n    return x\n"] * 30
 # A template unlike the default: special tokens, a system prefix and a role check that can refuse.
@@ -140,10 +141,10 @@ async def test_context_refusals_match_the_engines(engine: ServerThread) -> None:
                                   "max_completion_tokens": window}),
     ]
     async with aiohttp.ClientSession() as session:
-        counter = TokenCounter(session, engine.url, timeout_s=5)
+        counter = TokenCounter(session, lambda: engine.url, timeout_s=5)
         for path, body in cases:
             status, answer = request(engine.url + path, json.dumps(body).encode())
-            with pytest.raises(Invalid) as info:
+            with pytest.raises(GuardError) as info:
                 await counter.count(parsed(path, body))
             error = json.loads(answer)["error"]
             assert error["code"] == "context_length_exceeded", error
@@ -153,7 +154,7 @@ async def test_context_refusals_match_the_engines(engine: ServerThread) -> None:
 
 async def test_a_model_change_fetches_the_tokenizer_again(engine: ServerThread) -> None:
     async with aiohttp.ClientSession() as session:
-        counter = TokenCounter(session, engine.url, timeout_s=5)
+        counter = TokenCounter(session, lambda: engine.url, timeout_s=5)
         body = {"model": engine.core.model_name, "prompt": "count me", "max_tokens": 4}
         request_ = ParsedRequest("/v1/completions", body, CompletionRequest.model_validate(body))
         limits = await counter.count(request_)
@@ -169,7 +170,7 @@ async def test_a_model_change_fetches_the_tokenizer_again(engine: ServerThread) 
 
 async def test_the_first_snapshot_fetches_the_tokenizer_before_any_request(engine: ServerThread) -> None:
     async with aiohttp.ClientSession() as session:
-        counter = TokenCounter(session, engine.url, timeout_s=5)
+        counter = TokenCounter(session, lambda: engine.url, timeout_s=5)
         counter.on_model(engine.core.model_name)  # what the guard does with each telemetry snapshot
         for _ in range(100):
             if counter.local is not None:
@@ -186,7 +187,7 @@ async def test_a_batch_is_counted_prompt_by_prompt_with_or_without_the_tokenizer
     expected = [engine_count(engine, {"model": model, "prompt": p})[1]["count"] for p in body["prompt"]]
     async with aiohttp.ClientSession() as session:
         for remote in (False, True):
-            counter = TokenCounter(session, engine.url, timeout_s=5)
+            counter = TokenCounter(session, lambda: engine.url, timeout_s=5)
             counter.remote_only = remote
             limits = await counter.count(parsed("/v1/completions", body))
             assert (limits.prompts, limits.prompt_tokens) == (expected, sum(expected)), remote

@@ -15,12 +15,17 @@ from hypothesis import strategies as st
 from support import ROOT
 
 from engine.protocol import TelemetrySnapshot, TenantUsage
-from guard.admission.dispatch import Dispatcher, Rejected, Ticket, TicketState
+from guard.admission.dispatch import Dispatcher, Ticket, TicketState
 from guard.admission.fairness import FairQueue
-from guard.admission.gate import AdmissionGate
+from guard.admission.gate import AdmissionGate, batch_blocks_for, blocks_for
 from guard.config import Admission, ConfigError, GuardConfig, load_config
+from guard.errors import GuardError
 from guard.http.app import create_app
 from guard.http.auth import KeyStore
+from guard.pool.picker import Picker
+from guard.pool.pool import ReplicaPool
+from guard.pool.replica import Replica
+from guard.pool.routing import CircuitBreaker
 from guard.runtime import STATE
 
 BASE = """
@@ -53,7 +58,8 @@ def test_example_config_loads() -> None:
         (BASE + "  - {name: acme, api_keys: [sk-c]}\n", "duplicate tenant name(s): acme"),
         (BASE.replace("sk-b", "sk-a"), "an API key is listed more than once"),
         (BASE.replace("lane: batch", "lane: turbo"), "unknown lane 'turbo'"),
-        ("tenants: []\n", "engine: Field required"),
+        ("tenants: []\n", "tenants: List should have at least 1 item"),
+        ("tenants: [{name: a, api_keys: [k]}]\n", "give either engine (one replica) or engines"),
         ("- just a list\n", "expected a mapping"),
         (BASE + "admission: {safe_utilization: 0.5, resume_utilization: 0.7}\n", "resume_utilization"),
     ],
@@ -129,9 +135,9 @@ def test_gate_commits_against_live_usage_with_hysteresis() -> None:
     gate = AdmissionGate(Admission(safe_utilization=0.8, resume_utilization=0.5), {"acme"})
     assert not gate.try_reserve("r0", "acme", 1), "no telemetry: the pool counts as full"
     gate.update(snapshot(free=90))  # 10 blocks used by someone the guard does not know
-    assert gate.blocks_for(prompt_tokens=20, max_tokens=30) == 4
-    assert gate.blocks_for(prompt_tokens=20, max_tokens=30, n=3) == 4 + 2 * 3
-    assert gate.batch_blocks_for([20, 20, 5], max_tokens=30) == 4 + 4 + 3
+    assert blocks_for(16, prompt_tokens=20, max_tokens=30) == 4
+    assert blocks_for(16, prompt_tokens=20, max_tokens=30, n=3) == 4 + 2 * 3
+    assert batch_blocks_for(16, [20, 20, 5], max_tokens=30) == 4 + 4 + 3
     assert gate.try_reserve("r1", "acme", 60) and gate.committed() == 70
     assert not gate.try_reserve("r2", "acme", 20), "70 + 20 > 80"
     assert not gate.open
@@ -159,7 +165,7 @@ def test_drain_rate_counts_only_the_window(monkeypatch: pytest.MonkeyPatch) -> N
     clock[0] = 1012.0
     assert gate.drain_rate() == pytest.approx(9 / 10), "the first release left the 10 s window"
     clock[0] = 1030.0
-    assert gate.drain_rate() == 0 and gate.expected_wait(5) is None
+    assert gate.drain_rate() == 0
 
 
 @settings(max_examples=60, deadline=None)
@@ -184,10 +190,12 @@ def test_reservations_are_never_leaked(ops: list[tuple[str, int, int]]) -> None:
 
 
 def make_dispatcher(tmp_path: Path, num_blocks: int = 100) -> tuple[Dispatcher, GuardConfig]:
+    """A dispatcher in front of a pool of one replica with ``num_blocks`` free blocks."""
     config = load_config(write(tmp_path, BASE.replace("{name: acme,", "{name: acme, max_queue: 3,")))
     gate = AdmissionGate(config.admission, {t.name for t in config.tenants})
     gate.update(snapshot(num_blocks=num_blocks, free=num_blocks))
-    return Dispatcher(config, gate), config
+    replica = Replica(config.pool[0], gate, CircuitBreaker("primary", 3, 1.0))
+    return Dispatcher(config, ReplicaPool([replica]), Picker("kvguard")), config
 
 
 def ticket(config: GuardConfig, tenant: int, blocks: int, rid: str, timeout: float | None = None) -> Ticket:
@@ -204,7 +212,7 @@ async def test_dispatcher_admits_queues_times_out_and_cancels(tmp_path: Path) ->
     await dispatcher.submit(big)
     assert big.state is TicketState.ADMITTED
     late = ticket(config, 0, 10, "late", timeout=0.05)
-    with pytest.raises(Rejected) as info:
+    with pytest.raises(GuardError) as info:
         await dispatcher.submit(late)
     assert info.value.status == 503 and 1 <= info.value.retry_after <= 60
     waiting = ticket(config, 1, 10, "waiting")
@@ -218,14 +226,14 @@ async def test_dispatcher_admits_queues_times_out_and_cancels(tmp_path: Path) ->
     queued = [ticket(config, 0, 10, f"q{i}") for i in range(3)]
     tasks = [asyncio.create_task(dispatcher.submit(t)) for t in queued]
     await asyncio.sleep(0.01)
-    with pytest.raises(Rejected) as info:
+    with pytest.raises(GuardError) as info:
         await dispatcher.submit(ticket(config, 0, 1, "overflow"))
     assert info.value.status == 429 and info.value.code == "queue_full"
     dispatcher.finish(big)
     await asyncio.gather(*tasks)
     for t in queued:
         dispatcher.finish(t)
-    assert not dispatcher.gate.reservations
+    assert not dispatcher.pool.reservations()
 
 
 @settings(max_examples=25, deadline=None)
@@ -248,7 +256,7 @@ def test_dispatcher_never_leaks_a_reservation(tmp_path_factory, plan) -> None:
         await asyncio.gather(*tasks, return_exceptions=True)
         for t in tickets:
             dispatcher.finish(t)
-        assert not dispatcher.gate.reservations and not dispatcher.gate.reserved_by_tenant
+        assert not dispatcher.pool.reservations() and not dispatcher.pool.reserved_by_tenant()
         assert all(len(q) == 0 for q in dispatcher.fair.tenants.values())
 
     asyncio.run(scenario())
@@ -256,7 +264,7 @@ def test_dispatcher_never_leaks_a_reservation(tmp_path_factory, plan) -> None:
 
 async def test_another_tenants_backlog_does_not_get_a_newcomer_refused(tmp_path: Path) -> None:
     dispatcher, config = make_dispatcher(tmp_path)  # budget 85 blocks
-    gate = dispatcher.gate
+    gate = dispatcher.pool.replicas[0].gate
     assert gate.try_reserve("done", "bulk", 10) and gate.release("done")  # a slow measured drain rate
     hog = ticket(config, 1, 80, "hog")
     await dispatcher.submit(hog)
@@ -286,7 +294,7 @@ async def test_a_tenants_queue_can_be_refused_alone(tmp_path: Path) -> None:
     tasks = [asyncio.create_task(dispatcher.submit(t)) for t in (*attacker, bystander)]
     await asyncio.sleep(0.01)
     assert all(t.state is TicketState.QUEUED for t in (*attacker, bystander))
-    refusal = Rejected(429, "abuse_suspected", "attack", 60)
+    refusal = GuardError(429, "attack", code="abuse_suspected", retry_after=60)
     assert dispatcher.reject_queued(config.tenants[1].name, refusal) == 3
     results = await asyncio.gather(*tasks[:3], return_exceptions=True)
     assert results == [refusal] * 3 and all(t.state is TicketState.DONE for t in attacker)
@@ -295,7 +303,7 @@ async def test_a_tenants_queue_can_be_refused_alone(tmp_path: Path) -> None:
     await tasks[3]
     assert bystander.state is TicketState.ADMITTED
     dispatcher.finish(bystander)
-    assert not dispatcher.gate.reservations
+    assert not dispatcher.pool.reservations()
 
 
 async def test_confirming_an_attacker_refuses_what_it_had_queued() -> None:
@@ -307,7 +315,7 @@ async def test_confirming_an_attacker_refuses_what_it_had_queued() -> None:
                     {"name": "victim", "api_keys": ["sk-v"], "weight": 2},
                     {"name": "another", "api_keys": ["sk-w"], "weight": 2}]})
     state = create_app(config)[STATE]
-    state.gate.update(snapshot(num_blocks=96, free=96))
+    state.pool.replicas[0].gate.update(snapshot(num_blocks=96, free=96))
     attacker = config.tenants[0]
     holding = Ticket("fill", attacker, config.lanes[attacker.lane], 10, 600, 40)
     await state.dispatcher.submit(holding)
@@ -320,11 +328,11 @@ async def test_confirming_an_attacker_refuses_what_it_had_queued() -> None:
         now = start + tick * 0.05
         for max_tokens in ([2] if tick % 5 == 0 else []) + ([600] if tick % 40 == 0 else []) + [8]:
             state.detector.on_request("attacker", max_tokens, now)
-    state.update_detector()
-    state.update_detector()
+    state.escalation.evaluate()
+    state.escalation.evaluate()
     assert state.detector.state("attacker") == "confirmed" and state.detector.state("victim") == "normal"
     for result in await asyncio.gather(*tasks, return_exceptions=True):
-        assert isinstance(result, Rejected) and (result.status, result.code) == (429, "abuse_suspected")
+        assert isinstance(result, GuardError) and (result.status, result.code) == (429, "abuse_suspected")
     assert holding.state is TicketState.ADMITTED, "what runs already finishes"
     state.dispatcher.finish(holding)
-    assert not state.gate.reservations
+    assert not state.pool.reservations()

@@ -52,7 +52,7 @@ async def test_04_client_leaving_while_queued_is_removed_and_the_engine_never_he
         globex_before = tenant_usage(engine, "globex")["prompt_tokens_total"]
         # 51 of the 54 blocks the guard may commit: globex's 5-block request has to wait behind it.
         blocker = asyncio.create_task(client.call(body(800, stream=True)))
-        await until(lambda: guard.call(lambda: guard.state.gate.tenant_reserved("acme")), bool, 5)
+        await until(lambda: guard.call(lambda: guard.state.pool.tenant_reserved("acme")), bool, 5)
         queued = asyncio.create_task(client.call(body(64), key="sk-globex"))
 
         def globex_queue() -> int:

@@ -72,7 +72,7 @@ async def test_13_engine_restarted_twice_under_load_hangs_nothing_and_the_guard_
             assert sig is signal.SIGKILL or code == 0, f"no clean exit on {sig.name}:\n{engine.log_tail()}"
             await asyncio.to_thread(engine.start)
             await until(lambda: guard.call(lambda: guard.state.modes.mode == "normal"
-                                           and guard.state.primary_up()), bool, 20)
+                                           and guard.state.pool.any_up()), bool, 20)
             recovered_at.append(time.monotonic())
         await asyncio.sleep(2)
         stop.set()

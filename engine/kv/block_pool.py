@@ -5,6 +5,11 @@ full, hashed prefix is also *cached*: a later request with the same prefix (and 
 the free queue instead of recomputing it; otherwise it is evicted when the queue hands it out again.
 So ``num_free`` counts every reclaimable block, cached ones included, and ``num_used + num_free`` is
 always ``num_blocks``.
+
+Which hashes the index holds can be followed as events (engine/kv/events.py): once ``record_events`` is
+called, every hash that enters the index (``register``) or leaves it (an eviction) is appended to the log it
+returns, which its caller drains once per step. Only a caller that drains asks for one, so the offline
+``LLM`` records nothing.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from collections import Counter
 from collections.abc import Iterable
 
 from engine.kv.block import FreeBlockQueue, KVBlock
+from engine.kv.events import KVEventLog
 
 
 class BlockPool:
@@ -26,6 +32,7 @@ class BlockPool:
         self._by_hash: dict[bytes, KVBlock] = {}
         self._num_cached_free = 0
         self.evictions_total = 0
+        self.events: KVEventLog | None = None
 
     @property
     def num_free(self) -> int:
@@ -39,6 +46,15 @@ class BlockPool:
     def num_cached(self) -> int:
         """Free blocks that still hold a reusable prefix."""
         return self._num_cached_free
+
+    def record_events(self) -> KVEventLog:
+        """Start logging the hashes that enter and leave the index; the caller must drain the log (once per step).
+
+        The log starts with the hashes already indexed as stored, so that its batches, applied in order to an
+        empty set, always give the index.
+        """
+        self.events = KVEventLog(stored=list(self._by_hash))
+        return self.events
 
     def lookup(self, block_hash: bytes) -> KVBlock | None:
         return self._by_hash.get(block_hash)
@@ -86,6 +102,8 @@ class BlockPool:
             return
         block.block_hash = block_hash
         self._by_hash[block_hash] = block
+        if self.events is not None:
+            self.events.stored.append(block_hash)
 
     def check(self, holders: Counter[int]) -> None:
         """Raise ``RuntimeError`` unless the pool is consistent with ``holders`` (block id -> how many block
@@ -112,6 +130,8 @@ class BlockPool:
     def _evict(self, block: KVBlock) -> None:
         assert block.block_hash is not None
         del self._by_hash[block.block_hash]
+        if self.events is not None:
+            self.events.removed.append(block.block_hash)
         block.block_hash = None
         self._num_cached_free -= 1
         self.evictions_total += 1

@@ -2,8 +2,9 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /tokenize``, ``GET /tokenizer`` (``openai_api``),
 ``GET /v1/models``, ``GET /v1/models/{id}`` (404 ``model_not_found`` for any id but the served one), ``GET /health`` (200 ready, 503 loading/degraded/failed/stopped), ``GET /telemetry``
-(one snapshot), ``GET /telemetry/stream`` (SSE snapshots) and ``GET /metrics`` (Prometheus). ``/telemetry``
-and ``/metrics`` answer within ``SCRAPE_WAIT_S`` even during a long step, with the newest published reading.
+(one snapshot), ``GET /telemetry/stream`` (SSE snapshots), ``GET /kv/events`` (SSE of the prefix cache's block
+hashes, ``kv_events``) and ``GET /metrics`` (Prometheus). ``/telemetry`` and ``/metrics`` answer within
+``SCRAPE_WAIT_S`` even during a long step, with the newest published reading.
 
 ``/telemetry/stream`` sends snapshots as its only events (until an ``error`` event ends it when the engine
 stops), with heartbeat comments between them, and never waits for a step to end to send either:
@@ -41,6 +42,7 @@ from engine.config import EngineConfig
 from engine.protocol import ModelCard, ModelList, StepProgress
 from engine.server.async_engine import AsyncEngine
 from engine.server.errors import ApiError, openai_errors
+from engine.server.kv_events import KVEventsHandler
 from engine.server.metrics import EngineReading
 from engine.server.openai_api import OpenAIHandlers
 from engine.server.request_stream import EngineUnavailable
@@ -71,6 +73,7 @@ def create_app(engine: AsyncEngine) -> web.Application:
     app.router.add_get("/telemetry", telemetry.snapshot)
     app.router.add_get("/telemetry/stream", telemetry.stream)
     app.router.add_get("/metrics", telemetry.metrics)
+    app.router.add_get("/kv/events", KVEventsHandler(engine.kv_events).stream)
 
     async def start(_: web.Application) -> None:
         engine.start()

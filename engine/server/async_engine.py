@@ -8,7 +8,8 @@
     abort(id)     ---+-- command queue (thread-safe) --->    apply queued commands (add/abort/read)
     recent_reading() /                                       step()  (one scheduled batch)
     RequestStream  <-- loop.call_soon_threadsafe -------     outputs, once per loop iteration,
-    next_reading() <--/                                      with a reading while subscribed
+    next_reading() <--+                                      with a reading while subscribed
+    kv_events      <--/                                      and the step's KV-cache event batch
     step_running_s <-- one float (atomic) --------------     when the running step started
 
 Only the engine thread changes the core once it is loaded; everything else reaches it through commands
@@ -21,6 +22,10 @@ notification it sends after a step anyway, at most every ``PUBLISH_INTERVAL_S`` 
 idle). So subscribers cost one snapshot per interval however many they are, and no extra wake-up of either
 thread (each wake-up of the event loop takes the GIL from the stepping thread). Every reading taken for
 anyone (``recent_reading()``, ``refresh()``) is published too, so a refresh asked for by one subscriber reaches all.
+
+The prefix cache's KV events (engine/kv/events.py) ride on the same notification: the engine thread drains
+the pool's event log once per loop iteration and posts the batch with the outputs, so the feed
+(``kv_events``, engine/server/kv_events.py) sees every batch in order at no extra wake-up.
 
 A step can take seconds (a long prefill on a CPU), and no reading can be had until it ends. The event loop
 never has to wait for one to know the engine is alive: ``step_running_s`` says how long the running step
@@ -47,8 +52,10 @@ from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.kv.events import KVEventBatch
 from engine.outputs import RequestOutput
 from engine.sched.request import Request
+from engine.server.kv_events import KVEventFeed
 from engine.server.metrics import EngineMetrics, EngineReading, LatencyRecorder
 from engine.server.request_stream import EngineUnavailable, RequestFailed, RequestStream
 
@@ -87,6 +94,7 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.metrics = EngineMetrics()
+        self.kv_events = KVEventFeed(config.block_size)
         self._latency = LatencyRecorder(self.metrics)
         self._core: EngineCore | None = None
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
@@ -247,7 +255,9 @@ class AsyncEngine:
                 raise EngineUnavailable("the engine has stopped")
             self._commands.put(command)
 
-    def _deliver(self, outputs: list[RequestOutput], reading: EngineReading | None) -> None:
+    def _deliver(
+        self, outputs: list[RequestOutput], reading: EngineReading | None, kv_batch: KVEventBatch | None
+    ) -> None:
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is not None:
@@ -256,6 +266,8 @@ class AsyncEngine:
                     del self._streams[output.request_id]
         if reading is not None:
             self._publish(reading)
+        if kv_batch is not None:
+            self.kv_events.publish(kv_batch)
 
     def _publish_read(self, read: asyncio.Future[EngineReading]) -> None:
         # A failed read (the engine stopped) was the caller's to report; retrieving it here keeps asyncio quiet.
@@ -276,9 +288,10 @@ class AsyncEngine:
             if stream is not None:
                 stream.fail(error)
 
-    def _fail_all(self, error: BaseException) -> None:
+    def _fail_all(self, error: EngineUnavailable) -> None:
         self._fail_requests(list(self._streams), error)
         self._publication.set()  # subscribers wake up, and find the engine gone
+        self.kv_events.close(error)
 
     def _loaded(self, core: EngineCore) -> None:
         self._core = core
@@ -321,6 +334,7 @@ class AsyncEngine:
 
     def _serve(self, core: EngineCore) -> list[_Command]:
         """Apply commands and step until told to stop; return the commands that came after the stop."""
+        kv_log = core.kv.pool.record_events()  # drained below, once per iteration: every batch reaches the feed
         while True:
             changed = False
             commands = self._next_commands(block=not core.has_unfinished)
@@ -330,7 +344,7 @@ class AsyncEngine:
                 changed |= self._apply(core, command)
             outputs = self._step(core) if core.has_unfinished else None
             if changed or outputs is not None:
-                self._post(self._deliver, outputs or [], self._publication_due(core))
+                self._post(self._deliver, outputs or [], self._publication_due(core), kv_log.drain())
 
     def _next_commands(self, block: bool) -> list[_Command]:
         commands = [self._commands.get()] if block else []

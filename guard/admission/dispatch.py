@@ -1,14 +1,15 @@
-"""From queued to admitted: the fair queue in front of the admission gate.
+"""From queued to admitted: one fair queue for the whole pool, in front of the replicas' admission gates.
 
-``submit`` queues a ticket and waits until the dispatcher commits its reservation, or raises ``Rejected``;
-while nobody waits, a ticket that fits is admitted at once without queueing (VTC has no one to order).
-``pump`` admits tickets in VTC order: the backlogged tenant with the lowest counter goes first; a tenant at
-its own block cap is passed over (its limit, not the pool's), but when the lowest eligible tenant's next
-request does not fit the pool, admission stops there, so big requests are not starved by small ones.
-``finish`` releases exactly once, however the request ended.
+``submit`` queues a ticket and waits until the dispatcher commits its reservation on a replica, or raises
+``GuardError``; while nobody waits, a ticket that fits somewhere is admitted at once without queueing (VTC
+has no one to order). ``pump`` admits tickets in VTC order: the backlogged tenant with the lowest counter
+goes first, to the first replica in the picker's order whose gate admits it (guard/pool/picker.py); a
+tenant at its own block cap is passed over (its limit, not the pool's), but when the lowest eligible
+tenant's next request fits no replica, admission stops there, so big requests are not starved by small
+ones. ``finish`` releases exactly once, however the request ended.
 
 Invariant: a ticket is in exactly one state: queued (in the fair queue, no reservation), admitted (a
-reservation, not queued) or done (neither).
+reservation on exactly one replica, ``ticket.replica``, not queued) or done (neither).
 """
 
 from __future__ import annotations
@@ -16,11 +17,14 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from guard.admission.fairness import FairQueue, TenantQueue
-from guard.admission.gate import AdmissionGate
 from guard.config import GuardConfig, Lane, Tenant
+from guard.errors import GuardError
+from guard.pool.picker import Picker
+from guard.pool.pool import ReplicaPool
+from guard.pool.replica import Replica
 
 
 class TicketState(enum.Enum):
@@ -38,29 +42,23 @@ class Ticket:
     prompt_tokens: int
     max_tokens: int
     blocks: int
+    # Each prompt's full-block hashes under the tenant's salt, when the picker reads prefix hits.
+    hashes: list[list[bytes]] = field(default_factory=list)
     enqueued_at: float = 0.0
     state: TicketState = TicketState.NEW
     # Created only for a ticket that has to wait: most are admitted within submit and never need one.
     admitted: asyncio.Future[None] | None = None
-
-
-class Rejected(Exception):
-    """The guard refuses a request: ``status`` 429 (the tenant's limit) or 503 (capacity, deadline)."""
-
-    def __init__(self, status: int, code: str, message: str, retry_after: int) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.message = message
-        self.retry_after = retry_after
+    replica: Replica | None = None  # where the reservation is (was, once done)
+    hit_blocks: int = 0  # leading prompt blocks the replica it went to caches, as its index predicted
 
 
 class Dispatcher:
-    def __init__(self, config: GuardConfig, gate: AdmissionGate) -> None:
+    def __init__(self, config: GuardConfig, pool: ReplicaPool, picker: Picker) -> None:
         self.config = config
-        self.gate = gate
+        self.pool = pool
+        self.picker = picker
         self.block_caps: dict[str, float] = {}  # tenant -> share of the budget, tighter than its config
-        self.closed: Rejected | None = None  # set by reject_all: what every later submit gets
+        self.closed: GuardError | None = None  # set by reject_all: what every later submit gets
         self.fair: FairQueue[Ticket] = FairQueue()
         for tenant in config.tenants:
             self.fair.tenant(tenant.name, tenant.weight)
@@ -81,27 +79,27 @@ class Dispatcher:
                    for t in lane)
 
     async def submit(self, ticket: Ticket) -> None:
-        """Queue ``ticket`` and wait for admission. Raises ``Rejected``; on cancellation nothing is held."""
+        """Queue ``ticket`` and wait for admission. Raises ``GuardError``; on cancellation nothing is held."""
         if self.closed is not None:
             raise self.closed
         queue = self.queue_of(ticket.tenant)
-        if not self.fair.queued and self._within_cap(queue, ticket) and self.gate.try_reserve(
-                ticket.request_id, queue.name, ticket.blocks):
+        if not self.fair.queued and self._within_cap(queue, ticket) and self._place(queue, ticket):
             self._admitted(queue, ticket)  # nobody waits, so VTC order has nothing to say: no queue, no future
             return
         ahead = self.blocks_ahead_of(ticket) + ticket.blocks
-        wait = self.gate.expected_wait(max(0, self.gate.committed() + ahead - self.gate.budget))
+        wait = self.pool.expected_wait(max(0, self.pool.committed() + ahead - self.pool.budget()))
         if wait is not None and wait > ticket.lane.timeout:
-            raise Rejected(503, "overloaded", f"the expected queueing time ({wait:.1f} s) exceeds this lane's "
-                           f"timeout ({ticket.lane.timeout:g} s)", self.gate.retry_after(ahead))
+            raise GuardError(503, f"the expected queueing time ({wait:.1f} s) exceeds this lane's timeout "
+                             f"({ticket.lane.timeout:g} s)", code="overloaded", retry_after=self.pool.retry_after(ahead))
         ticket.enqueued_at = time.monotonic()
         ticket.state = TicketState.QUEUED
         self.fair.push(queue, ticket.lane.priority, ticket)
         self.pump()
         if ticket.state is TicketState.QUEUED and len(queue) > ticket.tenant.max_queue:
             self._dequeue(ticket)  # max_queue counts waiting requests: one admitted at once never waited
-            raise Rejected(429, "queue_full", f"tenant {ticket.tenant.name!r} already has {len(queue)} requests "
-                           f"queued (max_queue {ticket.tenant.max_queue})", self.gate.retry_after(self.blocks_queued()))
+            raise GuardError(429, f"tenant {ticket.tenant.name!r} already has {len(queue)} requests queued "
+                             f"(max_queue {ticket.tenant.max_queue})", code="queue_full",
+                             retry_after=self.pool.retry_after(self.blocks_queued()))
         if ticket.state is TicketState.ADMITTED:
             return  # admitted at once by pump: no future, no deadline
         ticket.admitted = asyncio.get_running_loop().create_future()  # before any await: pump sets it
@@ -111,8 +109,8 @@ class Dispatcher:
             self._dequeue(ticket)
             if ticket.state is TicketState.ADMITTED:  # admitted in the same instant the deadline passed
                 return
-            raise Rejected(503, "queue_timeout", f"not admitted within this lane's {ticket.lane.timeout:g} s "
-                           "queueing timeout", self.gate.retry_after(self.blocks_queued())) from None
+            raise GuardError(503, f"not admitted within this lane's {ticket.lane.timeout:g} s queueing timeout",
+                             code="queue_timeout", retry_after=self.pool.retry_after(self.blocks_queued())) from None
         except asyncio.CancelledError:
             self.finish(ticket)  # the client left: out of the queue, or its fresh reservation back
             raise
@@ -128,15 +126,24 @@ class Dispatcher:
             if not self._within_cap(queue, ticket):
                 capped.add(queue.name)
                 continue
-            if not self.gate.try_reserve(ticket.request_id, queue.name, ticket.blocks):
+            if not self._place(queue, ticket):
                 return
             self.fair.pop(queue)
             self._admitted(queue, ticket)
 
+    def _place(self, queue: TenantQueue[Ticket], ticket: Ticket) -> bool:
+        """Reserve the ticket's blocks on the first replica, in the picker's order, whose gate admits them."""
+        for replica, hit_blocks in self.picker.rank(self.pool.replicas, ticket.blocks, ticket.hashes):
+            if replica.gate.try_reserve(ticket.request_id, queue.name, ticket.blocks):
+                ticket.replica, ticket.hit_blocks = replica, hit_blocks
+                replica.in_flight += 1
+                return True
+        return False
+
     def _within_cap(self, queue: TenantQueue[Ticket], ticket: Ticket) -> bool:
         """The tenant's reservations may grow by this ticket (one request alone is always within its cap)."""
-        held = self.gate.tenant_reserved(queue.name)
-        cap = int(self.block_caps.get(queue.name, ticket.tenant.max_blocks_share) * self.gate.budget)
+        held = self.pool.tenant_reserved(queue.name)
+        cap = int(self.block_caps.get(queue.name, ticket.tenant.max_blocks_share) * self.pool.budget())
         return not held or held + ticket.blocks <= cap
 
     def _admitted(self, queue: TenantQueue[Ticket], ticket: Ticket) -> None:
@@ -154,17 +161,19 @@ class Dispatcher:
         if ticket.state is TicketState.QUEUED:
             self._dequeue(ticket)
         elif ticket.state is TicketState.ADMITTED:
-            self.gate.release(ticket.request_id)
+            assert ticket.replica is not None  # set with the reservation
+            ticket.replica.gate.release(ticket.request_id)
+            ticket.replica.in_flight -= 1
             self.pump()
         ticket.state = TicketState.DONE
 
-    def reject_all(self, reason: Rejected) -> None:
+    def reject_all(self, reason: GuardError) -> None:
         """Fail every queued ticket with ``reason``, and every later one (shutdown); admitted ones run on."""
         self.closed = reason
         for name in self.fair.tenants:
             self.reject_queued(name, reason)
 
-    def reject_queued(self, tenant: str, reason: Rejected) -> int:
+    def reject_queued(self, tenant: str, reason: GuardError) -> int:
         """Fail the tenant's queued tickets with ``reason`` (admitted ones run on); returns how many."""
         queue = self.fair.tenants[tenant]
         rejected = 0

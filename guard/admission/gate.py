@@ -47,6 +47,19 @@ log = logging.getLogger("guard.admission.gate")
 DRAIN_WINDOW_S = 10.0
 
 
+def blocks_for(block_size: int, prompt_tokens: int, max_tokens: int, n: int = 1) -> int:
+    """Blocks a request can ever hold: its first sequence's, plus, for ``n > 1``, each fork's copy of the
+    shared partial block (on its first write) and its own output blocks."""
+    first = -(-(prompt_tokens + max_tokens) // block_size)
+    return first + (n - 1) * (-(-max_tokens // block_size) + 1)
+
+
+def batch_blocks_for(block_size: int, prompts_tokens: list[int], max_tokens: int, n: int = 1) -> int:
+    """Blocks a batch of prompts can ever hold: each prompt is an engine request of its own, with its own
+    partial blocks, so the sum of theirs."""
+    return sum(blocks_for(block_size, prompt, max_tokens, n) for prompt in prompts_tokens)
+
+
 @dataclass(slots=True)
 class Reservation:
     key: str
@@ -119,22 +132,6 @@ class AdmissionGate:
         return self.alive and self.telemetry_age() <= self.config.telemetry_stale_s
 
     # -- arithmetic ------------------------------------------------------------------------------------
-    def blocks_for(self, prompt_tokens: int, max_tokens: int, n: int = 1) -> int | None:
-        """Blocks a request can ever hold; None while the block size is unknown (no telemetry yet)."""
-        if self.snapshot is None:
-            return None
-        size = self.snapshot.block_size
-        first = -(-(prompt_tokens + max_tokens) // size)
-        # Each fork copies the shared partial block on its first write, then grows its own output blocks.
-        return first + (n - 1) * (-(-max_tokens // size) + 1)
-
-    def batch_blocks_for(self, prompts_tokens: list[int], max_tokens: int, n: int = 1) -> int | None:
-        """Blocks a batch of prompts can ever hold: each prompt is an engine request of its own, with its own
-        partial blocks, so the sum of theirs; None while the block size is unknown."""
-        if self.snapshot is None:
-            return None
-        return sum(self.blocks_for(prompt, max_tokens, n) or 0 for prompt in prompts_tokens)
-
     @property
     def budget(self) -> int:
         """Blocks the guard will commit at most (``safe_utilization * num_blocks``); 0 without telemetry."""
@@ -197,13 +194,3 @@ class AdmissionGate:
         # Until a whole window has passed, divide by the time observed, not by the window.
         span = min(DRAIN_WINDOW_S, max(now - self._started, 1.0))
         return self._released_blocks / span
-
-    def expected_wait(self, blocks_ahead: int) -> float | None:
-        """Seconds for ``blocks_ahead`` blocks to drain at the measured rate; None before any measurement."""
-        rate = self.drain_rate()
-        return blocks_ahead / rate if rate > 0 else None
-
-    def retry_after(self, blocks_ahead: int) -> int:
-        """``Retry-After`` in whole seconds, 1..60, from the measured drain rate (5 before any measurement)."""
-        wait = self.expected_wait(blocks_ahead)
-        return 5 if wait is None else max(1, min(60, math.ceil(wait)))

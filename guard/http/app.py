@@ -1,12 +1,12 @@
-"""The guard's aiohttp application: routes, the stamping middleware and the lifecycle (session, telemetry
-subscription, health monitor, graceful shutdown). The request pipeline itself is guard/http/pipeline.py."""
+"""The guard's aiohttp application: routes, the stamping middleware and the lifecycle (client session, each
+replica's telemetry and KV-event subscriptions, the health monitor, graceful shutdown). The request
+pipeline itself is guard/http/pipeline.py."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
-import time
 
 import aiohttp
 import yarl
@@ -14,21 +14,26 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from engine.protocol import StepProgress, TelemetrySnapshot
-from guard.admission.dispatch import Dispatcher, Rejected
+from guard.admission.dispatch import Dispatcher
 from guard.admission.gate import AdmissionGate
 from guard.config import Backend, GuardConfig
 from guard.detect.detector import Detector
+from guard.detect.escalation import Escalation
+from guard.errors import GuardError
 from guard.http.auth import KeyStore
 from guard.http.errors import error_response
 from guard.http.pipeline import authenticate, completion
 from guard.http.relay import SHUTTING_DOWN, Relay
 from guard.http.tokens import TokenCounter
-from guard.http.validate import Invalid
 from guard.metrics import GuardMetrics
+from guard.pool.kv_events import KVEventSubscriber
 from guard.pool.monitor import monitor
+from guard.pool.picker import Picker
+from guard.pool.pool import ReplicaPool
+from guard.pool.replica import Replica
 from guard.pool.routing import CircuitBreaker, ModeMachine, Router
 from guard.pool.telemetry import TelemetrySubscriber
-from guard.runtime import REQUEST_ID, STATE, TENANT, GuardState
+from guard.runtime import CLIENTS, REQUEST_ID, STATE, TENANT, Clients, GuardState
 
 log = logging.getLogger("guard")
 
@@ -53,57 +58,70 @@ async def identify(request: web.Request, handler) -> web.StreamResponse:
 
 
 async def models(request: web.Request) -> web.StreamResponse:
-    """``GET /v1/models`` and ``GET /v1/models/{id}``: authenticated, then the engine's own answer (its 404
-    ``model_not_found`` for an id it does not serve included)."""
+    """``GET /v1/models`` and ``GET /v1/models/{id}``: authenticated, then a replica's own answer (its 404
+    ``model_not_found`` for an id it does not serve included); every replica serves the same model."""
     state = request.app[STATE]
     try:
         authenticate(request)
-    except Invalid as exc:
-        return exc.response()
-    assert state.session is not None
+    except GuardError as exc:
+        return error_response(exc.status, exc.message, code=exc.code)
     timeout = aiohttp.ClientTimeout(total=state.config.upstream.connect_timeout * 2)
     # The raw path, so that an id's escapes (a slash as %2F) reach the engine as the client sent them.
-    url = state.config.engine.url.rstrip("/") + request.raw_path.split("?", 1)[0]
+    url = state.pool.url() + request.raw_path.split("?", 1)[0]
     try:
-        async with state.session.get(yarl.URL(url, encoded=True), timeout=timeout) as r:
+        async with request.app[CLIENTS].session.get(yarl.URL(url, encoded=True), timeout=timeout) as r:
             return web.Response(body=await r.read(), status=r.status, content_type="application/json")
     except (aiohttp.ClientError, TimeoutError):
-        return error_response(503, "the engine is unavailable", code="engine_unavailable", retry_after=1)
+        return error_response(503, "no engine replica is available", code="engine_unavailable", retry_after=1)
 
 
 async def health(request: web.Request) -> web.Response:
     """200 whenever the guard can answer (in any mode: degraded still serves fallbacks); the body says how."""
     state = request.app[STATE]
-    return web.json_response({"status": "ok", "mode": state.modes.mode, "primary_up": state.primary_up(),
-                              "telemetry_age_s": round(min(state.gate.telemetry_age(), 1e9), 3)})
+    replicas = {r.name: {"up": r.up(), "telemetry_age_s": round(min(r.gate.telemetry_age(), 1e9), 3)}
+                for r in state.pool}
+    return web.json_response({"status": "ok", "mode": state.modes.mode, "pool_up": state.pool.any_up(),
+                              "replicas": replicas})
 
 
 async def metrics_endpoint(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    m, gate = state.metrics, state.gate
+    m, pool = state.metrics, state.pool
     for name, queue in state.dispatcher.fair.tenants.items():
         m.queue_depth.labels(name).set(len(queue))
-        m.reserved_blocks.labels(name).set(gate.tenant_reserved(name))
-    m.budget_blocks.set(gate.budget)
+        m.reserved_blocks.labels(name).set(pool.tenant_reserved(name))
+    m.budget_blocks.set(pool.budget())
     m.jain.set(state.dispatcher.fair.jain_index())
-    m.telemetry_age.set(min(gate.telemetry_age(), 1e9))
+    for replica in pool:
+        gate = replica.gate
+        m.telemetry_age.labels(replica.name).set(min(gate.telemetry_age(), 1e9))
+        m.backend_reserved.labels(replica.name).set(gate.reserved)
+        m.backend_budget.labels(replica.name).set(gate.budget)
+        m.backend_used.labels(replica.name).set(gate.snapshot.used_blocks if gate.snapshot is not None else 0)
     return web.Response(body=generate_latest(m.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 def create_app(config: GuardConfig) -> web.Application:
-    gate = AdmissionGate(config.admission, {t.name for t in config.tenants})
+    guard_tenants = {t.name for t in config.tenants}
+    routing = config.routing
+
+    def breaker(backend: Backend) -> CircuitBreaker:
+        return CircuitBreaker(backend.name, routing.failure_threshold, routing.cooldown_s)
+
+    pool = ReplicaPool([Replica(b, AdmissionGate(config.admission, guard_tenants), breaker(b)) for b in config.pool])
+    fallback_breakers = {f.name: breaker(f) for f in config.fallbacks if isinstance(f, Backend)}
     metrics = GuardMetrics()
-    dispatcher = Dispatcher(config, gate)
+    picker = Picker(routing.policy)
+    dispatcher = Dispatcher(config, pool, picker)
     metrics.service_tokens.read = lambda: {name: queue.service for name, queue in dispatcher.fair.tenants.items()}
-    engines = [config.engine] + [f for f in config.fallbacks if isinstance(f, Backend)]
-    breakers = {b.name: CircuitBreaker(b.name, config.routing.failure_threshold, config.routing.cooldown_s)
-                for b in engines}
     detector = Detector({t.name: t.weight for t in config.tenants})
-    state = GuardState(config, KeyStore(config.tenants, config.secret), gate, dispatcher, metrics,
-                       ModeMachine(config.routing), Router(config.fallbacks, breakers), breakers, detector)
-    for tenant in config.tenants:
-        metrics.suspicion.labels(tenant.name).set(0.0)
-        metrics.fs_state.labels(tenant.name).set(0.0)
+    state = GuardState(config, KeyStore(config.tenants, config.secret), pool, picker, dispatcher, metrics,
+                       ModeMachine(routing), Router(config.fallbacks, fallback_breakers), fallback_breakers,
+                       detector, Escalation(detector, dispatcher, pool, metrics, config.lanes))
+    for replica in pool:  # every replica's series exist from the start, at 0
+        for counter in (metrics.routed, metrics.prefix_predicted, metrics.prefix_reported_hits,
+                        metrics.prefix_reported_queries):
+            counter.labels(replica.name)
     # Body size is enforced by parse_request with a JSON 413; aiohttp's own cap is only a backstop.
     app = web.Application(middlewares=[identify], client_max_size=config.limits.max_body_bytes + 1024)
     app[STATE] = state
@@ -121,37 +139,48 @@ def create_app(config: GuardConfig) -> web.Application:
 
 async def _start(app: web.Application) -> None:
     state = app[STATE]
-    state.started_at = time.monotonic()
+    config = state.config
+    state.pool.start()
     # Far above anything the admission gate lets through, so the connector never becomes a second queue.
     connector = aiohttp.TCPConnector(limit=4096, limit_per_host=0, enable_cleanup_closed=True)
     # No cookie jar: cookies an engine sets must never be stored and sent with another tenant's request
     # (and a jar costs a lookup per request).
-    state.session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
-                                          cookie_jar=aiohttp.DummyCookieJar())
-    state.relay = Relay(state.session, state.config.upstream)
-    state.counter = TokenCounter(state.session, state.config.engine.url, state.config.upstream.connect_timeout)
+    session = aiohttp.ClientSession(connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar())
+    clients = app[CLIENTS] = Clients(session, Relay(session, config.upstream),
+                                      TokenCounter(session, state.pool.url, config.upstream.connect_timeout))
+    stale_s = config.admission.telemetry_stale_s
+    for replica in state.pool:
+        subscriber = TelemetrySubscriber(session, replica.url, *_telemetry_callbacks(state, clients, replica), stale_s)
+        clients.tasks.append(asyncio.create_task(subscriber.run(), name=f"telemetry {replica.name}"))
+        if state.picker.needs_hashes and len(state.pool) > 1:  # a pool of one has nowhere else to route
+            events = KVEventSubscriber(session, replica.url, replica.index, stale_s)
+            clients.tasks.append(asyncio.create_task(events.run(), name=f"kv events {replica.name}"))
+    clients.tasks.append(asyncio.create_task(monitor(state, session), name="monitor"))
+
+
+def _telemetry_callbacks(state: GuardState, clients: Clients, replica: Replica):
+    metrics = state.metrics
 
     def on_snapshot(snapshot: TelemetrySnapshot) -> None:
-        state.counter.on_model(snapshot.model)
-        state.gate.update(snapshot)
-        state.heard_from_engine.set()
+        clients.counter.on_model(snapshot.model)
+        hits, queries = replica.on_snapshot(snapshot)
+        if queries:
+            metrics.child(metrics.prefix_reported_hits, replica.name).inc(hits)
+            metrics.child(metrics.prefix_reported_queries, replica.name).inc(queries)
         state.detector.on_telemetry(snapshot)
         state.dispatcher.pump()
         state.update_mode()
 
     def on_busy(progress: StepProgress) -> None:  # alive in a long step: liveness, not new numbers
-        state.gate.busy(progress.step, progress.step_running_s)
+        replica.gate.busy(progress.step, progress.step_running_s)
         state.update_mode()
 
-    def on_failure() -> None:  # the telemetry stream cannot reach the engine: count it against the breaker
-        state.heard_from_engine.set()
-        state.primary.record_failure()
+    def on_failure() -> None:  # the telemetry stream cannot reach the replica: count it against its breaker
+        replica.heard.set()
+        replica.breaker.record_failure()
         state.update_mode()
 
-    state.subscriber = TelemetrySubscriber(state.session, state.config.engine.url, on_snapshot, on_busy,
-                                           on_failure, state.config.admission.telemetry_stale_s)
-    state.tasks = (asyncio.create_task(state.subscriber.run(), name="telemetry"),
-                   asyncio.create_task(monitor(state), name="monitor"))
+    return on_snapshot, on_busy, on_failure
 
 
 async def _shutdown(app: web.Application) -> None:
@@ -159,22 +188,22 @@ async def _shutdown(app: web.Application) -> None:
     running ones get ``shutdown_timeout`` to finish. Then every upstream connection is dropped, so that each
     stream still open ends with an error event (and each unary request with a 503) before aiohttp, after
     waiting as long again, would cancel the handlers and cut the streams short."""
-    state = app[STATE]
-    state.dispatcher.reject_all(Rejected(503, "shutting_down", SHUTTING_DOWN, 1))
-    deadline = time.monotonic() + state.config.limits.shutdown_timeout
-    while state.in_flight and time.monotonic() < deadline:
+    state, clients = app[STATE], app[CLIENTS]
+    state.dispatcher.reject_all(GuardError(503, SHUTTING_DOWN, code="shutting_down", retry_after=1))
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + state.config.limits.shutdown_timeout
+    while state.in_flight and loop.time() < deadline:
         await asyncio.sleep(0.05)
-    if state.in_flight and state.relay is not None and state.session is not None:
+    if state.in_flight:
         log.warning("shutdown: %d requests still running after %g s; ending them", state.in_flight,
                     state.config.limits.shutdown_timeout)
-        state.relay.close_all()
-        await state.session.close()  # requests still waiting for their answer's headers
+        clients.relay.close_all()
+        await clients.session.close()  # requests still waiting for their answer's headers
 
 
 async def _cleanup(app: web.Application) -> None:
-    state = app[STATE]
-    for task in state.tasks:
+    clients = app[CLIENTS]
+    for task in clients.tasks:
         task.cancel()
-    await asyncio.gather(*state.tasks, return_exceptions=True)
-    if state.session is not None:
-        await state.session.close()
+    await asyncio.gather(*clients.tasks, return_exceptions=True)
+    await clients.session.close()

@@ -19,13 +19,15 @@ every prompt must fit the window, and the one output bound the batch is sent wit
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
 
 from engine.prompting.prompts import PromptCounter, PromptError, check_context
 from engine.protocol import ChatCompletionRequest, TokenizerInfo
-from guard.http.validate import Invalid, ParsedRequest
+from guard.errors import GuardError
+from guard.http.validate import ParsedRequest
 
 THREAD_THRESHOLD_CHARS = 16_384
 
@@ -34,6 +36,7 @@ THREAD_THRESHOLD_CHARS = 16_384
 class TokenLimits:
     prompts: list[int]  # each prompt's tokens: one for a chat, one per prompt of a completion batch
     max_tokens: int  # what each prompt may generate: the client's bound, or what the context leaves
+    ids: list[list[int]] | None = None  # each prompt's token ids; None when the engine counted them remotely
 
     @property
     def prompt_tokens(self) -> int:
@@ -44,9 +47,11 @@ class TokenLimits:
 class TokenCounter:
     """Counts prompt tokens as the engine does and checks them against its context window."""
 
-    def __init__(self, session: aiohttp.ClientSession, engine_url: str, timeout_s: float) -> None:
+    def __init__(self, session: aiohttp.ClientSession, engine_url: Callable[[], str], timeout_s: float) -> None:
+        """``engine_url`` names a replica to ask (one that is up, when any is): all replicas of a pool serve
+        the same model, so any of them counts alike."""
         self.session = session
-        self.base = engine_url.rstrip("/")
+        self.engine_url = engine_url
         self.timeout = aiohttp.ClientTimeout(total=timeout_s * 2)
         self.local: PromptCounter | None = None
         self.remote_only = False  # the engine has no GET /tokenizer: ask POST /tokenize every time
@@ -63,7 +68,7 @@ class TokenCounter:
             self._start_fetch()
 
     async def count(self, parsed: ParsedRequest) -> TokenLimits:
-        """The prompt's tokens and the output bound, or ``Invalid`` with the refusal the engine would give."""
+        """The prompt's tokens and the output bound, or ``GuardError`` with the refusal the engine would give."""
         if self.local is None and not self.remote_only:
             await self._fetch_tokenizer()
         try:
@@ -75,10 +80,15 @@ class TokenCounter:
                     batch = local.batch_ids(parsed.model)
                 prompts, window = [len(ids) for ids in batch], local.max_model_len
             else:
+                batch = None
                 prompts, window = await self._ask(parsed)
-            return TokenLimits(prompts, min([check_context(parsed.model, prompt, window) for prompt in prompts]))
+            return TokenLimits(prompts, min([check_context(parsed.model, prompt, window) for prompt in prompts]),
+                               batch)
         except PromptError as exc:
-            raise Invalid(exc.status, str(exc), param=exc.param, code=exc.code) from None
+            raise GuardError(exc.status, str(exc), param=exc.param, code=exc.code) from None
+
+    def base(self) -> str:
+        return self.engine_url().rstrip("/")
 
     async def _fetch_tokenizer(self) -> None:
         """One fetch at a time: requests that arrive meanwhile wait for it instead of sending their own, and
@@ -98,19 +108,19 @@ class TokenCounter:
 
     async def _get_tokenizer(self) -> None:
         try:
-            async with self.session.get(self.base + "/tokenizer", timeout=self.timeout) as response:
+            async with self.session.get(self.base() + "/tokenizer", timeout=self.timeout) as response:
                 if response.status in (404, 405):
                     self.remote_only = True
                     return
                 raw = await response.read()
                 if response.status != 200:
-                    raise Invalid(503, "the engine is unavailable", code="engine_unavailable", retry_after=1)
+                    raise GuardError(503, "the engine is unavailable", code="engine_unavailable", retry_after=1)
         except (aiohttp.ClientError, TimeoutError):
-            raise Invalid(503, "the engine is unavailable", code="engine_unavailable", retry_after=1) from None
+            raise GuardError(503, "the engine is unavailable", code="engine_unavailable", retry_after=1) from None
         try:
             self.local = PromptCounter.from_info(TokenizerInfo.model_validate_json(raw))
         except ValueError as exc:  # includes pydantic's ValidationError and a tokenizer.json that will not load
-            raise Invalid(502, f"the engine's GET /tokenizer answer is unusable: {exc}",
+            raise GuardError(502, f"the engine's GET /tokenizer answer is unusable: {exc}",
                           code="bad_upstream_response") from None
 
     async def _ask(self, parsed: ParsedRequest) -> tuple[list[int], int]:
@@ -126,13 +136,13 @@ class TokenCounter:
 
     async def _ask_one(self, query: dict) -> tuple[list[int], int]:
         try:
-            async with self.session.post(self.base + "/tokenize", json=query, timeout=self.timeout) as response:
+            async with self.session.post(self.base() + "/tokenize", json=query, timeout=self.timeout) as response:
                 answer = await response.json(content_type=None)
         except (aiohttp.ClientError, TimeoutError, ValueError):
-            raise Invalid(503, "the engine is unavailable", code="engine_unavailable", retry_after=1) from None
+            raise GuardError(503, "the engine is unavailable", code="engine_unavailable", retry_after=1) from None
         if response.status != 200:
             error = answer.get("error", {}) if isinstance(answer, dict) else {}
-            raise Invalid(response.status if response.status < 500 else 503,
+            raise GuardError(response.status if response.status < 500 else 503,
                           error.get("message", "the engine could not tokenize the prompt"),
                           param=error.get("param"), code=error.get("code"))
         return [int(answer["count"])], int(answer["max_model_len"])

@@ -16,7 +16,7 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from engine import protocol
-from guard.http.errors import error_response
+from guard.errors import GuardError
 
 MODELS: dict[str, type[BaseModel]] = {
     "/v1/completions": protocol.CompletionRequest,
@@ -24,19 +24,6 @@ MODELS: dict[str, type[BaseModel]] = {
 }
 # Fields a client may not choose: the guard derives them from the authenticated tenant.
 GUARD_OWNED = ("cache_salt", "priority", "tenant", "tenant_id", "x_tenant_id")
-
-
-class Invalid(Exception):
-    """A request the guard answers itself, with an OpenAI-shaped error."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 retry_after: int | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.retry_after = status, message, param, code, retry_after
-
-    def response(self) -> web.Response:
-        return error_response(self.status, self.message, param=self.param, code=self.code,
-                              retry_after=self.retry_after)
 
 
 @dataclass(slots=True)
@@ -69,28 +56,33 @@ class ParsedRequest:
         return pydantic_core.to_json(body)
 
 
+# The parsed request, kept on the aiohttp request for the stages that answer in its shape (guard/http/static.py).
+PARSED = web.RequestKey("parsed_request", ParsedRequest)
+
+
 async def parse_request(request: web.Request, max_body_bytes: int) -> ParsedRequest:
     if request.content_length is not None and request.content_length > max_body_bytes:
-        raise Invalid(413, f"request body of {request.content_length} bytes exceeds the {max_body_bytes}-byte "
+        raise GuardError(413, f"request body of {request.content_length} bytes exceeds the {max_body_bytes}-byte "
                       "limit", code="request_too_large")
     if request.content_type != "application/json":
-        raise Invalid(400, f"Content-Type must be application/json, got {request.content_type!r}",
+        raise GuardError(400, f"Content-Type must be application/json, got {request.content_type!r}",
                       param="Content-Type", code="invalid_content_type")
     try:
         raw = await request.read()  # aiohttp stops reading past client_max_size, just above max_body_bytes
     except web.HTTPRequestEntityTooLarge:
         raw = None
     if raw is None or len(raw) > max_body_bytes:
-        raise Invalid(413, f"request body exceeds the {max_body_bytes}-byte limit", code="request_too_large")
+        raise GuardError(413, f"request body exceeds the {max_body_bytes}-byte limit", code="request_too_large")
     try:
         body = pydantic_core.from_json(raw)  # as json.loads, but several times faster on small bodies
     except ValueError as exc:
-        raise Invalid(400, f"the body is not valid JSON: {exc}", param="body", code="invalid_json") from None
+        raise GuardError(400, f"the body is not valid JSON: {exc}", param="body", code="invalid_json") from None
     if not isinstance(body, dict):
-        raise Invalid(400, "the body must be a JSON object", param="body", code="invalid_json")
+        raise GuardError(400, "the body must be a JSON object", param="body", code="invalid_json")
     try:
         model = MODELS[request.path].model_validate(body)  # type: ignore[assignment]
     except ValidationError as exc:
         param, message = protocol.validation_error_param(exc)
-        raise Invalid(400, message, param=param, code="invalid_value") from None
-    return ParsedRequest(request.path, body, model)
+        raise GuardError(400, message, param=param, code="invalid_value") from None
+    parsed = request[PARSED] = ParsedRequest(request.path, body, model)
+    return parsed

@@ -1,6 +1,8 @@
-"""Background health checks: each engine backend's ``/health`` feeds its circuit breaker, and the guard's
-mode is re-evaluated on every round (and on every telemetry snapshot or busy heartbeat, see app.py), so a
-primary whose telemetry goes silent or whose step passes ``step_hang_s`` is down within a round."""
+"""Background health checks: each engine backend's ``/health`` (every replica of the pool, every engine
+fallback) feeds its circuit breaker, and the guard's mode and the detector's verdicts are re-evaluated on
+every round (the mode also on every telemetry snapshot or busy heartbeat, see app.py), so a replica whose
+telemetry goes silent or whose step passes ``step_hang_s`` is down within a round, and one that answers
+again rejoins the pool."""
 
 from __future__ import annotations
 
@@ -32,23 +34,23 @@ async def fetch_model(session: aiohttp.ClientSession, backend: Backend, timeout:
         return None
 
 
-async def monitor(state: GuardState) -> None:
-    assert state.session is not None
+async def monitor(state: GuardState, session: aiohttp.ClientSession) -> None:
     cfg = state.config
     timeout = aiohttp.ClientTimeout(total=cfg.routing.health_interval_s * 2)
-    engines = [cfg.engine] + [f for f in cfg.fallbacks if isinstance(f, Backend)]
+    breakers = {r.name: r.breaker for r in state.pool} | state.fallback_breakers
+    engines = cfg.pool + [f for f in cfg.fallbacks if isinstance(f, Backend)]
     while True:
-        results = await asyncio.gather(*(probe(state.session, b, timeout) for b in engines))
+        results = await asyncio.gather(*(probe(session, b, timeout) for b in engines))
         for backend, ok in zip(engines, results):
-            breaker = state.breakers[backend.name]
+            breaker = breakers[backend.name]
             if ok:
                 breaker.record_success()
-                wanted = backend is not cfg.engine and backend.name not in state.fallback_models
-                if wanted and (model := await fetch_model(state.session, backend, timeout)):
+                wanted = backend.name in state.fallback_breakers and backend.name not in state.fallback_models
+                if wanted and (model := await fetch_model(session, backend, timeout)):
                     state.fallback_models[backend.name] = model
             else:
                 breaker.record_failure()
             state.metrics.backend_healthy.labels(backend.name).set(1.0 if breaker.closed else 0.0)
         state.update_mode()
-        state.update_detector()
+        state.escalation.evaluate()
         await asyncio.sleep(cfg.routing.health_interval_s)

@@ -1,7 +1,7 @@
-"""Where a request goes: the primary engine, a fallback, or nowhere, by the guard's mode.
+"""Where a request goes: the pool of engine replicas, a fallback, or nowhere, by the guard's mode.
 
-Modes, from the primary engine's health and how saturated it is (``saturation`` = blocks committed plus
-blocks queued in the guard, over the pool)::
+Modes, from the pool's health (up while any replica is) and how saturated it is (``saturation`` = blocks
+committed plus blocks queued in the guard, over the blocks of the replicas that are up)::
 
     normal --(saturation >= pressure_enter)--> pressure --(>= degraded_enter, or engine down)--> degraded
       ^                                           |                                                |
@@ -10,14 +10,15 @@ blocks queued in the guard, over the pool)::
 Moving up is immediate (an engine that died must not be waited on); moving down waits ``min_dwell_s`` in
 the current mode and needs the lower exit threshold, so the mode does not flap at a boundary.
 
-- normal: everything goes to the primary.
+- normal: everything goes to the pool (which replica: guard/pool/picker.py).
 - pressure: sheddable lanes and tenants holding more than their weighted share go to a fallback first.
 - degraded: new requests go to the fallbacks in config order (an engine fallback while its breaker is
   closed, then a static message); lanes with ``on_degraded: reject`` get 503 instead.
 
-The primary's circuit breaker opens after ``failure_threshold`` consecutive upstream failures (refused
-connections, 5xx from the engine itself, timeouts) or failed health checks, and closes on the first
-success after ``cooldown_s``. The guard's own 429/503 answers are never failures.
+Each backend's circuit breaker opens after ``failure_threshold`` consecutive upstream failures (5xx from
+the engine itself, timeouts, a lost telemetry stream) or failed health checks, at once when a connection
+is refused (nothing listens there: ``trip``), and closes on the first success after ``cooldown_s``. The
+guard's own 429/503 answers are never failures.
 """
 
 from __future__ import annotations
@@ -53,6 +54,11 @@ class CircuitBreaker:
         self.failures = 0
         self.opened_at = None
 
+    def trip(self) -> None:
+        """Open now: the backend refused a connection, so it is not there, whatever its count of failures."""
+        self.failures = max(self.failures, self.failure_threshold - 1)
+        self.record_failure()
+
     def record_failure(self) -> None:
         self.failures += 1
         if self.failures >= self.failure_threshold:
@@ -63,7 +69,7 @@ class CircuitBreaker:
 
 @dataclass(slots=True, frozen=True)
 class Route:
-    kind: str  # "primary" | "engine" (a fallback engine) | "static" | "reject"
+    kind: str  # "pool" | "engine" (a fallback engine) | "static" | "reject"
     name: str  # the backend's name; for "reject", why: "lane" (on_degraded: reject) or "no_backend"
     backend: Backend | StaticFallback | None = None
 
@@ -74,10 +80,10 @@ class ModeMachine:
         self.mode = "normal"
         self.since = time.monotonic()
 
-    def update(self, primary_up: bool, saturation: float) -> tuple[str, str] | None:
+    def update(self, pool_up: bool, saturation: float) -> tuple[str, str] | None:
         """Move to the mode the signals call for; returns ``(from, to)`` when the mode changed."""
         cfg = self.config
-        if not primary_up or saturation >= cfg.degraded_enter:
+        if not pool_up or saturation >= cfg.degraded_enter:
             wanted = "degraded"
         elif saturation >= cfg.pressure_enter:
             wanted = "pressure"
@@ -87,7 +93,7 @@ class ModeMachine:
         if order.index(wanted) < order.index(self.mode):
             dwelt = time.monotonic() - self.since >= cfg.min_dwell_s
             calm = saturation < (cfg.degraded_exit if self.mode == "degraded" else cfg.pressure_exit)
-            if not (dwelt and calm and primary_up):
+            if not (dwelt and calm and pool_up):
                 return None
             if self.mode == "degraded" and saturation >= cfg.pressure_exit:
                 wanted = "pressure"  # step down one mode at a time when still busy
@@ -95,7 +101,7 @@ class ModeMachine:
             return None
         change = (self.mode, wanted)
         self.mode, self.since = wanted, time.monotonic()
-        log.warning("guard mode %s -> %s (primary %s, saturation %.2f)", *change, "up" if primary_up else "down",
+        log.warning("guard mode %s -> %s (pool %s, saturation %.2f)", *change, "up" if pool_up else "down",
                     saturation)
         return change
 
@@ -105,13 +111,13 @@ class Router:
         self.fallbacks = fallbacks
         self.breakers = breakers
 
-    def route(self, mode: str, lane: Lane, over_share: bool, primary_up: bool) -> Route:
+    def route(self, mode: str, lane: Lane, over_share: bool, pool_up: bool) -> Route:
         if mode == "normal" or (mode == "pressure" and not (lane.sheddable or over_share)):
-            return Route("primary", "primary")
+            return Route("pool", "pool")
         if mode == "degraded" and lane.on_degraded == "reject":
             return Route("reject", "lane")
-        # With no usable fallback a saturated but live primary still beats a refusal: its queue has deadlines.
-        return self.fallback() or (Route("primary", "primary") if primary_up else Route("reject", "no_backend"))
+        # With no usable fallback a saturated but live pool still beats a refusal: its queue has deadlines.
+        return self.fallback() or (Route("pool", "pool") if pool_up else Route("reject", "no_backend"))
 
     def fallback(self) -> Route | None:
         """The first usable fallback in config order."""

@@ -7,27 +7,25 @@ The subscriber hands snapshots and busy heartbeats to its callbacks; what they m
 the engine's liveness is the gate's rule (guard/admission/gate.py). Other comments and events of other
 names are skipped.
 
-The subscription reconnects forever with exponential backoff (reset by the first good event). While it is
-down nothing arrives, the admission gate's copy ages, and stale telemetry counts as a full pool and a down
-engine: losing sight of the engine closes admission instead of admitting blind. A stream that sends no byte
-at all (not even a heartbeat) for ``stale_s`` is dropped as dead, whatever TCP thinks.
+The reconnecting, the backoff and the staleness limit are ``SSEStream``'s (guard/pool/sse_reader.py): while
+the stream is down nothing arrives, the admission gate's copy ages, and stale telemetry counts as a full
+pool and a down engine: losing sight of the engine closes admission instead of admitting blind. Every end
+of the stream is reported to ``on_failure``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable
 
 import aiohttp
-from pydantic import ValidationError
 
 from engine.protocol import StepProgress, TelemetrySnapshot
+from guard.pool.sse_reader import SSEStream
 
 log = logging.getLogger("guard.pool.telemetry")
 
-
-BUSY = b": busy "
+BUSY = b"busy "
 
 
 class TelemetrySubscriber:
@@ -42,47 +40,21 @@ class TelemetrySubscriber:
         min_backoff_s: float = 0.05,
         max_backoff_s: float = 2.0,
     ) -> None:
-        self.session = session
-        self.url = engine_url.rstrip("/") + "/telemetry/stream"
         self.on_snapshot = on_snapshot
         self.on_busy = on_busy
+        self.stream = SSEStream(session, engine_url.rstrip("/") + "/telemetry/stream", stale_s, log,
+                                min_backoff_s, max_backoff_s)
         self.on_failure = on_failure
-        self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=stale_s, sock_read=stale_s)
-        self.min_backoff_s = min_backoff_s
-        self.max_backoff_s = max_backoff_s
-        self.connected = False
 
     async def run(self) -> None:
-        backoff = self.min_backoff_s
-        while True:
-            try:
-                async with self.session.get(self.url, timeout=self.timeout) as response:
-                    if response.status != 200:
-                        raise aiohttp.ClientResponseError(response.request_info, (), status=response.status)
-                    self.connected = True
-                    event = ""  # the name of the event being read; "" for a plain data event
-                    async for raw in response.content:
-                        line = raw.rstrip(b"\r\n")
-                        if not line:  # a blank line ends the event
-                            event = ""
-                        elif line.startswith(b"event:"):
-                            event = line[6:].strip().decode()
-                        elif line.startswith(b"data:"):
-                            self._dispatch(event, line[5:])
-                            backoff = self.min_backoff_s
-                        elif line.startswith(BUSY):
-                            self.on_busy(StepProgress.model_validate_json(line[len(BUSY):]))
-                            backoff = self.min_backoff_s
-            except (aiohttp.ClientError, TimeoutError, ValidationError, ValueError) as exc:
-                log.warning("telemetry stream %s: %s; reconnecting in %.2f s", self.url, exc, backoff)
-                self.on_failure()
-            finally:
-                self.connected = False
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, self.max_backoff_s)
+        """Follow the stream forever (until cancelled)."""
+        await self.stream.follow(self._on_field, self.on_failure)
 
-    def _dispatch(self, event: str, data: bytes) -> None:
+    def _on_field(self, event: str | None, data: bytes) -> None:
         if event == "":
             self.on_snapshot(TelemetrySnapshot.model_validate_json(data))
+        elif event is None and data.startswith(BUSY):
+            self.on_busy(StepProgress.model_validate_json(data[len(BUSY):]))
         elif event == "error":  # the engine is stopping: its data is an error body, not a snapshot
             raise ValueError(f"the engine ended the stream: {data.decode(errors='replace').strip()}")
+        # Other comments (heartbeats) only keep the stream alive; events of other names are not ours.

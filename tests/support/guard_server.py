@@ -11,18 +11,21 @@ import yaml
 from aiohttp import web
 
 from guard.config import GuardConfig
-from guard.http.app import STATE, GuardState, create_app
+from guard.http.app import create_app
+from guard.runtime import STATE, GuardState
 
 from .loop_thread import AppThread
 
 
-def guard_config(engine_url: str, tmp_path: Path | None = None, **overrides: Any) -> GuardConfig:
-    """Three tenants (acme, globex: interactive; bulk: batch) in front of ``engine_url``; ``overrides``
-    replace top-level keys. With ``tmp_path``, also written to ``tmp_path / "guard.yaml"`` (for a guard
-    process, and to exercise the YAML path)."""
+def guard_config(engine_url: str | list[str], tmp_path: Path | None = None, **overrides: Any) -> GuardConfig:
+    """Three tenants (acme, globex: interactive; bulk: batch) in front of ``engine_url`` (a list: a pool of
+    replicas named e0, e1, ...); ``overrides`` replace top-level keys. With ``tmp_path``, also written to
+    ``tmp_path / "guard.yaml"`` (for a guard process, and to exercise the YAML path)."""
+    engines: dict[str, Any] = ({"engines": [{"name": f"e{i}", "url": url} for i, url in enumerate(engine_url)]}
+                               if isinstance(engine_url, list) else {"engine": {"name": "primary", "url": engine_url}})
     raw: dict[str, Any] = {
         "listen": {"host": "127.0.0.1", "port": 0},
-        "engine": {"name": "primary", "url": engine_url},
+        **engines,
         "secret": "test-secret",
         "tenants": [
             {"name": "acme", "api_keys": ["sk-acme"], "weight": 2, "lane": "interactive"},

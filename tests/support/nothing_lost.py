@@ -123,7 +123,7 @@ def guard_outcomes(guard_url: str) -> float:
 async def ready_guard(config: GuardConfig, timeout: float = 5.0) -> AsyncIterator[GuardThread]:
     """A guard that has seen its engine (its first telemetry snapshot arrived), stopped on the way out."""
     with GuardThread(config) as guard:
-        await until(lambda: guard.call(guard.state.primary_up), bool, timeout)
+        await until(lambda: guard.call(guard.state.pool.any_up), bool, timeout)
         yield guard
 
 
@@ -134,7 +134,7 @@ def idle_and_free(snapshot: dict[str, Any]) -> bool:
 
 def guard_holds_nothing(guard: GuardThread) -> tuple[dict, int]:
     """The guard's reservations and the number of requests in its queues (read on its own loop)."""
-    return guard.call(lambda: (dict(guard.state.gate.reservations),
+    return guard.call(lambda: (dict(guard.state.pool.reservations()),
                                sum(len(q) for q in guard.state.dispatcher.fair.tenants.values())))
 
 

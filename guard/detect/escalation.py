@@ -1,0 +1,69 @@
+"""What the guard does to a tenant in each Fill-and-Squeeze state (guard/detect/detector.py decides the
+state): the one place where a verdict becomes a consequence.
+
+- ``normal``: nothing.
+- ``suspect``: its requests may generate ``SUSPECT_MAX_TOKENS`` at most and are served after every
+  configured lane; its reservations may hold ``SUSPECT_BLOCK_SHARE`` of the budget at most.
+- ``confirmed``: its requests, queued or new, get 429 ``abuse_suspected``.
+"""
+
+from __future__ import annotations
+
+from guard.admission.dispatch import Dispatcher
+from guard.config import Lane, Tenant
+from guard.detect.detector import STATES, Detector
+from guard.errors import GuardError
+from guard.metrics import GuardMetrics
+from guard.pool.pool import ReplicaPool
+
+SUSPECT_BLOCK_SHARE = 0.25
+SUSPECT_MAX_TOKENS = 256
+ABUSE_CODE = "abuse_suspected"
+ABUSE_MESSAGE = "requests from this key match a Fill-and-Squeeze attack pattern"
+ABUSE_RETRY_AFTER_S = 60
+
+
+def abuse_refusal() -> GuardError:
+    return GuardError(429, ABUSE_MESSAGE, code=ABUSE_CODE, retry_after=ABUSE_RETRY_AFTER_S)
+
+
+class Escalation:
+    def __init__(self, detector: Detector, dispatcher: Dispatcher, pool: ReplicaPool, metrics: GuardMetrics,
+                 lanes: dict[str, Lane]) -> None:
+        self.detector = detector
+        self.dispatcher = dispatcher
+        self.pool = pool
+        self.metrics = metrics
+        self.last_lane = max(lane.priority for lane in lanes.values()) + 1  # after every configured lane
+        for name in detector.tenants:
+            metrics.suspicion.labels(name).set(0.0)
+            metrics.fs_state.labels(name).set(0.0)
+
+    def shape(self, tenant: Tenant, lane: Lane, max_tokens: int) -> tuple[int, Lane]:
+        """A request as the tenant's state allows it: its output bound and lane; raises the 429 when
+        confirmed. Called once per request, after its prompt was counted."""
+        self.detector.on_request(tenant.name, max_tokens)
+        state = self.detector.state(tenant.name)
+        if state == "confirmed":
+            raise abuse_refusal()
+        if state == "suspect":
+            return min(max_tokens, SUSPECT_MAX_TOKENS), lane.model_copy(update={"priority": self.last_lane})
+        return max_tokens, lane
+
+    def evaluate(self) -> None:
+        """Re-score every tenant and apply the consequences of each state change."""
+        budget, num_blocks = self.pool.budget(), self.pool.num_blocks()
+        # The edge as the guard sees it: what is left uncommitted (engine blocks stay free under admission).
+        free_share = 1.0 - self.pool.committed() / num_blocks if num_blocks else 1.0
+        waiting = {name for name, queue in self.dispatcher.fair.tenants.items() if len(queue)}
+        for tenant, _, new in self.detector.evaluate(self.pool.reserved_by_tenant(), budget, waiting, free_share):
+            self.metrics.detections.labels(tenant, new).inc()
+            if new == "confirmed":  # what it had queued before is refused too, not only what comes next
+                self.dispatcher.reject_queued(tenant, abuse_refusal())
+            if new == "normal":
+                self.dispatcher.block_caps.pop(tenant, None)
+            else:
+                self.dispatcher.block_caps[tenant] = SUSPECT_BLOCK_SHARE
+        for name, signals in self.detector.tenants.items():
+            self.metrics.suspicion.labels(name).set(signals.score)
+            self.metrics.fs_state.labels(name).set(STATES.index(signals.state))

@@ -1,0 +1,67 @@
+"""One engine replica as the guard sees it: its admission gate (telemetry, budget, reservations), its circuit
+breaker, the exact index of the prefix blocks it caches, and the guard's requests running on it.
+
+A replica is *up* while its circuit is closed and its telemetry says it is alive (a busy engine in a long
+step counts as alive; see guard/admission/gate.py), or while it is still starting: for the first
+``telemetry_stale_s`` the guard has not had time to hear from it, which is not the same as a replica that
+went quiet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from engine.protocol import TelemetrySnapshot
+from guard.admission.gate import AdmissionGate
+from guard.config import Backend
+from guard.pool.prefix_index import PrefixIndex
+from guard.pool.routing import CircuitBreaker
+
+
+@dataclass(slots=True, eq=False)
+class Replica:
+    backend: Backend
+    gate: AdmissionGate
+    breaker: CircuitBreaker
+    index: PrefixIndex = field(default_factory=PrefixIndex)
+    in_flight: int = 0  # the guard's requests admitted here and not finished: the picker's load signal
+    started_at: float = field(default_factory=time.monotonic)  # reset when the guard starts serving
+    # Set by the replica's first snapshot, or by the first failure to reach its telemetry stream.
+    heard: asyncio.Event = field(default_factory=asyncio.Event)
+    # The engine's prefix-cache counters at its previous snapshot, to turn totals into increments.
+    _hits_total: int = 0
+    _queries_total: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.backend.name
+
+    @property
+    def url(self) -> str:
+        return self.backend.url.rstrip("/")
+
+    def start_left(self) -> float:
+        """Seconds left of the replica's start (0 once heard from, or once ``telemetry_stale_s`` is over)."""
+        if self.heard.is_set():
+            return 0.0
+        return max(0.0, self.started_at + self.gate.config.telemetry_stale_s - time.monotonic())
+
+    def up(self) -> bool:
+        return self.breaker.closed and (self.gate.alive or self.start_left() > 0)
+
+    def usable(self) -> bool:
+        """Up with numbers that may be admitted against (see ``AdmissionGate.usable``)."""
+        return self.breaker.closed and self.gate.usable
+
+    def on_snapshot(self, snapshot: TelemetrySnapshot) -> tuple[int, int]:
+        """Take a snapshot; returns the engine-reported prefix-cache (hit, query) tokens since the last one.
+        Totals that went down mean the engine restarted: they count from zero again."""
+        self.gate.update(snapshot)
+        self.heard.set()
+        hits, queries = snapshot.prefix_cache_hits_total, snapshot.prefix_cache_queries_total
+        new_hits = hits - self._hits_total if hits >= self._hits_total else hits
+        new_queries = queries - self._queries_total if queries >= self._queries_total else queries
+        self._hits_total, self._queries_total = hits, queries
+        return new_hits, new_queries

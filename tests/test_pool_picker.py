@@ -1,0 +1,131 @@
+"""The replica picker and the dispatcher over a pool, on real gates fed with snapshots (no engines): which
+replica each policy tries first, the saturation filter and its fail-open, spreading new conversations, and
+one fair queue whose head goes to whichever replica can take it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from test_guard_units import snapshot
+
+from engine.kv.hashing import extend_block_hashes
+from guard.admission.dispatch import Dispatcher, Ticket, TicketState
+from guard.admission.gate import AdmissionGate
+from guard.config import Admission, GuardConfig
+from guard.pool.picker import Picker
+from guard.pool.pool import ReplicaPool
+from guard.pool.replica import Replica
+from guard.pool.routing import CircuitBreaker
+
+CONFIG = GuardConfig.model_validate({
+    "engines": [{"name": f"e{i}", "url": f"http://127.0.0.1:{9000 + i}"} for i in range(3)], "secret": "s",
+    "tenants": [{"name": "acme", "api_keys": ["sk-a"]}, {"name": "bulk", "api_keys": ["sk-b"]}]})
+
+
+def pool_of(free: list[int], num_blocks: int = 100) -> ReplicaPool:
+    """Replicas e0, e1, ... with ``num_blocks`` blocks each (budget 85), of which ``free[i]`` are free."""
+    replicas = []
+    for backend, idle in zip(CONFIG.pool, free):
+        gate = AdmissionGate(Admission(safe_utilization=0.85), {"acme", "bulk"})
+        gate.update(snapshot(num_blocks=num_blocks, free=idle))
+        replicas.append(Replica(backend, gate, CircuitBreaker(backend.name, 3, 1.0)))
+    return ReplicaPool(replicas)
+
+
+def hashes(tokens: int, salt: str = "acme") -> list[bytes]:
+    out: list[bytes] = []
+    extend_block_hashes(out, list(range(tokens)), 16, salt)
+    return out
+
+
+def first(picker: Picker, pool: ReplicaPool, blocks: int = 4, prompt: list[bytes] | None = None) -> str:
+    return picker.rank(pool.replicas, blocks, [prompt] if prompt else [])[0][0].name
+
+
+def test_round_robin_takes_turns_and_skips_an_open_circuit() -> None:
+    pool, picker = pool_of([100, 100, 100]), Picker("round_robin")
+    assert sorted(first(picker, pool) for _ in range(3)) == ["e0", "e1", "e2"]
+    pool.by_name["e1"].breaker.trip()
+    assert {first(picker, pool) for _ in range(6)} == {"e0", "e2"}
+    assert all(r.name != "e1" for r, _ in picker.rank(pool.replicas, 4, []))
+
+
+def test_least_loaded_prefers_fewest_in_flight() -> None:
+    pool, picker = pool_of([100, 100, 100]), Picker("least_loaded")
+    pool.by_name["e0"].in_flight, pool.by_name["e1"].in_flight = 3, 1
+    assert first(picker, pool) == "e2"
+    pool.by_name["e2"].in_flight = 5
+    assert first(picker, pool) == "e1"
+
+
+def test_prefix_follows_the_cache_whatever_the_load() -> None:
+    pool, picker = pool_of([100, 20, 100]), Picker("prefix")
+    prompt = hashes(160)  # 10 full blocks
+    pool.by_name["e1"].index.reset(prompt[:6], 16)
+    pool.by_name["e1"].in_flight = 9
+    ranked = picker.rank(pool.replicas, 4, [prompt])
+    assert ranked[0][0].name == "e1" and ranked[0][1] == 6
+
+
+def test_kvguard_follows_the_cache_until_the_replica_is_saturated() -> None:
+    picker = Picker("kvguard")
+    prompt = hashes(160)
+    pool = pool_of([100, 100, 100])
+    pool.by_name["e2"].index.reset(prompt[:8], 16)
+    assert first(picker, pool, prompt=prompt) == "e2", "8 of 10 blocks cached: prefill saved wins"
+    another = hashes(160, salt="bulk")  # the same tokens under another tenant's salt: nothing cached
+    assert picker.rank(pool.replicas, 4, [another])[0][1] == 0
+    pool = pool_of([100, 100, 30])  # e2 would be past 80% of its budget after this request
+    pool.by_name["e2"].index.reset(prompt[:8], 16)
+    assert first(picker, pool, prompt=prompt) != "e2", "a saturated replica never wins on locality alone"
+    pool = pool_of([30, 30, 30])  # all saturated: the filter fails open, the cache decides again
+    pool.by_name["e2"].index.reset(prompt[:8], 16)
+    assert first(picker, pool, prompt=prompt) == "e2"
+
+
+def test_kvguard_spreads_new_conversations() -> None:
+    pool, picker = pool_of([100, 100, 100]), Picker("kvguard")
+    chosen = []
+    for i in range(6):  # each new conversation goes somewhere and stays there (in flight)
+        replica = picker.rank(pool.replicas, 4, [hashes(64, salt=f"t{i}")])[0][0]
+        replica.in_flight += 1
+        chosen.append(replica.name)
+    assert sorted(chosen) == ["e0", "e0", "e1", "e1", "e2", "e2"]
+
+
+async def test_one_fair_queue_feeds_whichever_replica_frees_first() -> None:
+    pool = pool_of([100, 100], num_blocks=100)
+    dispatcher = Dispatcher(CONFIG, pool, Picker("kvguard"))
+    acme, bulk = CONFIG.tenants
+
+    def ticket(rid: str, tenant, blocks: int) -> Ticket:
+        return Ticket(rid, tenant, CONFIG.lanes[tenant.lane], 10, 10, blocks)
+
+    big = [ticket(f"big{i}", bulk, 80) for i in range(2)]
+    for t in big:
+        await dispatcher.submit(t)
+    assert {t.replica.name for t in big} == {"e0", "e1"}, "one per replica: neither fits two"
+    waiting = ticket("waiting", acme, 40)
+    task = asyncio.create_task(dispatcher.submit(waiting))
+    await asyncio.sleep(0.01)
+    assert waiting.state is TicketState.QUEUED
+    dispatcher.finish(big[1])
+    await task
+    assert waiting.state is TicketState.ADMITTED and waiting.replica is big[1].replica
+    assert waiting.replica.in_flight == 1 and big[0].replica.in_flight == 1
+    for t in (big[0], waiting):
+        dispatcher.finish(t)
+    assert not pool.reservations() and all(r.in_flight == 0 for r in pool)
+
+
+def test_a_request_bigger_than_any_replica_is_measured_against_one_replica() -> None:
+    pool = pool_of([100, 100, 100])
+    assert pool.budget() == 3 * 85 and pool.largest_budget() == 85
+
+
+@pytest.mark.parametrize("bad", [{"engine": {"url": "http://x:1"}, "engines": [{"name": "a", "url": "http://x:2"}]},
+                                 {"engines": [{"url": "http://x:1"}, {"url": "http://x:2"}]}, {}])
+def test_pool_config_errors_name_the_problem(bad: dict) -> None:
+    with pytest.raises(ValueError, match="engine|unique"):
+        GuardConfig.model_validate({**bad, "secret": "s", "tenants": [{"name": "a", "api_keys": ["k"]}]})
