@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from dashboards import engine_kv, guard_admission, security, slo
+from dashboards import engine_kv, guard_admission, guard_pool, security, slo
 from dashboards.exported import exported_series
 from dashboards.lint import lint
 
@@ -18,6 +18,7 @@ OUT = Path(__file__).resolve().parent / "json"
 DASHBOARDS: dict[str, Callable[[], dict]] = {
     "engine-kv-cache.json": engine_kv.build,
     "guard-admission.json": guard_admission.build,
+    "guard-pool.json": guard_pool.build,
     "security.json": security.build,
     "slo.json": slo.build,
 }

@@ -7,7 +7,8 @@
 - A stable ``uid`` per dashboard, so links and provisioning survive regeneration.
 
 Panels are laid out left to right in Grafana's 24-column grid, wrapping to a new line when full; a row
-header starts a new line.
+header starts a new line. A row may repeat once per value of a variable (one row per engine replica); its
+panels then read that variable as a single value.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class Panel:
 class Row:
     title: str
     panels: list[Panel]
+    repeat: str | None = None  # a variable's name: Grafana draws the row once per selected value
 
 
 def timeseries(title: str, description: str, unit: str, *targets: Target, **options: Any) -> Panel:
@@ -124,7 +126,8 @@ def _layout(rows: list[Row]) -> list[JSON]:
     y = 0
     for row in rows:
         out.append({"type": "row", "title": row.title, "collapsed": False, "panels": [],
-                    "gridPos": {"x": 0, "y": y, "w": GRID_WIDTH, "h": 1}})
+                    "gridPos": {"x": 0, "y": y, "w": GRID_WIDTH, "h": 1},
+                    **({"repeat": row.repeat} if row.repeat else {})})
         y += 1
         x = line_height = 0
         for panel in row.panels:

@@ -63,10 +63,11 @@ def build() -> dict:
                      "closes and new work queues.", "percentunit",
                      Target(ratio(f"sum by (instance) ({reserved})", budget), "{{instance}}"),
                      min=0, max=1, thresholds=[(0.8, "orange"), (0.95, "red")]),
-                timeseries("Telemetry age", "Age of the newest engine telemetry the guard holds. Stale "
-                           "telemetry (2 s by default) counts as a full pool: admission stops.", "s",
-                           Target(f"max by (instance) ({sel('guard_telemetry_age_seconds')})",
-                                  "{{instance}}"),
+                timeseries("Telemetry age", "Age of the newest telemetry the guard holds from each engine "
+                           "replica. Stale telemetry (2 s by default) counts as a full replica: admission to "
+                           "it stops.", "s",
+                           Target(f"max by (instance, backend) ({sel('guard_telemetry_age_seconds')})",
+                                  "{{instance}} {{backend}}"),
                            width=6, thresholds=[(2, "orange"), (5, "red")]),
             ]),
             Row("Fairness", [

@@ -27,6 +27,9 @@ def lint(dashboard: dict[str, Any], series: dict[str, str]) -> list[str]:
     for name, kind in REQUIRED_VARIABLES.items():
         if variables.get(name) != kind:
             problems.append(f"{uid}: needs a {kind} variable named {name!r}")
+    problems += [f"{uid}: row {row['title']!r} repeats over {row['repeat']!r}, which is not a variable"
+                 for row in dashboard["panels"]
+                 if row["type"] == "row" and row.get("repeat") and row["repeat"] not in variables]
     counters = {name for name, kind in series.items() if kind == "counter"}
     for panel in panels(dashboard):
         where = f"{uid}: panel {panel.get('title') or '(untitled)'!r}"

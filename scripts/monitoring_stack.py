@@ -1,5 +1,6 @@
-"""``make stack``: ``make run``'s engine, fallback engine and guard, plus Prometheus, Alertmanager and an
-alert printer, for people without Docker.
+"""``make stack``: the stack of docker-compose.yml for people without Docker: guard.example.yaml's pool of
+two engine replicas (e0 on :8100, e1 on :8102), the fallback engine and the guard, as ``make run`` starts
+them, plus Prometheus, Alertmanager and an alert printer.
 
 Prometheus and Alertmanager run with the very files docker-compose.yml mounts (alerts/prometheus.yml,
 alerts/alertmanager.yml) and on the same loopback ports, so what works here works in compose. Their data
@@ -14,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from run_stack import ROOT, main, stack, up_message
+from run_stack import POOL, ROOT, main, stack, up_message
 
 ALERTS = ROOT / "alerts"
 
@@ -45,6 +46,6 @@ def monitoring(data: Path) -> list[tuple[str, list[str], str]]:
 
 if __name__ == "__main__":
     with tempfile.TemporaryDirectory(prefix="kvguard-stack-") as data:
-        sys.exit(main(stack() + monitoring(Path(data)), up_message(more_urls=(
+        sys.exit(main(stack(POOL) + monitoring(Path(data)), up_message(POOL, more_urls=(
             "  prometheus   http://127.0.0.1:9090  (alerts: /alerts)\n"
             "  alertmanager http://127.0.0.1:9093  (alerts print here as on-call receives them)\n"))))

@@ -1,15 +1,21 @@
-"""``make run``: the local stack: engine on :8100, fallback engine on :8101, guard on :8000.
+"""``make run``: the local stack: engine replica e0 on :8100, fallback engine on :8101, guard on :8000.
 
-Both engines serve ``smollm2`` (SmolLM2-135M-Instruct, which ``make setup`` installs), so that a request
+Every engine serves ``smollm2`` (SmolLM2-135M-Instruct, which ``make setup`` installs), so that a request
 the guard degrades to the fallback is still answered in words. The fallback runs on the CPU with a small KV
-pool: it is the small engine the guard sheds to, and on a GPU host it must not compete with the primary
+pool: it is the small engine the guard sheds to, and on a GPU host it must not compete with the replicas
 for device memory.
+
+guard.example.yaml names a pool of two replicas, e0 on :8100 and e1 on :8102, which docker-compose.yml and
+``make stack`` both run. ``make run`` starts e0 alone, a pool of one: on a CPU a SmolLM2 prefill holds a core
+for seconds, so on the two cores of a small machine a second replica competes with the first and with the
+fallback instead of adding capacity. ``--engine-port 8100 8102`` starts the whole pool.
 
 Starts each process, waits until it answers ``/health``, prints the URLs and the demo API keys, and on
 Ctrl-C (or when any process dies) stops them all, the guard first so that it drains its streams.
 
-``--port``, ``--engine-port`` and ``--fallback-port`` move the stack (the test of ``make run`` runs it on
-free ports); the guard then runs on a copy of guard.example.yaml whose listen port and engine URLs follow,
+``--port``, ``--engine-port`` (one port per replica to start, in guard.example.yaml's order) and
+``--fallback-port`` move the stack (the test of ``make run`` runs it on free ports). Unless the stack is
+guard.example.yaml's own, the guard runs on a copy whose listen port, replicas and fallback URL follow,
 written to a temporary directory that goes away with the stack.
 """
 
@@ -31,7 +37,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "guard.example.yaml"
 MODEL = "smollm2"
-FALLBACK_BLOCKS = 256  # 4,096 token slots of KV: room for a few short chats while the primary is away
+FALLBACK_BLOCKS = 256  # 4,096 token slots of KV: room for a few short chats while the replicas are away
 HEALTH_TIMEOUT_S = 300.0  # per process; loading a model on a busy CPU can take a while
 Step = tuple[str, list[str], str]  # (name, command, health URL)
 
@@ -39,11 +45,12 @@ Step = tuple[str, list[str], str]  # (name, command, health URL)
 @dataclass(frozen=True, slots=True)
 class Ports:
     guard: int = 8000
-    engine: int = 8100
+    engines: tuple[int, ...] = (8100,)  # one per replica started, in guard.example.yaml's order
     fallback: int = 8101
 
 
-DEFAULTS = Ports()
+DEFAULTS = Ports()  # make run
+POOL = Ports(engines=(8100, 8102))  # guard.example.yaml's own stack: make stack, docker-compose.yml
 
 
 def local(port: int) -> str:
@@ -51,25 +58,35 @@ def local(port: int) -> str:
 
 
 def guard_config(ports: Ports, directory: Path) -> Path:
-    """guard.example.yaml itself on the default ports; else a copy in ``directory`` that follows ``ports``."""
-    if ports == DEFAULTS:
+    """guard.example.yaml itself for its own stack; else a copy in ``directory`` that names only the replicas
+    started, and follows ``ports``."""
+    if ports == POOL:
         return CONFIG
     config = yaml.safe_load(CONFIG.read_text())
-    moved = {local(DEFAULTS.engine): local(ports.engine), local(DEFAULTS.fallback): local(ports.fallback)}
+    replicas = config["engines"]
+    if len(ports.engines) > len(replicas):
+        sys.exit(f"run_stack: {CONFIG.name} names {len(replicas)} replicas, not {len(ports.engines)}")
     config["listen"]["port"] = ports.guard
-    for backend in [config["engine"], *config.get("fallbacks", [])]:
-        if "url" in backend:
-            backend["url"] = moved.get(backend["url"], backend["url"])
+    config["engines"] = [{**replica, "url": local(port)} for replica, port in zip(replicas, ports.engines)]
+    for fallback in config.get("fallbacks", []):
+        if fallback.get("url") == local(POOL.fallback):
+            fallback["url"] = local(ports.fallback)
     path = directory / "guard.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
 
 
+def replica_names(config: Path) -> list[str]:
+    return [replica["name"] for replica in yaml.safe_load(config.read_text())["engines"]]
+
+
 def stack(ports: Ports = DEFAULTS, config: Path = CONFIG) -> list[Step]:
     """What ``make run`` starts, in order (stopped in reverse)."""
     engine = [sys.executable, "-m", "engine", "--model", MODEL]
+    replicas = [(f"engine-{name}", [*engine, "--port", str(port)], local(port) + "/health")
+                for name, port in zip(replica_names(config), ports.engines)]
     return [
-        ("engine", [*engine, "--port", str(ports.engine)], local(ports.engine) + "/health"),
+        *replicas,
         ("fallback", [*engine, "--port", str(ports.fallback), "--device", "cpu",
                       "--num-blocks", str(FALLBACK_BLOCKS)], local(ports.fallback) + "/health"),
         ("guard", [sys.executable, "-m", "guard", "--config", str(config)], local(ports.guard) + "/health"),
@@ -80,12 +97,14 @@ def up_message(ports: Ports = DEFAULTS, config: Path = CONFIG, more_urls: str = 
     """What is printed once everything answers: the URLs, the demo keys (from ``config``), a first chat."""
     tenants = yaml.safe_load(config.read_text())["tenants"]
     keys = ", ".join(f"{t['api_keys'][0]} ({t['name']})" for t in tenants)
+    replicas = "".join(f"  engine {name}  {local(port)}       (/telemetry, /telemetry/stream, /metrics)\n"
+                       for name, port in zip(replica_names(config), ports.engines))
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "What is the capital of France?"}],
             "max_tokens": 32, "temperature": 0}  # greedy: OpenAI's default of 1 rambles on a 135M model
     return (f"\nkvguard is up, serving {MODEL}:\n"
-            f"  guard     {local(ports.guard)}/v1  (OpenAI-compatible; /metrics, /health)\n"
-            f"  engine    {local(ports.engine)}       (/telemetry, /telemetry/stream, /metrics)\n"
-            f"  fallback  {local(ports.fallback)}\n" + more_urls +
+            f"  guard      {local(ports.guard)}/v1  (OpenAI-compatible; /metrics, /health)\n"
+            + replicas +
+            f"  fallback   {local(ports.fallback)}\n" + more_urls +
             f"demo API keys: {keys}\n"
             f"try: curl -s {local(ports.guard)}/v1/chat/completions -H 'Authorization: Bearer "
             f"{tenants[0]['api_keys'][0]}' -H 'Content-Type: application/json' -d '{json.dumps(chat)}'\n"
@@ -142,10 +161,11 @@ def main(processes: list[Step], message: str) -> int:
 def cli(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--port", type=int, default=DEFAULTS.guard, help="the guard's port")
-    parser.add_argument("--engine-port", type=int, default=DEFAULTS.engine)
+    parser.add_argument("--engine-port", type=int, nargs="+", default=list(DEFAULTS.engines),
+                        help="one port per engine replica to start (e0, e1, ... of guard.example.yaml)")
     parser.add_argument("--fallback-port", type=int, default=DEFAULTS.fallback)
     args = parser.parse_args(argv)
-    ports = Ports(args.port, args.engine_port, args.fallback_port)
+    ports = Ports(args.port, tuple(args.engine_port), args.fallback_port)
     with tempfile.TemporaryDirectory(prefix="kvguard-run-") as directory:
         config = guard_config(ports, Path(directory))
         return main(stack(ports, config), up_message(ports, config))

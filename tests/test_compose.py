@@ -1,9 +1,10 @@
 """docker-compose.yml and the Dockerfile, without a Docker engine (CI has none).
 
 The file is validated against the Compose Specification's JSON schema (vendored in tests/schemas), then
-checked for what a schema cannot know: the engine gets a GPU and its models, every `service_healthy`
-dependency has a healthcheck to wait for, bind mounts exist, the services run the same config files as
-`make stack` and the same models as `make run`, and the image installs what `make setup` installs.
+checked for what a schema cannot know: each engine replica gets a GPU of its own and the models, every
+`service_healthy` dependency has a healthcheck to wait for, bind mounts exist, the services run the same
+config files as `make stack` and the same models as `make run`, the guard's pool, the replicas and
+Prometheus's engine targets are the same, and the image installs what `make setup` installs.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from jsonschema import Draft202012Validator
 from support import ROOT
 
 SCHEMA = ROOT / "tests" / "schemas" / "compose-spec.json"
+REPLICAS = ("engine-e0", "engine-e1")
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +42,9 @@ def test_compose_file_follows_the_compose_specification(validator: Draft202012Va
 
 
 @pytest.mark.parametrize(("path", "value"), [
-    (("services", "engine", "healthcheck", "intervall"), "5s"),
-    (("services", "guard", "depends_on", "engine", "condition"), "service_ready"),
-    (("services", "engine", "deploy", "resources", "reservations", "devices", 0, "capabilites"), "gpu"),
+    (("services", "engine-e0", "healthcheck", "intervall"), "5s"),
+    (("services", "guard", "depends_on", "engine-e1", "condition"), "service_ready"),
+    (("services", "engine-e1", "deploy", "resources", "reservations", "devices", 0, "capabilites"), "gpu"),
 ])
 def test_the_schema_rejects_a_broken_file(validator: Draft202012Validator, compose: dict,
                                           path: tuple, value: str) -> None:
@@ -54,22 +56,27 @@ def test_the_schema_rejects_a_broken_file(validator: Draft202012Validator, compo
     assert list(validator.iter_errors(compose))
 
 
-def test_the_engine_reserves_a_gpu_and_mounts_the_model_directory(compose: dict) -> None:
-    engine = compose["services"]["engine"]
-    devices = engine["deploy"]["resources"]["reservations"]["devices"]
-    assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
-    assert any(v.endswith(":/models:ro") for v in engine["volumes"])
+def test_each_replica_reserves_a_gpu_of_its_own_and_mounts_the_model_directory(compose: dict) -> None:
+    """Two replicas on one GPU would race for its memory: each sizes its KV pool from what is left."""
+    gpus = []
+    for name in REPLICAS:
+        engine = compose["services"][name]
+        [device] = engine["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"], name
+        gpus += device["device_ids"]
+        assert any(v.endswith(":/models:ro") for v in engine["volumes"]), name
+    assert gpus == ["${KVGUARD_E0_GPU:-0}", "${KVGUARD_E1_GPU:-1}"]
 
 
 def test_every_service_has_a_healthcheck_and_healthy_dependencies_can_be_waited_on(compose: dict) -> None:
     services = compose["services"]
-    assert set(services) == {"engine", "fallback", "guard", "prometheus", "alertmanager", "grafana"}
+    assert set(services) == {*REPLICAS, "fallback", "guard", "prometheus", "alertmanager", "grafana"}
     for name, service in services.items():
         assert service["healthcheck"]["test"][0] == "CMD", name
         for dependency, condition in service.get("depends_on", {}).items():
             assert dependency in services, f"{name} depends on unknown {dependency}"
             assert condition["condition"] in ("service_healthy", "service_started"), name
-    assert services["guard"]["depends_on"]["engine"]["condition"] == "service_healthy"
+    assert all(services["guard"]["depends_on"][name]["condition"] == "service_healthy" for name in REPLICAS)
     assert services["grafana"]["depends_on"]["prometheus"]["condition"] == "service_healthy"
 
 
@@ -117,16 +124,40 @@ def engine_flags(command: list[str]) -> dict[str, str]:
 
 
 def test_compose_serves_what_make_run_serves(compose: dict, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The engine's default model is `make run`'s, and the fallback is `make run`'s fallback (same model,
+    """The replicas' default model is `make run`'s, and the fallback is `make run`'s fallback (same model,
     CPU, small pool), so a degraded answer reads the same in compose as on a laptop."""
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     run_stack = importlib.import_module("run_stack")
-    native = {name: command for name, command, _ in run_stack.stack()}
+    native = {name: command for name, command, _ in run_stack.stack(run_stack.POOL)}
     services = compose["services"]
     default = f"${{KVGUARD_MODEL:-{run_stack.MODEL}}}"
-    assert engine_flags(services["engine"]["command"]) == {"--model": default}
-    assert engine_flags(native["engine"]) == {"--model": run_stack.MODEL}
+    for name in REPLICAS:
+        assert engine_flags(services[name]["command"]) == {"--model": default}
+        assert engine_flags(native[name]) == {"--model": run_stack.MODEL}
     assert engine_flags(services["fallback"]["command"]) == engine_flags(native["fallback"])
+
+
+def listen_port(command: list[str]) -> int:
+    return int(command[command.index("--port") + 1])
+
+
+def test_the_guard_pool_is_what_compose_make_stack_and_prometheus_run(compose: dict,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """guard.example.yaml's `engines:` are the replicas compose and `make stack` start, on the same ports,
+    and Prometheus's `engine` job scrapes each of them."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    run_stack = importlib.import_module("run_stack")
+    pool = {r["name"]: r["url"] for r in yaml.safe_load((ROOT / "guard.example.yaml").read_text())["engines"]}
+    in_compose = {name.removeprefix("engine-"): listen_port(compose["services"][name]["command"])
+                  for name in REPLICAS}
+    native = {name.removeprefix("engine-"): listen_port(command)
+              for name, command, _ in run_stack.stack(run_stack.POOL) if name.startswith("engine-")}
+    assert pool == {name: f"http://127.0.0.1:{port}" for name, port in in_compose.items()}
+    assert native == in_compose
+    prometheus = yaml.safe_load((ROOT / "alerts" / "prometheus.yml").read_text())
+    [engine_job] = [job for job in prometheus["scrape_configs"] if job["job_name"] == "engine"]
+    targets = [target for config in engine_job["static_configs"] for target in config["targets"]]
+    assert targets == [url.removeprefix("http://") for url in pool.values()]
 
 
 def test_make_stack_runs_what_compose_runs(compose: dict, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -33,8 +33,8 @@ def test_every_query_is_valid_promql(tmp_path) -> None:
     """promtool parses each query (variables substituted) as a recording rule."""
     rules = []
     for dashboard in load_dashboards().values():
-        values = {"job": ".*", "instance": ".*", "tenant": ".*", "__rate_interval": "1m", "__range": "1h",
-                  **custom_values(dashboard)}
+        values = {"job": ".*", "instance": ".*", "tenant": ".*", "backend": ".*", "__rate_interval": "1m",
+                  "__range": "1h", **custom_values(dashboard)}
         rules += [{"record": f"panel:query:{i}", "expr": substitute(expr, values)}
                   for i, (_, expr) in enumerate(panel_queries(dashboard), start=len(rules))]
     path = tmp_path / "queries.yml"
@@ -77,6 +77,22 @@ def test_the_check_rejects_missing_metadata_and_import_inputs() -> None:
     for complaint in ("no description", "no unit", "datasource is not ${datasource}", "${DS_...}",
                       "query variable named 'tenant'"):
         assert complaint in problems
+
+
+def test_the_pool_dashboard_repeats_a_row_per_replica() -> None:
+    """Issue 15's row per replica: Grafana repeats it over the ``backend`` variable, and each of its panels
+    reads that one replica."""
+    dashboard = load_dashboards()["guard-pool.json"]
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["backend"]["multi"] and variables["backend"]["includeAll"]
+    rows = [i for i, panel in enumerate(dashboard["panels"]) if panel["type"] == "row"]
+    repeated = [i for i in rows if dashboard["panels"][i].get("repeat") == "backend"]
+    assert len(repeated) == 1 and repeated[0] == rows[-1], "the repeated row comes last: it owns what follows"
+    replica_panels = dashboard["panels"][repeated[0] + 1:]
+    assert replica_panels
+    assert all('backend=~"$backend"' in target["expr"] for panel in replica_panels for target in panel["targets"])
+    dashboard["panels"][repeated[0]]["repeat"] = "replica"
+    assert any("repeats over 'replica'" in p for p in lint(dashboard, exported_series()))
 
 
 def test_the_check_reports_stale_json() -> None:

@@ -168,7 +168,7 @@ async def test_a_stream_is_a_snapshot_then_one_nonempty_batch_per_seq(server: Se
         reader.cancel()
     (_, snapshot), *batches = events
     assert snapshot["block_size"] == BLOCK_SIZE
-    assert len(batches) > 8 and {kind for kind, _ in batches} == {"blocks"}
+    assert batches and {kind for kind, _ in batches} == {"blocks"}
     assert [b["seq"] for _, b in batches] == list(range(snapshot["seq"] + 1, snapshot["seq"] + 1 + len(batches)))
     assert any(batch["removed"] for _, batch in batches), "the load overflows the pool: blocks are evicted"
 

@@ -1,7 +1,8 @@
-"""Issue 6's acceptance, live: engine, guard, Prometheus and Alertmanager on loopback; traffic through the
-guard; every query of every dashboard panel (template variables resolved from Prometheus, as Grafana
-would) returns data; then the engine is killed and EngineDown reaches the on-call webhook through
-Alertmanager, routed as a page.
+"""Issues 6 and 15's acceptance, live: a pool of two engine replicas, guard, Prometheus and Alertmanager on
+loopback; traffic through the guard; every query of every dashboard panel (template variables resolved
+from Prometheus, as Grafana would) returns data. Then one replica is killed: GuardBackendDown reaches the
+on-call webhook as a ticket and nothing pages, since the pool still serves; then the other: EngineDown
+reaches it through Alertmanager, routed as a page.
 """
 
 from __future__ import annotations
@@ -105,7 +106,13 @@ def finite_points(result: list[dict]) -> int:
     return sum(1 for series in result for _, value in series["values"] if math.isfinite(float(value)))
 
 
-def test_dashboards_show_data_and_a_dead_engine_pages_on_call(stack) -> None:
+def firing(payload: dict, alertname: str) -> dict | None:
+    """The firing alert of that name in an Alertmanager notification, if any."""
+    return next((alert for alert in payload["alerts"]
+                 if alert["labels"]["alertname"] == alertname and alert["status"] == "firing"), None)
+
+
+def test_dashboards_show_data_and_a_dead_pool_pages_on_call(stack) -> None:
     ports, processes, webhook = stack
     prometheus = Prometheus(ports.prometheus)
     start = time.time()
@@ -117,19 +124,36 @@ def test_dashboards_show_data_and_a_dead_engine_pages_on_call(stack) -> None:
     wait_scraped(prometheus, REQUESTS_PER_TENANT)
     time.sleep(int(RATE_INTERVAL.removesuffix("s")))  # the engine's last samples fill one rate interval
 
-    # The incident: the engine dies. Clients keep coming (the guard degrades to its static fallback).
+    # The first incident: replica e1 dies. The pool still serves, so on-call gets a ticket, not a page.
     killed_at = time.time()
-    processes["engine"].kill()
+    processes["engine-e1"].kill()
+    time.sleep(1)  # the guard opens a dead replica's circuit at once; a second is issue 15's allowance
+    for i in range(3):
+        answer = post(ports, TENANTS[0][1], {"model": "tiny", "prompt": f"e1 is gone {i}", "max_tokens": 4})
+        assert answer == (200, ""), f"e0 serves alone: {answer}"
+        time.sleep(0.5)
+    path, payload = webhook.wait_for(lambda path, payload: firing(payload, "GuardBackendDown"),
+                                     since=killed_at, timeout=30)
+    alert = firing(payload, "GuardBackendDown")
+    assert path == "/ticket" and payload["receiver"] == "oncall-ticket", "warnings open a ticket"
+    assert alert["labels"]["backend"] == "e1" and alert["labels"]["severity"] == "warning"
+    pages = [path for received_at, path, _ in list(webhook.notifications)
+             if received_at >= killed_at and path == "/page"]
+    assert pages == [], "one replica down while the other serves pages nobody"
+
+    # The second: e0 dies too, and with it the pool. Clients keep coming (the guard degrades to its static
+    # fallback).
+    killed_at = time.time()
+    processes["engine-e0"].kill()
     for i in range(3):
         post(ports, TENANTS[0][1], {"model": "tiny", "prompt": f"after the crash {i}", "max_tokens": 4})
         time.sleep(0.5)
-    path, payload = webhook.wait_for(
-        lambda path, payload: any(a["labels"]["alertname"] == "EngineDown" and a["status"] == "firing"
-                                  for a in payload["alerts"]), since=killed_at, timeout=30)
-    alert = next(a for a in payload["alerts"] if a["labels"]["alertname"] == "EngineDown")
+    path, payload = webhook.wait_for(lambda path, payload: firing(payload, "EngineDown"),
+                                     since=killed_at, timeout=30)
+    alert = firing(payload, "EngineDown")
     assert path == "/page" and payload["receiver"] == "oncall-page", "critical alerts page"
     assert alert["labels"]["job"] == "engine" and alert["labels"]["severity"] == "critical"
-    assert alert["labels"]["instance"] == f"127.0.0.1:{ports.engine}"
+    assert alert["labels"]["instance"] in {f"127.0.0.1:{port}" for port in ports.engines.values()}
     assert alert["annotations"]["runbook_url"] == "alerts/runbooks/engine-down.md"
 
     end = time.time()

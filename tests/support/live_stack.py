@@ -1,5 +1,6 @@
-"""The observability stack for the live test, as real processes on free loopback ports: the tiny engine, the
-guard, Prometheus and Alertmanager, plus an aiohttp webhook receiver standing in for on-call.
+"""The observability stack for the live test, as real processes on free loopback ports: a pool of two tiny
+engine replicas (e0, e1), the guard, Prometheus and Alertmanager, plus an aiohttp webhook receiver standing
+in for on-call.
 
 Prometheus and Alertmanager run test variants of the committed configs, rewritten rather than copied so
 that the committed files stay realistic: 1 s scrapes and rule evaluations, `for:` durations of 1 s, no
@@ -37,9 +38,12 @@ TENANTS = [  # (name, key, weight, lane)
 ]
 
 
+REPLICAS = ("e0", "e1")  # the guard's pool, as guard.example.yaml names it
+
+
 @dataclass(slots=True)
 class Ports:
-    engine: int = field(default_factory=free_port)
+    engines: dict[str, int] = field(default_factory=lambda: {name: free_port() for name in REPLICAS})
     guard: int = field(default_factory=free_port)
     prometheus: int = field(default_factory=free_port)
     alertmanager: int = field(default_factory=free_port)
@@ -54,11 +58,11 @@ def prometheus_config(ports: Ports, rules_dir: Path) -> dict[str, Any]:
     config["rule_files"] = [str(rules_dir / "*.yml")]
     alertmanager = {"targets": [f"127.0.0.1:{ports.alertmanager}"]}
     config["alerting"]["alertmanagers"][0]["static_configs"] = [alertmanager]
-    targets = {"engine": ports.engine, "guard": ports.guard}
+    targets = {"engine": list(ports.engines.values()), "guard": [ports.guard]}
     config["scrape_configs"] = [job for job in config["scrape_configs"] if job["job_name"] in targets]
     assert len(config["scrape_configs"]) == len(targets), "a job the test scrapes is gone from prometheus.yml"
     for job in config["scrape_configs"]:
-        job["static_configs"] = [{"targets": [f"127.0.0.1:{targets[job['job_name']]}"]}]
+        job["static_configs"] = [{"targets": [f"127.0.0.1:{port}" for port in targets[job["job_name"]]]}]
     return config
 
 
@@ -92,7 +96,8 @@ def write_configs(root: Path, ports: Ports) -> dict[str, Path]:
     paths = {"guard": root / "guard.yaml", "prometheus": root / "prometheus.yml",
              "alertmanager": root / "alertmanager.yml"}
     tenants = [{"name": n, "api_keys": [k], "weight": w, "lane": lane} for n, k, w, lane in TENANTS]
-    guard_config(f"http://127.0.0.1:{ports.engine}", root,  # writes root / "guard.yaml"
+    # A list of URLs is a pool of replicas named e0, e1, ... (writes root / "guard.yaml").
+    guard_config([f"http://127.0.0.1:{port}" for port in ports.engines.values()], root,
                  listen={"host": "127.0.0.1", "port": ports.guard}, secret="live-test-secret",
                  tenants=tenants, fallbacks=[{"name": "static", "message": "degraded; retry shortly"}])
     paths["prometheus"].write_text(yaml.safe_dump(prometheus_config(ports, rules_dir)))
@@ -101,15 +106,17 @@ def write_configs(root: Path, ports: Ports) -> dict[str, Path]:
 
 
 def start_stack(root: Path, ports: Ports, processes: Processes) -> None:
-    """Engine first (Prometheus must not see it loading: that is EngineDown), then everything else."""
+    """Engines first (Prometheus must not see them loading: that is EngineDown), then everything else."""
     configs = write_configs(root, ports)
-    engine = processes.engine("--device", "cpu", "--num-blocks", "512", port=ports.engine, wait=False)
+    engines = [processes.engine("--device", "cpu", "--num-blocks", "512", port=port, name=f"engine-{name}",
+                                wait=False) for name, port in ports.engines.items()]
     alertmanager = processes.start(
         "alertmanager", [binary("alertmanager"), f"--config.file={configs['alertmanager']}",
                          f"--storage.path={root / 'alertmanager-data'}",
                          f"--web.listen-address=127.0.0.1:{ports.alertmanager}", "--cluster.listen-address="],
         ready_url=f"http://127.0.0.1:{ports.alertmanager}/-/ready", cwd=root, wait=False)
-    engine.wait_ready()
+    for engine in engines:
+        engine.wait_ready()
     guard = processes.guard(configs["guard"], wait=False)
     prometheus_process = processes.start(
         "prometheus", [binary("prometheus"), f"--config.file={configs['prometheus']}",
@@ -124,8 +131,9 @@ def start_stack(root: Path, ports: Ports, processes: Processes) -> None:
              lambda mode: mode == "normal", 30, interval=0.1,
              message=lambda: f"the guard never reached normal mode:\n{guard.log_tail()}")
     prometheus = Prometheus(ports.prometheus)
-    wait_for(lambda: len(prometheus.query("up == 1")), lambda up: up == 2, 30, interval=0.1,
-             message=lambda: f"Prometheus never scraped both targets: {prometheus.call('targets')}")
+    wait_for(lambda: len(prometheus.query("up == 1")), lambda up: up == len(ports.engines) + 1, 30,
+             interval=0.1,
+             message=lambda: f"Prometheus never scraped every target: {prometheus.call('targets')}")
 
 
 class Prometheus:
