@@ -60,6 +60,9 @@ class GuardMetrics:
                                     "(safe_utilization x its blocks; 0 without telemetry).", ["backend"], registry=r)
         self.backend_used = Gauge("guard_backend_used_blocks", "KV blocks in use on the replica, as it reports.",
                                   ["backend"], registry=r)
+        self.reservation_growths = Counter("guard_reservation_growths_total", "Reservations of requests without "
+                                           "max_tokens grown as their output passed the prediction, by result "
+                                           "(granted, or denied for want of room).", ["result"], registry=r)
         self.routed = Counter("guard_routed_requests_total", "Requests the picker sent to the replica.",
                               ["backend"], registry=r)
         self.prefix_predicted = Counter("guard_prefix_predicted_hit_tokens_total", "Prompt tokens the guard "
@@ -83,6 +86,8 @@ class GuardMetrics:
             for target in MODES:
                 if source != target:
                     self.mode_transitions.labels(source, target)
+        for result in ("granted", "denied"):
+            self.reservation_growths.labels(result)
 
     def child(self, metric: MetricWrapperBase, *labels: str) -> MetricWrapperBase:
         """``metric.labels(*labels)``, looked up once: prometheus_client checks the values and takes a lock on

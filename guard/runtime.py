@@ -14,6 +14,7 @@ import aiohttp
 from aiohttp import web
 
 from guard.admission.dispatch import Dispatcher
+from guard.admission.predictor import OutputPredictor
 from guard.config import GuardConfig, Tenant
 from guard.detect.detector import Detector
 from guard.detect.escalation import Escalation
@@ -39,6 +40,7 @@ class GuardState:
     fallback_breakers: dict[str, CircuitBreaker]  # engine fallbacks by name
     detector: Detector
     escalation: Escalation
+    predictor: OutputPredictor = field(default_factory=OutputPredictor)  # outputs of requests without max_tokens
     fallback_models: dict[str, str] = field(default_factory=dict)  # engine fallback name -> its model name
     in_flight: int = 0  # requests whose handler is running (shutdown waits for them)
     total_weight: float = field(init=False)  # of all tenants (the configuration does not change at run time)

@@ -153,6 +153,16 @@ class Dispatcher:
         if ticket.admitted is not None:  # None while submit is admitting it itself
             ticket.admitted.set_result(None)
 
+    def grow(self, ticket: Ticket, blocks: int, max_tokens: int) -> bool:
+        """Grow an admitted ticket's reservation to ``blocks`` (its output bound to ``max_tokens``) on its
+        replica, if that replica has room; False leaves the ticket as it was."""
+        if ticket.state is not TicketState.ADMITTED or ticket.replica is None:
+            return False
+        if not ticket.replica.gate.try_grow(ticket.request_id, blocks - ticket.blocks):
+            return False
+        ticket.blocks, ticket.max_tokens = blocks, max_tokens
+        return True
+
     def charge_output(self, ticket: Ticket, output_tokens: int) -> None:
         self.fair.charge(self.queue_of(ticket.tenant), output_tokens=output_tokens)
 

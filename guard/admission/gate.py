@@ -164,6 +164,20 @@ class AdmissionGate:
         self.reserved += blocks
         return True
 
+    def try_grow(self, key: str, blocks: int) -> bool:
+        """Add ``blocks`` to a running request's reservation if the pool has room under ``safe_utilization``.
+        The hysteresis threshold does not apply: the request runs already, and what it cannot reserve it
+        takes from the engine anyway (growing late is better than not at all). False leaves it as it was."""
+        reservation = self.reservations.get(key)
+        if reservation is None or not self.usable or self.snapshot is None:
+            return False
+        if self.committed() + blocks > int(self.config.safe_utilization * self.snapshot.num_blocks):
+            return False
+        reservation.blocks += blocks
+        self.reserved_by_tenant[reservation.tenant] += blocks
+        self.reserved += blocks
+        return True
+
     def release(self, key: str) -> bool:
         """Give a reservation back; idempotent (False when there was nothing to release)."""
         reservation = self.reservations.pop(key, None)

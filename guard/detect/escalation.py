@@ -39,16 +39,16 @@ class Escalation:
             metrics.suspicion.labels(name).set(0.0)
             metrics.fs_state.labels(name).set(0.0)
 
-    def shape(self, tenant: Tenant, lane: Lane, max_tokens: int) -> tuple[int, Lane]:
-        """A request as the tenant's state allows it: its output bound and lane; raises the 429 when
-        confirmed. Called once per request, after its prompt was counted."""
+    def shape(self, tenant: Tenant, lane: Lane, max_tokens: int) -> tuple[int | None, Lane]:
+        """A request as the tenant's state allows it: a cap on its output (None: none) and its lane; raises
+        the 429 when confirmed. Called once per request, with the output it is to be reserved for."""
         self.detector.on_request(tenant.name, max_tokens)
         state = self.detector.state(tenant.name)
         if state == "confirmed":
             raise abuse_refusal()
         if state == "suspect":
-            return min(max_tokens, SUSPECT_MAX_TOKENS), lane.model_copy(update={"priority": self.last_lane})
-        return max_tokens, lane
+            return SUSPECT_MAX_TOKENS, lane.model_copy(update={"priority": self.last_lane})
+        return None, lane
 
     def evaluate(self) -> None:
         """Re-score every tenant and apply the consequences of each state change."""

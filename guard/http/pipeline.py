@@ -121,8 +121,14 @@ async def serve_pool(ex: Exchange) -> web.StreamResponse:
     block_size = pool.block_size()
     if block_size is None:
         raise UpstreamUnavailable("no telemetry from any engine replica yet")
-    max_tokens, lane = state.escalation.shape(tenant, state.config.lanes[tenant.lane], limits.max_tokens)
-    blocks = batch_blocks_for(block_size, limits.prompts, max_tokens, parsed.n)
+    declared = parsed.max_tokens is not None
+    bound = limits.max_tokens  # what each sequence may generate: the client's bound, or the context's room
+    # Without a bound of its own a request reserves what such requests generate, not the whole room.
+    reserve = bound if declared else state.predictor.predict(tenant.name, tenant.lane, bound)
+    cap, lane = state.escalation.shape(tenant, state.config.lanes[tenant.lane], reserve)
+    if cap is not None:
+        bound, reserve = min(bound, cap), min(reserve, cap)
+    blocks = batch_blocks_for(block_size, limits.prompts, reserve, parsed.n)
     if blocks > pool.largest_budget():
         raise GuardError(400, f"the request needs {blocks} KV blocks, more than the {pool.largest_budget()} the "
                          "guard can ever commit on one engine; lower max_tokens or shorten the prompt",
@@ -130,10 +136,27 @@ async def serve_pool(ex: Exchange) -> web.StreamResponse:
     salt = state.keys.cache_salt(tenant)
     hashes = ([prompt_block_hashes(ids, block_size, salt) for ids in limits.ids]
               if state.picker.needs_hashes and len(pool) > 1 and limits.ids is not None else [])
-    ticket = Ticket(ex.request[REQUEST_ID], tenant, lane, limits.prompt_tokens, max_tokens, blocks, hashes)
+    ticket = Ticket(ex.request[REQUEST_ID], tenant, lane, limits.prompt_tokens, reserve, blocks, hashes)
+    sequences = len(limits.prompts) * parsed.n  # a stream's token events are theirs, interleaved
+    grow_at = reserve * sequences  # token events past which the reservation no longer covers the output
+
+    def on_gap(gap: float) -> None:
+        """Each token after the first: a stream that outgrows its predicted reservation asks for more."""
+        nonlocal grow_at
+        itl.observe(gap)
+        if observer.events < grow_at or ticket.max_tokens >= bound:
+            return
+        wanted = min(bound, 2 * ticket.max_tokens)
+        granted = state.dispatcher.grow(ticket, batch_blocks_for(block_size, limits.prompts, wanted, parsed.n),
+                                        wanted)
+        metrics.child(metrics.reservation_growths, "granted" if granted else "denied").inc()
+        # Denied: ask again a block later, when some other request may have ended.
+        grow_at = ticket.max_tokens * sequences if granted else grow_at + block_size * sequences
+
     ttft, itl = metrics.child(metrics.ttft, tenant.name), metrics.child(metrics.itl, tenant.name)
-    observer = StreamObserver(on_first_token=lambda now: ttft.observe(now - ex.arrived), on_gap=itl.observe)
-    body = parsed.upstream_body(cache_salt=salt, max_tokens=max_tokens, priority=lane.priority)
+    observer = StreamObserver(on_first_token=lambda now: ttft.observe(now - ex.arrived),
+                              on_gap=itl.observe if declared else on_gap)
+    body = parsed.upstream_body(cache_salt=salt, max_tokens=bound, priority=lane.priority)
     try:
         await state.dispatcher.submit(ticket)
         metrics.child(metrics.queue_wait, tenant.name).observe(time.monotonic() - ex.arrived)
@@ -155,6 +178,8 @@ async def serve_pool(ex: Exchange) -> web.StreamResponse:
     finally:
         if ex.outcome is Outcome.CANCELLED and observer.finished:
             ex.outcome = Outcome.COMPLETED  # the client hung up after [DONE]: it got everything
+        if ex.outcome is Outcome.COMPLETED and not declared:
+            state.predictor.record(tenant.name, tenant.lane, -(-observer.output_tokens // sequences))
         state.dispatcher.charge_output(ticket, observer.output_tokens)
         state.dispatcher.finish(ticket)
 
