@@ -72,6 +72,19 @@ async def telemetry_stream(request: web.Request) -> web.StreamResponse:
         return response
 
 
+async def kv_events(request: web.Request) -> web.StreamResponse:
+    """An empty prefix cache (docs/kv_events.md): the snapshot, then heartbeats, as an idle engine sends."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    try:
+        await response.write(b'event: snapshot\ndata: {"seq": 0, "block_size": 16, "hashes": []}\n\n')
+        while True:
+            await asyncio.sleep(0.5)
+            await response.write(b": heartbeat\n\n")
+    except ConnectionError:
+        return response
+
+
 async def tokenizer(_: web.Request) -> web.Response:
     info = TokenizerInfo(model="tiny", max_model_len=MAX_MODEL_LEN, kind="bytes", chat_template=DEFAULT_TEMPLATE)
     return web.Response(text=info.model_dump_json(), content_type="application/json")
@@ -104,6 +117,7 @@ def create_app() -> web.Application:
     app = web.Application()
     app.router.add_get("/health", health)
     app.router.add_get("/telemetry/stream", telemetry_stream)
+    app.router.add_get("/kv/events", kv_events)
     app.router.add_get("/tokenizer", tokenizer)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/v1/completions", completions)

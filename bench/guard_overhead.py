@@ -18,6 +18,10 @@ order; medians are reported, and added latency is taken against the direct run o
   p50/p99 over direct. Target: added p99 <= 5 ms.
 - firehose: streamed completions of 256 events back to back: SSE events/s relayed.
 
+"pool3" is the guard with a pool of three replicas (the same upstream under three names, each with its own
+telemetry and KV-event subscription, every request scored by the kvguard picker). Target: its CPU per
+request within 10% of the guard's with a pool of one.
+
 For each proxy the report also gives its CPU per request, which a busy shared machine does not distort the
 way it distorts requests/s, and the time it spent runnable but waiting for its core (bench/proc_stats.py).
 The guard runs with one tenant and the upstream's telemetry (a pool that never fills), so every request
@@ -54,6 +58,7 @@ API_KEY = "sk-bench-overhead"
 PROMPT = "benchmark prompt"
 TARGET_RPS_SHARE_OF_NGINX = 1 / 3
 TARGET_ADDED_P99_MS = 5.0
+TARGET_POOL3_CPU_RATIO = 1.10
 FIGURES = ("requests_per_s", "events_per_s", "p50_ms", "p99_ms", "mean_ms", "proxy_cpu",
            "proxy_cpu_us_per_request", "proxy_wait_ms_per_s", "upstream_cpu")
 
@@ -143,7 +148,11 @@ def verdicts(summary: dict[str, dict[str, dict]]) -> dict:
     # What each could serve with a core to itself: nginx is often held back by the upstream, not its core.
     per_cpu = nginx["proxy_cpu_us_per_request"] / guard["proxy_cpu_us_per_request"] if nginx else None
     added = summary["stream"]["guard"]["added_p99_ms"]
+    pool3 = summary["unary"]["pool3"]["proxy_cpu_us_per_request"] / guard["proxy_cpu_us_per_request"]
     return {
+        "pool3_cpu_per_request_ratio": pool3,
+        "pool3_cpu_ratio_target": TARGET_POOL3_CPU_RATIO,
+        "pool3_cpu_ratio_met": pool3 <= TARGET_POOL3_CPU_RATIO,
         "guard_rps_share_of_nginx": share,
         "guard_rps_share_of_nginx_per_cpu_second": per_cpu,
         "guard_rps_share_target": TARGET_RPS_SHARE_OF_NGINX,
@@ -186,10 +195,14 @@ def run(args: argparse.Namespace, workdir: Path) -> dict:
                                          str(port)], load_cpus), f"http://127.0.0.1:{port}", workdir)
     proxies: dict[str, Service] = {}
     try:
+        tenants = [{"name": "bench", "api_keys": [API_KEY], "lane": "interactive", "max_queue": 100000}]
         proxies["guard"] = start_guard(workdir, {
-            "engine": {"name": "primary", "url": upstream.url}, "secret": "bench-overhead",
-            "tenants": [{"name": "bench", "api_keys": [API_KEY], "lane": "interactive", "max_queue": 100000}],
+            "engine": {"name": "primary", "url": upstream.url}, "secret": "bench-overhead", "tenants": tenants,
         }, proxy_cpus)
+        proxies["pool3"] = start_guard(workdir, {
+            "engines": [{"name": f"r{i}", "url": upstream.url} for i in range(3)], "secret": "bench-overhead",
+            "tenants": tenants,
+        }, proxy_cpus, name="guard-pool3")
         if nginx_available():
             proxies["nginx"] = start_nginx(workdir, upstream.url, proxy_cpus)
         bare_port = free_port()
@@ -264,6 +277,8 @@ def main() -> None:
     if share is not None:
         print(f"a bare aiohttp relay vs nginx: {v['bare_aiohttp_rps_share_of_nginx']:.2f}; of the guard's CPU per "
               f"request, {v['guard_cpu_share_spent_in_a_bare_relay']:.0%} is what the bare relay spends")
+    print(f"guard CPU per request, pool of 3 vs pool of 1: {v['pool3_cpu_per_request_ratio']:.2f}x "
+          f"(target <= {TARGET_POOL3_CPU_RATIO:.2f}x)")
     print(f"guard added p99 at {args.connections} concurrent streams: "
           f"{v['guard_added_p99_ms_at_stream_load']:+.2f} ms (target <= {TARGET_ADDED_P99_MS:g} ms)")
     args.json.parent.mkdir(parents=True, exist_ok=True)
