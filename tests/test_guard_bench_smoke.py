@@ -46,7 +46,7 @@ def test_guard_overhead_quick(tmp_path: Path) -> None:
     out, report = run_quick("guard_overhead.py", tmp_path)
     has_nginx = shutil.which("nginx") is not None
     assert report["load_generator"] == ("wrk" if shutil.which("wrk") else "python")
-    targets = {"direct", "guard", "aiohttp", "nginx"} if has_nginx else {"direct", "guard", "aiohttp"}
+    targets = {"direct", "guard", "pool3", "aiohttp"} | ({"nginx"} if has_nginx else set())
     assert set(report["summary"]) == {"unary", "stream", "firehose"}
     for workload, by_target in report["summary"].items():
         assert set(by_target) == targets, workload
@@ -56,6 +56,7 @@ def test_guard_overhead_quick(tmp_path: Path) -> None:
         if workload != "unary":
             assert all(row["events_per_s"] > 0 for row in by_target.values())
     assert 0 < report["verdicts"]["guard_cpu_share_spent_in_a_bare_relay"]
+    assert report["verdicts"]["pool3_cpu_per_request_ratio"] > 0 and "pool of 3 vs pool of 1" in out
     share = report["verdicts"]["guard_rps_share_of_nginx"]
     if has_nginx:
         assert share is not None and report["nginx"].startswith("nginx")
