@@ -6,12 +6,17 @@
 (``update_from_output``), consulting the output processor about stops. Every input is validated before any
 state changes, and every sequence that ends (finished, stopped or aborted) releases its blocks in the same
 call.
+
+A request with a grammar (engine/structured) adds one thing to the step: before it runs, the core fills the
+bitmask of its constrained draws from their matchers, and the sampler masks their logits with it.
 """
 
 from __future__ import annotations
 
 import itertools
+import threading
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,11 +32,15 @@ from engine.protocol import TelemetrySnapshot
 from engine.sampling_params import SamplingParams
 from engine.sched.request import Request
 from engine.sched.scheduler import Scheduler
+from engine.structured.spec import Grammar, GrammarSpec
 from engine.telemetry import EngineStats
 from engine.validation import is_int, require
 from engine.worker.bandwidth import peak_bandwidth
 from engine.worker.memory_profile import activation_bytes
 from engine.worker.runner import ModelRunner
+
+if TYPE_CHECKING:
+    from engine.structured.manager import StructuredOutputManager
 
 
 class EngineCore:
@@ -63,6 +72,8 @@ class EngineCore:
         self.stats = EngineStats(block_bytes, self.scheduler.stats, peak_bandwidth(self.device))
         self.requests: dict[str, Request] = {}
         self._request_ids = itertools.count()
+        self._structured: StructuredOutputManager | None = None  # built by the first compile_grammar
+        self._structured_lock = threading.Lock()
 
     @property
     def model_name(self) -> str:
@@ -83,11 +94,13 @@ class EngineCore:
         cache_salt: str | None = None,
         priority: int = 0,
         stream: bool = False,
+        grammar: Grammar | None = None,
     ) -> Request:
         """Validate one prompt and build its request; nothing is queued yet (see ``add``).
 
         ``stream=True`` keeps every completion's ``text`` current token by token, for a server that sends
-        text deltas; otherwise text is decoded once, when the completion finishes.
+        text deltas; otherwise text is decoded once, when the completion finishes. ``grammar`` (from
+        ``compile_grammar``) holds every completion to it.
         """
         require(isinstance(params, SamplingParams), "sampling_params", "a SamplingParams", params)
         text, ids = self._tokenize(prompt)
@@ -111,9 +124,27 @@ class EngineCore:
         require(tenant is None or isinstance(tenant, str), "tenant", "a string or None", tenant)
         require(cache_salt is None or isinstance(cache_salt, str), "cache_salt", "a string or None", cache_salt)
         require(isinstance(stream, bool), "stream", "a boolean", stream)
+        require(grammar is None or isinstance(grammar, Grammar), "grammar", "a Grammar from compile_grammar",
+                grammar)
         request_id = request_id if request_id is not None else f"req-{next(self._request_ids)}"
         require(request_id not in self.requests, "request_id", "unique among running requests", request_id)
-        return Request(request_id, text, ids, params, max_tokens, tenant, cache_salt, priority, stream)
+        return Request(request_id, text, ids, params, max_tokens, tenant, cache_salt, priority, stream, grammar)
+
+    def compile_grammar(self, spec: GrammarSpec) -> Grammar:
+        """Compile ``spec`` for this model's vocabulary (cached per distinct schema); ``ValueError`` naming
+        ``spec.param`` when it cannot be. Safe from any thread: the server compiles off its event loop while
+        this engine steps. The first call loads xgrammar and indexes the vocabulary (a second or two for a
+        49k-token vocabulary), so engines that never constrain an output never pay for it."""
+        require(isinstance(spec, GrammarSpec), "grammar", "a GrammarSpec", spec)
+        with self._structured_lock:
+            if self._structured is None:
+                require(self.tokenizer is not None, spec.param, "unset for a model without a tokenizer",
+                        "a grammar")
+                from engine.structured.manager import StructuredOutputManager  # deferred: see above
+
+                self._structured = StructuredOutputManager(self.tokenizer, self.loaded.config.vocab_size)
+            structured = self._structured
+        return structured.compile(spec)
 
     def add(self, request: Request) -> None:
         require(request.request_id not in self.requests, "request_id", "unique among running requests",
@@ -123,6 +154,9 @@ class EngineCore:
         # Created here, in the thread that steps the engine, like every other device object.
         request.generators = [torch.Generator(self.device).manual_seed(params.seed + index) if seeded else None
                               for index in range(params.n)]
+        if request.grammar is not None:
+            assert self._structured is not None  # it compiled the grammar
+            request.matchers = self._structured.matchers(request.grammar, params.n)
         self.requests[request.request_id] = request
         self.scheduler.add_request(request)
 
@@ -145,7 +179,9 @@ class EngineCore:
             # Validation guarantees every request fits an idle pool; an empty step with work left is a bug,
             # and raising beats spinning forever.
             raise RuntimeError("scheduler: no sequence could be scheduled although requests are pending")
-        result = self.runner.execute(out)
+        # The matchers have accepted every token committed so far; this step's commit advances them.
+        grammar = self._structured.bitmask(out) if self._structured is not None else None
+        result = self.runner.execute(out, grammar)
         touched = self.scheduler.update_from_output(out, result.sampled)
         self.stats.on_step(time.perf_counter() - started, result.num_tokens, out.has_decode, result.bytes_moved)
         outputs = []

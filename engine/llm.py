@@ -9,6 +9,7 @@ from engine.core import EngineCore
 from engine.outputs import RequestOutput
 from engine.protocol import TelemetrySnapshot
 from engine.sampling_params import SamplingParams
+from engine.structured.spec import GrammarSpec
 from engine.validation import is_int, require
 
 Prompt = str | list[int]
@@ -39,9 +40,11 @@ class LLM:
         tenant: str | None | list[str | None] = None,
         cache_salt: str | None | list[str | None] = None,
         priority: int | list[int] = 0,
+        grammar: GrammarSpec | None | list[GrammarSpec | None] = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text, or a list of token ids) and return outputs in prompt order.
 
+        ``grammar`` holds a prompt's completions to a JSON schema (``GrammarSpec.of(schema, "grammar")``).
         All prompts are validated before the first one is queued: a bad one raises ``ValueError`` naming
         the field and leaves the engine untouched.
         """
@@ -55,9 +58,11 @@ class LLM:
         tenants = _per_prompt(tenant, count, "tenant")
         salts = _per_prompt(cache_salt, count, "cache_salt")
         priorities = _per_prompt(priority, count, "priority")
+        grammars = [g if g is None else self.core.compile_grammar(g)
+                    for g in _per_prompt(grammar, count, "grammar")]
         requests = [
-            self.core.make_request(p, sp, tenant=t, cache_salt=s, priority=pr)
-            for p, sp, t, s, pr in zip(prompts, params, tenants, salts, priorities)
+            self.core.make_request(p, sp, tenant=t, cache_salt=s, priority=pr, grammar=g)
+            for p, sp, t, s, pr, g in zip(prompts, params, tenants, salts, priorities, grammars)
         ]
         for request in requests:
             self.core.add(request)

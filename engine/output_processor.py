@@ -1,10 +1,12 @@
 """From sampled tokens to what a caller sees: text, stop conditions and ``RequestOutput``s.
 
-After each token appended to a sequence, ``check_stop`` decides whether it ends, in this order:
+After each token appended to a sequence, ``check_stop`` advances the completion's grammar matcher, if it
+has one (engine/structured), and decides whether it ends, in this order:
 
 1. a stop string (``params.stop``) in the text: the text is cut before the string, which never shows;
-2. an EOS token (unless ``ignore_eos``) or one of ``params.stop_token_ids``: the token stays in
-   ``token_ids``, the text keeps whatever it decoded to;
+2. its grammar has terminated (it accepted a stop token once complete, ``ignore_eos`` or not), an EOS
+   token (unless ``ignore_eos``) or one of ``params.stop_token_ids``: the token stays in ``token_ids``,
+   the text keeps whatever it decoded to;
 3. ``max_tokens`` output tokens: "length".
 
 Text: a completion whose request streams or has stop strings is decoded token by token, with an
@@ -36,6 +38,10 @@ class OutputProcessor:
         """``token`` was just appended to ``seq``: update its text and return its finish reason, if any."""
         request = seq.request
         params = request.params
+        matcher = request.matchers[seq.index] if request.matchers else None
+        # The sampler drew the token under this matcher's mask, so refusing it means the two disagree.
+        if matcher is not None and not matcher.accept_token(token):
+            raise RuntimeError(f"{request.request_id}: token {token} was drawn outside its grammar")
         detokenizer = seq.detokenizer
         if detokenizer is None and self.tokenizer is not None and (params.stop or request.stream):
             detokenizer = seq.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
@@ -43,7 +49,8 @@ class OutputProcessor:
         if detokenizer is not None:
             reason = self._check_stop_strings(seq, detokenizer.step(token))
         if reason is None:
-            if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            if ((matcher is not None and matcher.is_terminated())
+                    or (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids):
                 reason = "stop"
             elif seq.num_output_tokens >= request.max_tokens:
                 reason = "length"

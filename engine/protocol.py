@@ -15,6 +15,8 @@ from pydantic import (
     Field,
     SerializerFunctionWrapHandler,
     ValidationError,
+    ValidationInfo,
+    field_validator,
     model_serializer,
     model_validator,
 )
@@ -141,9 +143,41 @@ class StreamOptions(OpenAIRequest):
     include_usage: bool = False
 
 
+# A name OpenAI accepts for a response schema or a function.
+Name = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+JsonSchema = dict[str, Any]
+
+
+class JsonSchemaSpec(OpenAIRequest):
+    """``response_format.json_schema``. The output is always held to ``schema`` by constrained decoding, so
+    ``strict`` is accepted but changes nothing; no ``schema`` means any JSON value, as OpenAI reads it."""
+
+    name: Name
+    description: str | None = None
+    schema_: JsonSchema = Field(default_factory=dict, alias="schema")  # ``schema`` is a BaseModel method
+    strict: bool | None = None
+
+
+class TextFormat(OpenAIRequest):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(OpenAIRequest):
+    type: Literal["json_object"]
+
+
+class JsonSchemaFormat(OpenAIRequest):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
+
+
 class SamplingRequest(OpenAIRequest):
     """Fields common to both endpoints, with the engine's extensions ``top_k``, ``ignore_eos``,
-    ``cache_salt`` (prefix-cache scope) and ``priority`` (lower runs first)."""
+    ``cache_salt`` (prefix-cache scope) and ``priority`` (lower runs first). ``response_format`` holds the
+    output to JSON on both (on ``/v1/completions`` an extension, as in vLLM)."""
 
     model: str
     n: int = Field(1, ge=1, le=128)
@@ -154,6 +188,7 @@ class SamplingRequest(OpenAIRequest):
     stop: NonEmptyStr | list[NonEmptyStr] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
     ignore_eos: bool = False
     cache_salt: NonEmptyStr | None = None
     priority: int = 0
@@ -209,13 +244,78 @@ class ChatMessage(OpenAIRequest):
         return "".join(part.text for part in self.content)
 
 
+class FunctionDefinition(OpenAIRequest):
+    name: Name
+    description: str | None = None
+    # OpenAI: "Omitting parameters defines a function with an empty parameter list."
+    parameters: JsonSchema = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None  # accepted: the arguments always match ``parameters`` (constrained decoding)
+
+
+class ToolDefinition(OpenAIRequest):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(OpenAIRequest):
+    name: Name
+
+
+class NamedToolChoice(OpenAIRequest):
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+_AUTO_TOOL_CHOICE = (
+    "'auto' (the default when tools are given) is not supported: this model has no tool-call format of its own, "
+    "so it cannot choose between answering and calling; set 'required' or "
+    '{"type": "function", "function": {"name": ...}} to call a tool, or \'none\' to answer in text')
+
+
 class ChatCompletionRequest(SamplingRequest):
+    """A chat. With ``tools``, ``tool_choice`` ``"required"`` or a named function makes the answer tool calls
+    (engine/structured/tool_calls.py); ``"none"`` answers in text; ``"auto"``, OpenAI's default when tools are
+    given, is refused (400 naming ``tool_choice``)."""
+
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: int | None = Field(None, ge=1)
     max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI in favour of max_completion_tokens
     top_logprobs: Unsupported = None
-    tools: Unsupported = None
+    tools: Annotated[list[ToolDefinition], Field(max_length=128)] | None = None
+    # Validated even when absent: its default depends on ``tools`` (declared before it, so checked first).
+    tool_choice: ToolChoice | None = Field(None, validate_default=True)
+    parallel_tool_calls: bool = True  # with "required": several calls may come back; false: exactly one
     functions: Unsupported = None
+    function_call: Unsupported = None
+
+    @field_validator("tools")
+    @classmethod
+    def _distinct_names(cls, tools: list[ToolDefinition] | None) -> list[ToolDefinition] | None:
+        names = [tool.function.name for tool in tools or []]
+        if len(set(names)) < len(names):
+            raise ValueError(f"function names must be distinct, got {names}")
+        return tools
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, choice: str | NamedToolChoice | None, info: ValidationInfo) -> str | NamedToolChoice:
+        tools: list[ToolDefinition] = info.data.get("tools") or []
+        if choice is None:
+            choice = "auto" if tools else "none"  # OpenAI's defaults
+        if choice == "none":
+            return choice
+        if not tools:
+            raise ValueError("needs tools: there is no function to call")
+        if choice == "auto":
+            raise ValueError(_AUTO_TOOL_CHOICE)
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in tools}:
+            raise ValueError(f"names the function {choice.function.name!r}, which is not among tools")
+        response_format = info.data.get("response_format")
+        if response_format is not None and response_format.type != "text":
+            raise ValueError("cannot call a tool together with a JSON response_format: a call is the whole answer")
+        return choice
 
     @property
     def max_output_tokens(self) -> int | None:
@@ -278,7 +378,7 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]  # tool_calls: the message is tool calls, complete
 
 
 class CompletionChoice(BaseModel):
@@ -299,9 +399,30 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object as text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
+    """Either text (``content``) or tool calls (``content`` null, as OpenAI sends it, and ``tool_calls``)."""
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_no_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        if data["tool_calls"] is None:
+            del data["tool_calls"]
+        return data
 
 
 class ChatChoice(BaseModel):
@@ -320,9 +441,17 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class ToolCallDelta(ToolCall):
+    """A tool call in a stream: sent whole in one chunk, so it carries all of a complete call and its place
+    (``index``) among the message's calls."""
+
+    index: int
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None  # set in a choice's first chunk only
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")
     def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

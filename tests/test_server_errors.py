@@ -61,7 +61,7 @@ def engine_state(server: ServerThread) -> tuple:
         (CHAT, {**OK_CHAT, "messages": [{"role": "user", "content": "x" * 2100}]}, "messages"),
         (CHAT, {**OK_CHAT, "max_completion_tokens": 5000}, "max_completion_tokens"),
         (CHAT, {**OK_CHAT, "max_tokens": 5000}, "max_tokens"),
-        (CHAT, {**OK_CHAT, "tools": [{"type": "function"}]}, "tools"),
+        (CHAT, {**OK_CHAT, "tools": [{"type": "function"}]}, "tools[0].function"),
     ],
 )
 def test_invalid_requests_are_400_naming_the_field(server: ServerThread, path: str, body: object,

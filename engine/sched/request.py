@@ -20,8 +20,10 @@ from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import torch
+    import xgrammar
 
     from engine.prompting.detokenizer import IncrementalDetokenizer
+    from engine.structured.spec import Grammar
 
 
 class SeqStatus(enum.Enum):
@@ -42,10 +44,15 @@ class Request:
     cache_salt: str | None = None
     priority: int = 0  # lower runs first, as in vLLM
     stream: bool = False  # detokenize as tokens arrive, so a server can send text deltas
+    grammar: Grammar | None = None  # what every completion must match (engine/structured); None: anything
     arrival_time: float = field(default_factory=time.monotonic)
     # Completion index -> its own random stream (seeded ``seed + index``, None when greedy or unseeded), so
     # that a seeded completion draws the same tokens whatever else is in the batch. Set by ``EngineCore.add``.
     generators: list[torch.Generator | None] = field(default_factory=list)
+    # Completion index -> its grammar matcher (empty without a grammar), set by ``EngineCore.add``. Each has
+    # accepted exactly its completion's output tokens: the commit advances it with every token appended, and
+    # preemption keeps the tokens (recompute computes them again, swap keeps their KV), so it never rewinds.
+    matchers: list[xgrammar.GrammarMatcher] = field(default_factory=list)
     seqs: list[Sequence] = field(default_factory=list)
     first_token_time: float | None = None
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission

@@ -16,6 +16,13 @@ over the prompts.
 Streamed text: each chunk carries what a choice's text gained since the previous chunk. With stop strings
 the last ``len(longest stop) - 1`` characters are held back until the choice finishes, because they may be
 the start of a stop string, which is cut from the output and must never have been sent.
+
+Structured outputs (engine/structured): ``response_format`` and forced tool calls compile to a grammar off
+the event loop (a new schema takes milliseconds, the engine's first one a second or two), and a schema the
+engine cannot follow is a 400 before anything is queued. A tool-call choice is read from its finished text
+(``message.tool_calls``, ``content`` null, finish_reason ``tool_calls``); streamed, it opens with a chunk
+carrying the role at its first token and sends its calls whole, in the chunk that ends it. A choice cut
+before its calls are complete (``length``) comes back as text.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ from engine.protocol import (
     SamplingRequest,
     TokenizeRequest,
     TokenizeResponse,
+    ToolCallDelta,
     Usage,
 )
 from engine.sampling_params import SamplingParams
@@ -57,6 +65,8 @@ from engine.server.async_engine import AsyncEngine
 from engine.server.errors import ApiError
 from engine.server.request_stream import EngineUnavailable, RequestFailed, RequestStream
 from engine.server.sse import open_stream, send_data, send_done, send_error
+from engine.structured.spec import Grammar, GrammarSpec, response_format_grammar
+from engine.structured.tool_calls import ToolCalling
 
 TENANT_HEADER = "X-Tenant-Id"
 MAX_TENANT_LENGTH = 128
@@ -66,6 +76,9 @@ Body = TypeVar("Body", bound=SamplingRequest)
 
 class _Format(Protocol):
     """How one endpoint shapes its answers: a stream chunk, the usage chunk, or the whole response."""
+
+    # A choice's text is sent whole, in the chunk that ends it (after one that opens it), not as it grows.
+    whole_choices: bool
 
     def chunk(self, index: int, text: str, finish_reason: FinishReason | None) -> str: ...
 
@@ -88,7 +101,8 @@ class OpenAIHandlers:
         tenant, completion_id = _tenant(http), f"cmpl-{uuid.uuid4().hex}"
         # A batch's engine requests are told apart by a suffix; the answer carries the one id.
         ids = [completion_id] if len(batch) == 1 else [f"{completion_id}-{p}" for p in range(len(batch))]
-        requests = [_make_request(core, request_id, prompt_ids, body, body.max_tokens, tenant, {})
+        grammar = await _compile(core, response_format_grammar(body.response_format))
+        requests = [_make_request(core, request_id, prompt_ids, body, body.max_tokens, tenant, {}, grammar)
                     for request_id, prompt_ids in zip(ids, batch, strict=True)]
         return await self._respond(http, requests, body, _CompletionFormat(completion_id, core.model_name))
 
@@ -98,9 +112,12 @@ class OpenAIHandlers:
         prompt_ids = counter.request_ids(body)
         check_context(body, len(prompt_ids), counter.max_model_len)
         rename = {"prompt": "messages", "max_tokens": body.max_output_tokens_field}
+        tenant, tools = _tenant(http), ToolCalling.of(body)
+        grammar = await _compile(core, tools.grammar() if tools is not None else
+                                 response_format_grammar(body.response_format))
         request = _make_request(core, f"chatcmpl-{uuid.uuid4().hex}", prompt_ids, body, body.max_output_tokens,
-                                _tenant(http), rename)
-        return await self._respond(http, [request], body, _ChatFormat(request.request_id, core.model_name))
+                                tenant, rename, grammar)
+        return await self._respond(http, [request], body, _ChatFormat(request.request_id, core.model_name, tools))
 
     async def tokenize(self, http: web.Request) -> web.Response:
         """``POST /tokenize``: the prompt's token ids exactly as a completion or chat request would see them
@@ -143,7 +160,8 @@ class OpenAIHandlers:
     async def _stream(self, http: web.Request, requests: list[Request], include_usage: bool,
                       fmt: _Format) -> web.StreamResponse:
         response = await open_stream(http)
-        holdback = max((len(s) for s in requests[0].params.stop or []), default=1) - 1
+        stops = requests[0].params.stop or []
+        holdback = None if fmt.whole_choices else max((len(s) for s in stops), default=1) - 1
         n = requests[0].params.n
         sent: dict[int, int] = {}  # the answer's choice index -> characters of its text already sent
         ended: set[int] = set()
@@ -172,11 +190,17 @@ class OpenAIHandlers:
 
     @staticmethod
     async def _send_delta(response: web.StreamResponse, fmt: _Format, index: int, completion: CompletionOutput,
-                          sent: dict[int, int], holdback: int) -> None:
+                          sent: dict[int, int], holdback: int | None) -> None:
+        """Send what choice ``index`` gained, but its last ``holdback`` characters; with ``holdback`` None,
+        an empty chunk that opens the choice, then all of it when it ends."""
         start = sent.get(index, 0)
         final = completion.finish_reason is not None
-        end = len(completion.text) if final else max(start, len(completion.text) - holdback)
-        if end > start or final:
+        if final:
+            end = len(completion.text)
+        else:
+            end = start if holdback is None else max(start, len(completion.text) - holdback)
+        opens = holdback is None and index not in sent
+        if end > start or final or opens:
             await send_data(response, fmt.chunk(index, completion.text[start:end], _finish_reason(completion)))
             sent[index] = end
 
@@ -217,8 +241,19 @@ def _tenant(http: web.Request) -> str | None:
     return tenant
 
 
+async def _compile(core: EngineCore, spec: GrammarSpec | None) -> Grammar | None:
+    """``spec`` compiled on a worker thread, so that compiling never stalls the event loop."""
+    if spec is None:
+        return None
+    try:
+        return await asyncio.to_thread(core.compile_grammar, spec)
+    except ValueError as exc:
+        raise ApiError.invalid(exc) from None
+
+
 def _make_request(core: EngineCore, request_id: str, prompt: list[int], body: SamplingRequest,
-                  max_tokens: int | None, tenant: str | None, rename: dict[str, str]) -> Request:
+                  max_tokens: int | None, tenant: str | None, rename: dict[str, str],
+                  grammar: Grammar | None) -> Request:
     try:
         # OpenAI reads top_p=0 as "keep only the likeliest token": greedy, which temperature 0 says exactly
         # (and a nucleus of zero mass is no distribution to sample from).
@@ -227,7 +262,7 @@ def _make_request(core: EngineCore, request_id: str, prompt: list[int], body: Sa
                                 top_p=1.0 if greedy else body.top_p, top_k=body.top_k, seed=body.seed,
                                 stop=body.stop, ignore_eos=body.ignore_eos)
         return core.make_request(prompt, params, request_id=request_id, tenant=tenant, cache_salt=body.cache_salt,
-                                 priority=body.priority, stream=body.stream)
+                                 priority=body.priority, stream=body.stream, grammar=grammar)
     except ValueError as exc:
         raise ApiError.invalid(exc, rename) from None
 
@@ -247,6 +282,8 @@ def _finish_reason(completion: CompletionOutput) -> FinishReason | None:
 
 
 class _CompletionFormat:
+    whole_choices = False
+
     def __init__(self, request_id: str, model: str) -> None:
         self.request_id = request_id
         self.model = model
@@ -271,12 +308,14 @@ class _CompletionFormat:
 
 class _ChatFormat:
     """Chat chunks; a choice's first chunk also carries ``role`` (no separate empty role-only chunk, so the
-    first event a client sees is its first token)."""
+    first event a client sees is its first token). With ``tools``, the choices are tool calls, sent whole."""
 
-    def __init__(self, request_id: str, model: str) -> None:
+    def __init__(self, request_id: str, model: str, tools: ToolCalling | None) -> None:
         self.request_id = request_id
         self.model = model
         self.created = int(time.time())
+        self.tools = tools
+        self.whole_choices = tools is not None
         self._started: set[int] = set()
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
@@ -287,6 +326,10 @@ class _ChatFormat:
         role = None if index in self._started else "assistant"
         self._started.add(index)
         delta = ChatDelta(role=role, content=text or None)
+        if self.tools is not None and finish_reason is not None:
+            message, finish_reason = _chat_message(text, finish_reason, self.tools)
+            calls = [ToolCallDelta(index=i, **call.model_dump()) for i, call in enumerate(message.tool_calls or [])]
+            delta = ChatDelta(role=role, content=message.content or None, tool_calls=calls or None)
         return self._chunk([ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason)])
 
     def usage_chunk(self, usage: Usage) -> str:
@@ -294,7 +337,19 @@ class _ChatFormat:
 
     def whole(self, outputs: list[RequestOutput], usage: Usage) -> str:
         [output] = outputs  # a chat has one conversation
-        choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text), finish_reason=_finish_reason(c))
-                   for c in output.outputs]
+        choices = []
+        for c in output.outputs:
+            message, finish_reason = _chat_message(c.text, _finish_reason(c), self.tools)
+            choices.append(ChatChoice(index=c.index, message=message, finish_reason=finish_reason))
         return ChatCompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=choices,
                                       usage=usage).model_dump_json()
+
+
+def _chat_message(text: str, finish_reason: FinishReason | None,
+                  tools: ToolCalling | None) -> tuple[AssistantMessage, FinishReason | None]:
+    """A finished choice's message and finish reason: its tool calls (``tool_calls``) when the request forces
+    a call and the completion ended in its grammar, else its text."""
+    calls = tools.tool_calls(text) if tools is not None and finish_reason == "stop" else None
+    if calls is None:
+        return AssistantMessage(content=text), finish_reason
+    return AssistantMessage(content=None, tool_calls=calls), "tool_calls"

@@ -1,8 +1,10 @@
 """Runs one scheduled step on the model: block moves, batch tensors, forward, logits, sampling.
 
-The runner sees only the scheduler's output, plain data (``engine.sched.output``): it holds the device
-KV caches and the host swap copies, never the block tables or the sequences behind them. Only the last
-token of a chunk that samples produces logits; prefill chunks that stop short of the end produce none.
+The runner sees only the scheduler's output, plain data (``engine.sched.output``), and the step's grammar
+bitmask (engine/structured/bitmask.py: which tokens each constrained draw may take, filled by the engine
+core): it holds the device KV caches and the host swap copies, never the block tables or the sequences
+behind them. Only the last token of a chunk that samples produces logits; prefill chunks that stop short of
+the end produce none.
 
 On CUDA, with a backend that allows it, a decode-only step replays a captured CUDA graph
 (``engine.worker.cuda_graphs``); every other step, and every step on CPU, runs the model eagerly.
@@ -11,6 +13,7 @@ On CUDA, with a backend that allows it, a decode-only step replays a captured CU
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,6 +25,9 @@ from engine.worker.batch import HostBatch
 from engine.worker.cuda_graphs import DecodeGraphs
 from engine.worker.host_cache import HostKVCache
 from engine.worker.sampler import sample
+
+if TYPE_CHECKING:
+    from engine.structured.bitmask import GrammarBitmask
 
 
 @dataclass(slots=True)
@@ -61,7 +67,7 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.kv_caches, max_blocks, device)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> StepResult:
+    def execute(self, out: SchedulerOutput, grammar: GrammarBitmask | None = None) -> StepResult:
         self._apply_copies(out.copies)
         batch = HostBatch.build(out.chunks, self.block_size)
         hidden = None
@@ -73,7 +79,7 @@ class ModelRunner:
         logits_indices = torch.tensor(batch.logits_indices, dtype=torch.int64, device=self.device)
         logits = self.model.compute_logits(hidden[logits_indices])
         sampling = out.sampling
-        sampled = sample(logits[sampling.rows], sampling.params, sampling.generators)
+        sampled = sample(logits[sampling.rows], sampling.params, sampling.generators, grammar)
         num_tokens = len(batch.input_ids)
         kv_bytes = self.kv_bytes_per_token * (sum(batch.seq_lens) + num_tokens)
         return StepResult(logits, sampled, num_tokens, self.weight_bytes + kv_bytes)

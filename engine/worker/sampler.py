@@ -3,19 +3,32 @@
 Sampling uses the exponential race (argmax of ``p / E`` with ``E ~ Exp(1)``), which draws from ``p``
 exactly and lets each seeded row use its own generator without a Python-level multinomial per row.
 A seeded request's draws depend only on its own generator, never on the rest of the batch.
+
+Rows under a grammar (engine/structured) draw only the tokens it allows: their disallowed logits become
+-inf before anything else, so greedy, temperature, top-k and top-p all choose among the allowed tokens.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from engine.structured.bitmask import GrammarBitmask
+
 
 def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    grammar: GrammarBitmask | None = None,
 ) -> list[int]:
-    """Sample one token per row of ``logits`` ([rows, vocab], float32)."""
+    """Sample one token per row of ``logits`` ([rows, vocab], float32), masked in place by ``grammar``."""
+    if grammar is not None:
+        grammar.apply(logits)
     tokens = logits.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:

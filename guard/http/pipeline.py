@@ -197,7 +197,7 @@ async def serve_elsewhere(ex: Exchange, route: Route) -> web.StreamResponse:
     headers = stamp_headers(ex.request, route.name)
     if route.kind == "static":
         ex.outcome = Outcome.FALLBACK
-        return static_response(ex.request, parsed.path, route.backend.message, parsed.stream, headers)
+        return static_response(parsed, route.backend.message, headers)
     model = state.fallback_models.get(route.name, parsed.model.model)
     body = parsed.upstream_body(cache_salt=state.keys.cache_salt(tenant), max_tokens=parsed.max_tokens,
                                 priority=state.config.lanes[tenant.lane].priority, model=model)

@@ -56,10 +56,6 @@ class ParsedRequest:
         return pydantic_core.to_json(body)
 
 
-# The parsed request, kept on the aiohttp request for the stages that answer in its shape (guard/http/static.py).
-PARSED = web.RequestKey("parsed_request", ParsedRequest)
-
-
 async def parse_request(request: web.Request, max_body_bytes: int) -> ParsedRequest:
     if request.content_length is not None and request.content_length > max_body_bytes:
         raise GuardError(413, f"request body of {request.content_length} bytes exceeds the {max_body_bytes}-byte "
@@ -84,5 +80,4 @@ async def parse_request(request: web.Request, max_body_bytes: int) -> ParsedRequ
     except ValidationError as exc:
         param, message = protocol.validation_error_param(exc)
         raise GuardError(400, message, param=param, code="invalid_value") from None
-    parsed = request[PARSED] = ParsedRequest(request.path, body, model)
-    return parsed
+    return ParsedRequest(request.path, body, model)

@@ -1,0 +1,83 @@
+"""Tool calls by constrained decoding: the JSON a completion must be when a chat request forces a call, and
+the ``tool_calls`` read back from it.
+
+Our models have no tool-call format of their own, so the grammar is the format:
+
+- a named function (``tool_choice: {"type": "function", "function": {"name": N}}``): the completion is N's
+  arguments, an object matching its ``parameters``; the answer is one call to N.
+- ``"required"``: the completion is a JSON array of calls, ``[{"name": ..., "arguments": {...}}, ...]``, each
+  one of the tools with arguments matching that tool's ``parameters``: at least one call (OpenAI's parallel
+  calls), exactly one with ``parallel_tool_calls: false``. The model picks the tool; the name comes first,
+  so the arguments are written knowing which schema they follow.
+
+The model sees the conversation only (the chat templates render messages, not tool definitions); the
+grammar alone makes the output a valid call.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from engine.protocol import ChatCompletionRequest, FunctionCall, FunctionDefinition, NamedToolChoice, ToolCall
+from engine.structured.spec import GrammarSpec
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCalling:
+    """How one request's completions become tool calls: ``named`` is the forced function, or None when the
+    model picks (``"required"``) among ``functions``."""
+
+    functions: tuple[FunctionDefinition, ...]
+    named: str | None
+    parallel: bool
+
+    @classmethod
+    def of(cls, body: ChatCompletionRequest) -> ToolCalling | None:
+        """None when the request answers in text (``tool_choice`` ``"none"``, or no tools): the protocol
+        has already refused ``"auto"`` and any choice that names no tool."""
+        choice = body.tool_choice
+        if choice == "none" or not body.tools:
+            return None
+        functions = tuple(tool.function for tool in body.tools)
+        named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+        return cls(functions, named, body.parallel_tool_calls)
+
+    def grammar(self) -> GrammarSpec:
+        if self.named is not None:
+            [function] = [f for f in self.functions if f.name == self.named]
+            return GrammarSpec.of(function.parameters, "tools")
+        calls: dict[str, Any] = {
+            "type": "array",
+            "items": {"anyOf": [_call_schema(f) for f in self.functions]},
+            "minItems": 1,
+        }
+        if not self.parallel:
+            calls["maxItems"] = 1
+        return GrammarSpec.of(calls, "tools")
+
+    def tool_calls(self, text: str) -> list[ToolCall] | None:
+        """The calls a finished completion's text makes; None when the text is not the whole of them (a
+        completion cut by ``max_tokens`` or a stop string), so the caller can hand it back as text."""
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return None
+        if self.named is not None:
+            return [_tool_call(self.named, text)]
+        return [_tool_call(call["name"], json.dumps(call["arguments"], ensure_ascii=False)) for call in value]
+
+
+def _call_schema(function: FunctionDefinition) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {"name": {"const": function.name}, "arguments": function.parameters},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def _tool_call(name: str, arguments: str) -> ToolCall:
+    return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=name, arguments=arguments))
