@@ -69,13 +69,19 @@ def healthy(url: str) -> bool:
         return response.status == 200
 
 
+def backend_series(url: str, name: str) -> dict[str, float]:
+    """The guard's per-replica series ``name{backend="..."}`` from its ``/metrics`` at ``url``, by replica."""
+    with urllib.request.urlopen(url + "/metrics", timeout=2.0) as response:
+        lines = response.read().decode().splitlines()
+    return {line.split('backend="', 1)[1].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in lines if line.startswith(name + "{")}
+
+
 def guard_has_telemetry(url: str) -> bool:
     """The guard's contract metric ``guard_telemetry_age_seconds{backend}`` says it has a fresh snapshot of
     every replica."""
-    with urllib.request.urlopen(url + "/metrics", timeout=2.0) as response:
-        ages = [float(line.split()[-1]) for line in response.read().decode().splitlines()
-                if line.startswith("guard_telemetry_age_seconds{")]
-    return bool(ages) and max(ages) < 1.0
+    ages = backend_series(url, "guard_telemetry_age_seconds")
+    return bool(ages) and max(ages.values()) < 1.0
 
 
 def start(name: str, command: list[str], url: str, workdir: Path, ready: Callable[[str], bool] = healthy,
@@ -98,10 +104,11 @@ def start(name: str, command: list[str], url: str, workdir: Path, ready: Callabl
         time.sleep(0.1)
 
 
-def start_engine(workdir: Path, flags: list[str], cpus: str | None = None) -> Service:
+def start_engine(workdir: Path, flags: list[str], cpus: str | None = None, name: str = "engine") -> Service:
+    """An engine with ``flags``; ``name`` tells several engines' logs apart."""
     port = free_port()
     command = pinned([sys.executable, "-m", "engine", "--port", str(port), *flags], cpus)
-    return start("engine", command, f"http://127.0.0.1:{port}", workdir)
+    return start(name, command, f"http://127.0.0.1:{port}", workdir)
 
 
 def start_guard(workdir: Path, config: dict[str, Any], cpus: str | None = None,

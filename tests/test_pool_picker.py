@@ -84,6 +84,17 @@ def test_kvguard_follows_the_cache_until_the_replica_is_saturated() -> None:
     assert first(picker, pool, prompt=prompt) == "e2"
 
 
+def test_kvguard_does_not_pile_conversations_onto_a_busy_replica() -> None:
+    """Cached system prompts attract a tenant's conversations; past the overload bound, load wins."""
+    picker, prompt = Picker("kvguard"), hashes(160)
+    pool = pool_of([100, 100, 100])
+    pool.by_name["e0"].index.reset(prompt[:6], 16)
+    pool.by_name["e0"].in_flight, pool.by_name["e1"].in_flight, pool.by_name["e2"].in_flight = 3, 1, 1
+    assert first(picker, pool, prompt=prompt) == "e0", "two more in flight: the cache still wins"
+    pool.by_name["e0"].in_flight = 4
+    assert first(picker, pool, prompt=prompt) != "e0", "four to one: balance first"
+
+
 def test_kvguard_spreads_new_conversations() -> None:
     pool, picker = pool_of([100, 100, 100]), Picker("kvguard")
     chosen = []

@@ -19,7 +19,11 @@ a replica. Only usable replicas are ranked (circuit closed, current telemetry). 
   (guard/pool/prefix_index.py). A saturation filter ranks a replica that would be past ``SATURATED`` of its
   budget after this reservation behind every replica that would not, so a nearly full replica never wins on
   locality alone (the "death spiral" of cache affinity); when every replica is past it, all stay in the
-  running (fail open). Ties keep a rotating order, so new conversations (no hits anywhere) spread.
+  running (fail open). An overload filter does the same for a replica with ``OVERLOAD_ABS`` more requests in
+  flight than the least loaded candidate and ``OVERLOAD_REL`` times as many (SGLang's cache-aware router
+  balances the same way): cached system prompts would otherwise pull every conversation of the tenants
+  that started on one replica there, long before its blocks run short. Ties keep a rotating order, so new
+  conversations (no hits anywhere) spread.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from collections.abc import Sequence
 from guard.pool.replica import Replica
 
 SATURATED = 0.8  # share of a replica's budget past which its cached blocks no longer attract requests
+OVERLOAD_ABS, OVERLOAD_REL = 3, 1.5  # in flight beyond the least loaded's: past both, locality waits
 HIT_WEIGHT, FREE_WEIGHT, IDLE_WEIGHT = 2.0, 1.0, 1.0
 
 
@@ -60,13 +65,18 @@ class Picker:
         else:
             prompt_blocks = sum(len(h) for h in hashes)
             busiest = max(r.in_flight for r in candidates) or 1
+            least = min(r.in_flight for r in candidates)
+
+            def held_back(r: Replica) -> bool:
+                overloaded = r.in_flight >= least + OVERLOAD_ABS and r.in_flight >= OVERLOAD_REL * least
+                return overloaded or _free(r, blocks) < 1 - SATURATED
 
             def score(r: Replica) -> float:
                 hit = hits[r] / prompt_blocks if prompt_blocks else 0.0
                 return HIT_WEIGHT * hit + FREE_WEIGHT * _free(r, blocks) + IDLE_WEIGHT * (1 - r.in_flight / busiest)
 
             # sorted() is stable: equal scores keep the rotated order.
-            order = sorted(candidates, key=lambda r: (_free(r, blocks) < 1 - SATURATED, -score(r)))
+            order = sorted(candidates, key=lambda r: (held_back(r), -score(r)))
         return [(r, hits[r]) for r in order]
 
 

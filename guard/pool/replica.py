@@ -30,9 +30,10 @@ class Replica:
     started_at: float = field(default_factory=time.monotonic)  # reset when the guard starts serving
     # Set by the replica's first snapshot, or by the first failure to reach its telemetry stream.
     heard: asyncio.Event = field(default_factory=asyncio.Event)
-    # The engine's prefix-cache counters at its previous snapshot, to turn totals into increments.
-    _hits_total: int = 0
-    _queries_total: int = 0
+    # The engine's prefix-cache counters at its previous snapshot, to turn totals into increments (None
+    # before the first: what an engine did before this guard saw it is not this guard's to report).
+    _hits_total: int | None = None
+    _queries_total: int | None = None
 
     @property
     def name(self) -> str:
@@ -56,12 +57,14 @@ class Replica:
         return self.breaker.closed and self.gate.usable
 
     def on_snapshot(self, snapshot: TelemetrySnapshot) -> tuple[int, int]:
-        """Take a snapshot; returns the engine-reported prefix-cache (hit, query) tokens since the last one.
-        Totals that went down mean the engine restarted: they count from zero again."""
+        """Take a snapshot; returns the engine-reported prefix-cache (hit, query) tokens since the last one
+        (none for the first). Totals that went down mean the engine restarted: they count from zero again."""
         self.gate.update(snapshot)
         self.heard.set()
         hits, queries = snapshot.prefix_cache_hits_total, snapshot.prefix_cache_queries_total
-        new_hits = hits - self._hits_total if hits >= self._hits_total else hits
-        new_queries = queries - self._queries_total if queries >= self._queries_total else queries
+        before_hits, before_queries = self._hits_total, self._queries_total
         self._hits_total, self._queries_total = hits, queries
-        return new_hits, new_queries
+        if before_hits is None or before_queries is None:
+            return 0, 0
+        return (hits - before_hits if hits >= before_hits else hits,
+                queries - before_queries if queries >= before_queries else queries)
