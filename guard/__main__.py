@@ -1,4 +1,5 @@
-"""``python -m guard --config guard.yaml``: run the guard until SIGINT/SIGTERM, then shut down gracefully."""
+"""``python -m guard --config guard.yaml``: run the guard until SIGINT/SIGTERM, then shut down gracefully;
+SIGHUP re-reads the file (guard/reload.py)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,12 @@ import argparse
 import gc
 import logging
 import sys
-
-from aiohttp import web
+from pathlib import Path
 
 from guard.config import ConfigError, load_config
 from guard.http.app import create_app
+from guard.http.connections import raise_descriptor_limit, serve
+from guard.reload import reload_on_sighup
 
 # Young objects allocated before the collector starts a pass. The default (700) suits programs whose objects
 # die in order; here 64+ requests in flight allocate and free thousands at once, the count (allocations net
@@ -41,14 +43,15 @@ def main(argv: list[str] | None = None) -> int:
     engines = ", ".join(f"{b.name} {b.url}" for b in config.pool)
     print(f"guard listening on http://{config.listen.host}:{config.listen.port} -> engines {engines} "
           f"(routing: {config.routing.policy})", flush=True)
+    raise_descriptor_limit()  # before create_app, which sizes the connection cap from it
     app = create_app(config)
+    reload_on_sighup(app, Path(args.config))
     # What exists now (modules, pydantic schemas, the app) lives as long as the process: keep it out of the
     # collector's reach, so that a full collection walks only what requests left behind. Walking ~50k
     # startup objects made every gen-2 pass (one every few seconds under load) stall all streams 35-140 ms.
     gc.freeze()
     tune_collector()
-    web.run_app(app, host=config.listen.host, port=config.listen.port, print=None,
-                handler_cancellation=True, shutdown_timeout=config.limits.shutdown_timeout)
+    serve(app, config.listen.host, config.listen.port, shutdown_timeout=config.limits.shutdown_timeout)
     return 0
 
 

@@ -1,7 +1,8 @@
 """The guard's configuration: a YAML file validated by pydantic; unknown or duplicate keys are errors.
 
 Every model forbids extra keys, so a typo (``safe_utilisation``) is reported by name instead of being
-silently ignored. ``KVGUARD_SECRET`` in the environment overrides ``secret`` (keep it out of the file).
+silently ignored. ``KVGUARD_SECRET`` in the environment overrides ``secret`` (keep it out of the file); the
+placeholder ``change-me`` is refused, so no guard runs with cache salts anyone can compute.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 PositiveSeconds = Annotated[float, Field(gt=0)]
+PLACEHOLDER_SECRET = "change-me"
 
 
 class Strict(BaseModel):
@@ -62,6 +64,9 @@ class Tenant(Strict):
     lane: str = "interactive"
     max_queue: int = Field(64, ge=0)
     max_blocks_share: float = Field(1.0, gt=0, le=1.0)  # cap on the tenant's share of the admission budget
+    # Requests and tokens (prompt + max output) per minute, charged at admission (guard/admission/limits.py).
+    rpm: int | None = Field(None, gt=0)
+    tpm: int | None = Field(None, gt=0)
 
     @model_validator(mode="after")
     def _has_a_key(self) -> Tenant:
@@ -135,6 +140,27 @@ class Limits(Strict):
     shutdown_timeout: PositiveSeconds = 10.0
 
 
+class Connections(Strict):
+    """Client connections (guard/http/connections.py): how long the guard waits for each part of a request,
+    how long an idle keep-alive connection stays, how many connections it holds. Read at start-up only."""
+
+    # From accept, or from the first byte of a keep-alive connection's next request, to the end of the
+    # headers; bytes do not extend it (a slowloris dribbles them). Clients send their headers in one write:
+    # 10 s covers a lossy link's retransmissions (1 + 2 + 4 s) and is what Go servers commonly set.
+    header_timeout_s: PositiveSeconds = 10.0
+    # The body may pause at most this long between two reads, and must average body_min_rate beyond a first
+    # allowance of this long: a body of which nothing more comes is cut 20 s after the last byte, within the
+    # 30 s the issue asks for (Apache's mod_reqtimeout defaults: body=20, MinRate=500).
+    body_timeout_s: PositiveSeconds = 20.0
+    body_min_rate: float = Field(500.0, gt=0)  # bytes per second: a 1 MiB body may take 35 minutes
+    # nginx's default; longer than the idle timeouts of client pools and of load balancers (60 s on AWS), so
+    # that they, not the guard, close an idle connection and never send a request into one the guard closes.
+    keepalive_timeout_s: PositiveSeconds = 75.0
+    # None: from RLIMIT_NOFILE, (soft limit - 256) / 2, at most 10,000 (each client connection may hold one to
+    # an engine); a larger value is lowered to that, so the guard never runs out of descriptors itself.
+    max_connections: int | None = Field(None, gt=0)
+
+
 class GuardConfig(Strict):
     listen: Listen = Listen()
     engine: Backend | None = None  # a pool of one, as before pools existed
@@ -144,14 +170,25 @@ class GuardConfig(Strict):
     upstream: Upstream = Upstream()
     routing: Routing = Routing()
     limits: Limits = Limits()
+    connections: Connections = Connections()
     lanes: dict[str, Lane] = Field(default_factory=lambda: dict(DEFAULT_LANES))
     tenants: list[Tenant] = Field(min_length=1)
-    secret: str = Field("change-me", min_length=1)  # HMAC key for per-tenant cache salts
+    # HMAC key for per-tenant cache salts. The default is validated too: it is the placeholder, refused below.
+    secret: str = Field(PLACEHOLDER_SECRET, min_length=1, validate_default=True)
 
     @property
     def pool(self) -> list[Backend]:
         """The engine replicas, in config order (``engine:`` is a pool of one)."""
         return [self.engine] if self.engine is not None else self.engines
+
+    @field_validator("secret")
+    @classmethod
+    def _not_the_placeholder(cls, secret: str) -> str:
+        if secret == PLACEHOLDER_SECRET:
+            raise ValueError(f"still the placeholder {PLACEHOLDER_SECRET!r}: set KVGUARD_SECRET in the environment "
+                             "to a long random string (e.g. `openssl rand -hex 32`), the key of the tenants' "
+                             "cache salts")
+        return secret
 
     @model_validator(mode="after")
     def _consistent(self) -> GuardConfig:
@@ -170,6 +207,13 @@ class GuardConfig(Strict):
         if dup := sorted({n for n in backends if backends.count(n) > 1}):
             raise ValueError(f"engine and fallback names must be unique (give each replica a name): {', '.join(dup)}")
         return self
+
+
+def config_hash(config: GuardConfig) -> str:
+    """Which configuration runs, as ``guard_config_info{hash}`` shows it: the first 12 hex digits of the
+    SHA-256 of the normalized config (every key, defaults included, in the models' order, so layout, comments
+    and spelled-out defaults do not change it). The secret is left out: the hash is public."""
+    return hashlib.sha256(config.model_dump_json(exclude={"secret"}).encode()).hexdigest()[:12]
 
 
 class ConfigError(ValueError):

@@ -3,14 +3,17 @@ in tests). Names and labels are public: dashboards and alert rules depend on the
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 MODES = ("normal", "pressure", "degraded")
+# Why the guard closed a client connection (guard/http/connections.py): a deadline of the request cycle, or
+# the connection cap (refused at accept).
+CONNECTION_CUTS = ("header_timeout", "body_timeout", "idle", "over_capacity")
 # From well under a millisecond (a cached reply) to minutes (a queued batch job).
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -76,6 +79,24 @@ class GuardMetrics:
                                                ["backend"], registry=r)
         self.client_retries = Counter("guard_client_retries_total", "Requests that clients marked as retries "
                                       "(X-Stainless-Retry-Count > 0 or Retry-Attempt).", ["tenant"], registry=r)
+        # Client connections (guard/http/connections.py).
+        self.connections_open = Gauge("guard_connections_open", "Client connections open now.", registry=r)
+        self.connections_limit = Gauge("guard_connections_limit", "Client connections the guard holds at "
+                                       "most (connections.max_connections); more are refused with 503.",
+                                       registry=r)
+        self.connections_cut = Counter("guard_connections_cut_total", "Client connections the guard closed "
+                                       "or refused, by reason: header_timeout, body_timeout, idle "
+                                       "(keep-alive), over_capacity.", ["reason"], registry=r)
+        # Rate limits (guard/admission/limits.py), kind = requests (rpm) | tokens (tpm).
+        self.ratelimit_levels = RateLimitLevels()
+        r.register(self.ratelimit_levels)
+        self.ratelimit_rejections = Counter("guard_ratelimit_rejections_total", "Requests refused with 429 by a "
+                                            "rate limit, by the limit that refused them (requests: rpm, tokens: "
+                                            "tpm).", ["tenant", "kind"], registry=r)
+        self.config_reloads = Counter("guard_config_reloads_total", "SIGHUP reloads of the config file, by result "
+                                      "(ok; invalid: refused, the running config kept).", ["result"], registry=r)
+        self.config_info = Gauge("guard_config_info", "1, labelled with the running config's hash (guard/config.py "
+                                 "config_hash).", ["hash"], registry=r)
         # (metric, label values) -> its child; label values come from the configuration and fixed sets only
         self._children: dict[tuple[MetricWrapperBase, tuple[str, ...]], MetricWrapperBase] = {}
         for mode in MODES:
@@ -88,6 +109,10 @@ class GuardMetrics:
                     self.mode_transitions.labels(source, target)
         for result in ("granted", "denied"):
             self.reservation_growths.labels(result)
+        for result in ("ok", "invalid"):
+            self.config_reloads.labels(result)
+        for reason in CONNECTION_CUTS:
+            self.connections_cut.labels(reason)
 
     def child(self, metric: MetricWrapperBase, *labels: str) -> MetricWrapperBase:
         """``metric.labels(*labels)``, looked up once: prometheus_client checks the values and takes a lock on
@@ -119,3 +144,31 @@ class ServiceTokens(Collector):
         for tenant, service in self.read().items():
             family.add_metric([tenant], service)
         yield family
+
+
+class RateLimitLevels(Collector):
+    """``guard_ratelimit_limit`` and ``guard_ratelimit_remaining`` {tenant,kind} of every limited tenant, read
+    from the rate limiter's windows when scraped: what remains grows back as the windows slide, with no
+    request there to set a gauge."""
+
+    def __init__(self) -> None:
+        self.read: Callable[[], Iterable[tuple[str, str, int, int]]] = tuple  # (tenant, kind, limit, remaining)
+
+    @staticmethod
+    def families() -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
+        return (GaugeMetricFamily("guard_ratelimit_limit", "The tenant's rate limit per minute (requests: rpm, "
+                                  "tokens: tpm).", labels=["tenant", "kind"]),
+                GaugeMetricFamily("guard_ratelimit_remaining", "What the tenant may still be charged in the "
+                                  "sliding minute (requests, or tokens: prompt + max output).",
+                                  labels=["tenant", "kind"]))
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        yield from self.families()
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        limit, remaining = self.families()
+        for tenant, kind, value, left in self.read():
+            limit.add_metric([tenant, kind], value)
+            remaining.add_metric([tenant, kind], left)
+        yield limit
+        yield remaining

@@ -2,7 +2,8 @@
 
 ``GuardState`` is built whole from the configuration (guard/http/app.py ``create_app``); what needs the
 running loop (the HTTP client session and what uses it) is ``Clients``, built whole when the app starts.
-Neither has a field that is filled in later.
+Neither has a field that is filled in later. A reload (guard/reload.py) replaces ``config``, ``keys`` and
+``total_weight`` together, in one step on the loop.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import aiohttp
 from aiohttp import web
 
 from guard.admission.dispatch import Dispatcher
+from guard.admission.limits import RateLimiter
 from guard.admission.predictor import OutputPredictor
 from guard.config import GuardConfig, Tenant
 from guard.detect.detector import Detector
@@ -43,10 +45,13 @@ class GuardState:
     predictor: OutputPredictor = field(default_factory=OutputPredictor)  # outputs of requests without max_tokens
     fallback_models: dict[str, str] = field(default_factory=dict)  # engine fallback name -> its model name
     in_flight: int = 0  # requests whose handler is running (shutdown waits for them)
-    total_weight: float = field(init=False)  # of all tenants (the configuration does not change at run time)
+    total_weight: float = field(init=False)  # of all tenants of ``config``
+    limiter: RateLimiter = field(init=False)  # the tenants' rpm and tpm windows (RateLimiter.configure retakes them)
 
     def __post_init__(self) -> None:
         self.total_weight = sum(t.weight for t in self.config.tenants)
+        self.limiter = RateLimiter(self.config.tenants, self.metrics)
+        self.metrics.ratelimit_levels.read = self.limiter.levels
 
     def saturation(self) -> float:
         """Blocks committed plus blocks waiting in the guard's queues, over the blocks of the replicas that

@@ -11,7 +11,9 @@ for seconds, so on the two cores of a small machine a second replica competes wi
 fallback instead of adding capacity. ``--engine-port 8100 8102`` starts the whole pool.
 
 Starts each process, waits until it answers ``/health``, prints the URLs and the demo API keys, and on
-Ctrl-C (or when any process dies) stops them all, the guard first so that it drains its streams.
+Ctrl-C (or when any process dies) stops them all, the guard first so that it drains its streams. The guard
+refuses the placeholder secret: unless ``KVGUARD_SECRET`` names one, it gets a random one for this run in
+its environment (never in a file), so the tenants' cache salts are new each run, as the engine's cache is.
 
 ``--port``, ``--engine-port`` (one port per replica to start, in guard.example.yaml's order) and
 ``--fallback-port`` move the stack (the test of ``make run`` runs it on free ports). Unless the stack is
@@ -23,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -130,9 +134,10 @@ def main(processes: list[Step], message: str) -> int:
 
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
+    guard_env = {**os.environ, "KVGUARD_SECRET": os.environ.get("KVGUARD_SECRET") or secrets.token_hex(32)}
     try:
         for name, command, url in processes:
-            process = subprocess.Popen(command, cwd=ROOT)
+            process = subprocess.Popen(command, cwd=ROOT, env=guard_env if name == "guard" else None)
             running.append((name, process))
             deadline = time.monotonic() + HEALTH_TIMEOUT_S
             while not healthy(url):

@@ -29,6 +29,7 @@ from guard.pool.routing import CircuitBreaker
 from guard.runtime import STATE
 
 BASE = """
+secret: test-secret
 engine: {url: "http://127.0.0.1:8100"}
 tenants:
   - {name: acme, api_keys: ["sk-a"], weight: 2}
@@ -42,8 +43,10 @@ def write(tmp_path: Path, text: str) -> Path:
     return path
 
 
-def test_example_config_loads() -> None:
+def test_example_config_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVGUARD_SECRET", "from-the-environment")  # the file leaves it out, as it should
     config = load_config(ROOT / "guard.example.yaml")
+    assert config.secret == "from-the-environment"
     assert [t.name for t in config.tenants] == ["acme", "globex", "bulk"]
     assert config.admission.safe_utilization == 0.85
 
@@ -59,7 +62,7 @@ def test_example_config_loads() -> None:
         (BASE.replace("sk-b", "sk-a"), "an API key is listed more than once"),
         (BASE.replace("lane: batch", "lane: turbo"), "unknown lane 'turbo'"),
         ("tenants: []\n", "tenants: List should have at least 1 item"),
-        ("tenants: [{name: a, api_keys: [k]}]\n", "give either engine (one replica) or engines"),
+        ("secret: s\ntenants: [{name: a, api_keys: [k]}]\n", "give either engine (one replica) or engines"),
         ("- just a list\n", "expected a mapping"),
         (BASE + "admission: {safe_utilization: 0.5, resume_utilization: 0.7}\n", "resume_utilization"),
     ],

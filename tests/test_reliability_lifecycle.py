@@ -158,7 +158,8 @@ def refuses_connections(port: int) -> bool:
     return False
 
 
-VALID = {"engine": {"url": "http://127.0.0.1:8100"}, "tenants": [{"name": "acme", "api_keys": ["sk-a"]}]}
+VALID = {"engine": {"url": "http://127.0.0.1:8100"}, "secret": "test-secret",
+         "tenants": [{"name": "acme", "api_keys": ["sk-a"]}]}
 INVALID_CONFIGS = {
     "unknown key": (yaml.safe_dump({**VALID, "admission": {"safe_utilisation": 0.8}}),
                     "admission.safe_utilisation: unknown key 'safe_utilisation'"),

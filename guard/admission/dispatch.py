@@ -10,6 +10,12 @@ ones. ``finish`` releases exactly once, however the request ended.
 
 Invariant: a ticket is in exactly one state: queued (in the fair queue, no reservation), admitted (a
 reservation on exactly one replica, ``ticket.replica``, not queued) or done (neither).
+
+A reload (``reconfigure``) changes what later requests get; a ticket keeps the ``Tenant`` and ``Lane`` it
+was made with. A tenant the reload removed is *retired*: its queued tickets are still admitted in VTC order,
+its admitted ones run on, and its queue is dropped once it has nothing queued or reserved. The gates count
+as the guard's own exactly the tenants with a queue here, retired ones included: while a retired tenant's
+requests run, their engine blocks are covered by its reservations, not traffic from outside the guard.
 """
 
 from __future__ import annotations
@@ -60,11 +66,26 @@ class Dispatcher:
         self.block_caps: dict[str, float] = {}  # tenant -> share of the budget, tighter than its config
         self.closed: GuardError | None = None  # set by reject_all: what every later submit gets
         self.fair: FairQueue[Ticket] = FairQueue()
+        self.retired: set[str] = set()  # tenants a reload removed that still have a queue here
         for tenant in config.tenants:
             self.fair.tenant(tenant.name, tenant.weight)
 
+    def reconfigure(self, config: GuardConfig) -> None:
+        """Take a reloaded configuration: a new tenant gets a queue, a kept one its new weight (for service
+        from now on: its counter keeps what it was charged), a removed one is retired."""
+        self.config = config
+        for tenant in config.tenants:
+            self.fair.tenant(tenant.name, tenant.weight).weight = tenant.weight
+        self.retired = set(self.fair.tenants) - {t.name for t in config.tenants}
+        self._drop_idle_retired()
+
     def queue_of(self, tenant: Tenant) -> TenantQueue[Ticket]:
-        return self.fair.tenants[tenant.name]
+        queue = self.fair.tenants.get(tenant.name)
+        if queue is None:  # authenticated before a reload removed its tenant, whose queue has gone since
+            queue = self.fair.tenant(tenant.name, tenant.weight)
+            self.retired.add(tenant.name)
+            self._count_as_ours()
+        return queue
 
     def blocks_queued(self) -> int:
         if not self.fair.queued:
@@ -176,6 +197,22 @@ class Dispatcher:
             ticket.replica.in_flight -= 1
             self.pump()
         ticket.state = TicketState.DONE
+        if self.retired:
+            self._drop_idle_retired()
+
+    def _drop_idle_retired(self) -> None:
+        idle = {name for name in self.retired
+                if not len(self.fair.tenants[name]) and not self.pool.tenant_reserved(name)}
+        for name in idle:
+            self.fair.drop(name)
+            self.block_caps.pop(name, None)
+        self.retired -= idle
+        self._count_as_ours()
+
+    def _count_as_ours(self) -> None:
+        ours = set(self.fair.tenants)
+        for replica in self.pool:
+            replica.gate.guard_tenants = ours
 
     def reject_all(self, reason: GuardError) -> None:
         """Fail every queued ticket with ``reason``, and every later one (shutdown); admitted ones run on."""

@@ -57,6 +57,13 @@ class FairQueue(Generic[Item]):
             queue = self.tenants[name] = TenantQueue(name, weight)
         return queue
 
+    def drop(self, name: str) -> None:
+        """Forget a tenant with nothing queued (a reload removed it): its counters go with it, and a tenant
+        of that name added later starts afresh, lifted like any tenant back from idle."""
+        if len(self.tenants[name]):
+            raise ValueError(f"tenant {name!r} still has items queued")
+        del self.tenants[name]
+
     def backlogged(self) -> Iterator[TenantQueue[Item]]:
         return (t for t in self.tenants.values() if len(t))
 

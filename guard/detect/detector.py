@@ -79,14 +79,24 @@ class Detector:
         # (time, tenant, from, to, evidence), bounded: a guard that runs for months keeps no history of them.
         self.transitions: deque[tuple[float, str, str, str, dict[str, float]]] = deque(maxlen=TRANSITIONS_KEPT)
 
+    def reconfigure(self, weights: dict[str, float]) -> None:
+        """Take a reloaded set of tenants: a kept one keeps its signals and state (a reload launders no
+        verdict), a new one starts normal, a removed one is forgotten, and the few requests it still has
+        on their way to admission are not scored."""
+        self.weights = weights
+        self.tenants = {name: self.tenants[name] if name in self.tenants else TenantSignals() for name in weights}
+
     def state(self, tenant: str) -> str:
-        return self.tenants[tenant].state
+        signals = self.tenants.get(tenant)
+        return signals.state if signals is not None else "normal"
 
     def on_request(self, tenant: str, max_tokens: int, now: float | None = None) -> None:
         if SHORT_MAX_TOKENS < max_tokens < LONG_MAX_TOKENS:
             return  # an ordinary request: no signal looks at it
+        signals = self.tenants.get(tenant)
+        if signals is None:  # its tenant removed by a reload since it was authenticated
+            return
         now = now if now is not None else time.monotonic()
-        signals = self.tenants[tenant]
         if max_tokens >= LONG_MAX_TOKENS:
             signals.last_long = now
             return

@@ -23,6 +23,11 @@ ABUSE_MESSAGE = "requests from this key match a Fill-and-Squeeze attack pattern"
 ABUSE_RETRY_AFTER_S = 60
 
 
+def after_every(lanes: dict[str, Lane]) -> int:
+    """The priority of a lane served after every configured one: where a suspect's requests go."""
+    return max(lane.priority for lane in lanes.values()) + 1
+
+
 def abuse_refusal() -> GuardError:
     return GuardError(429, ABUSE_MESSAGE, code=ABUSE_CODE, retry_after=ABUSE_RETRY_AFTER_S)
 
@@ -34,10 +39,17 @@ class Escalation:
         self.dispatcher = dispatcher
         self.pool = pool
         self.metrics = metrics
-        self.last_lane = max(lane.priority for lane in lanes.values()) + 1  # after every configured lane
-        for name in detector.tenants:
-            metrics.suspicion.labels(name).set(0.0)
-            metrics.fs_state.labels(name).set(0.0)
+        self.last_lane = after_every(lanes)
+        self._publish()
+
+    def reconfigure(self, weights: dict[str, float], lanes: dict[str, Lane]) -> None:
+        """Take a reloaded configuration (tenants' weights, lanes); a removed tenant's series go with it."""
+        for name in set(self.detector.tenants) - set(weights):
+            self.metrics.suspicion.remove(name)
+            self.metrics.fs_state.remove(name)
+        self.detector.reconfigure(weights)
+        self.last_lane = after_every(lanes)
+        self._publish()
 
     def shape(self, tenant: Tenant, lane: Lane, max_tokens: int) -> tuple[int | None, Lane]:
         """A request as the tenant's state allows it: a cap on its output (None: none) and its lane; raises
@@ -64,6 +76,10 @@ class Escalation:
                 self.dispatcher.block_caps.pop(tenant, None)
             else:
                 self.dispatcher.block_caps[tenant] = SUSPECT_BLOCK_SHARE
+        self._publish()
+
+    def _publish(self) -> None:
+        """Every tenant's score and state as metrics (a series for each from the start)."""
         for name, signals in self.detector.tenants.items():
             self.metrics.suspicion.labels(name).set(signals.score)
             self.metrics.fs_state.labels(name).set(STATES.index(signals.state))

@@ -1,6 +1,7 @@
 """The guard's aiohttp application: routes, the stamping middleware and the lifecycle (client session, each
 replica's telemetry and KV-event subscriptions, the health monitor, graceful shutdown). The request
-pipeline itself is guard/http/pipeline.py."""
+pipeline itself is guard/http/pipeline.py. Serve the app with guard/http/connections.py's ``GuardRunner``
+(``serve`` in a process), which puts client connections under deadlines and a cap."""
 
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from engine.protocol import StepProgress, TelemetrySnapshot
 from guard.admission.dispatch import Dispatcher
 from guard.admission.gate import AdmissionGate
-from guard.config import Backend, GuardConfig
+from guard.config import Backend, GuardConfig, config_hash
 from guard.detect.detector import Detector
 from guard.detect.escalation import Escalation
 from guard.errors import GuardError
 from guard.http.auth import KeyStore
+from guard.http.connections import CONNECTIONS, ConnectionGuard, track
 from guard.http.errors import error_response
 from guard.http.pipeline import authenticate, completion
 from guard.http.relay import SHUTTING_DOWN, Relay
@@ -87,6 +89,8 @@ async def health(request: web.Request) -> web.Response:
 async def metrics_endpoint(request: web.Request) -> web.Response:
     state = request.app[STATE]
     m, pool = state.metrics, state.pool
+    for gauge in (m.queue_depth, m.reserved_blocks):
+        gauge.clear()  # a tenant a reload removed leaves no series behind once its queue has gone
     for name, queue in state.dispatcher.fair.tenants.items():
         m.queue_depth.labels(name).set(len(queue))
         m.reserved_blocks.labels(name).set(pool.tenant_reserved(name))
@@ -111,6 +115,7 @@ def create_app(config: GuardConfig) -> web.Application:
     pool = ReplicaPool([Replica(b, AdmissionGate(config.admission, guard_tenants), breaker(b)) for b in config.pool])
     fallback_breakers = {f.name: breaker(f) for f in config.fallbacks if isinstance(f, Backend)}
     metrics = GuardMetrics()
+    metrics.config_info.labels(config_hash(config)).set(1)
     picker = Picker(routing.policy)
     dispatcher = Dispatcher(config, pool, picker)
     metrics.service_tokens.read = lambda: {name: queue.service for name, queue in dispatcher.fair.tenants.items()}
@@ -123,8 +128,10 @@ def create_app(config: GuardConfig) -> web.Application:
                         metrics.prefix_reported_queries):
             counter.labels(replica.name)
     # Body size is enforced by parse_request with a JSON 413; aiohttp's own cap is only a backstop.
-    app = web.Application(middlewares=[identify], client_max_size=config.limits.max_body_bytes + 1024)
+    # track first: it tells the connection's deadlines (http/connections.py) when a request begins and ends.
+    app = web.Application(middlewares=[track, identify], client_max_size=config.limits.max_body_bytes + 1024)
     app[STATE] = state
+    app[CONNECTIONS] = ConnectionGuard(config.connections, metrics)
     app.router.add_post("/v1/completions", completion)
     app.router.add_post("/v1/chat/completions", completion)
     app.router.add_get("/v1/models", models)

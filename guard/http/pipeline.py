@@ -1,13 +1,14 @@
 """The completion pipeline: one request from the client's bytes to its final answer.
 
-    authenticate -> parse -> route by mode -> count -> escalate -> admit (fair queue, picker, a replica's
-    gate) -> forward (relay) -> release
+    authenticate -> parse -> route by mode -> count -> escalate -> limits (rpm, tpm) -> admit (fair queue,
+    picker, a replica's gate) -> forward (relay) -> release
 
 The stages share one ``Exchange`` (the request as it goes through them). A stage that refuses raises
 ``GuardError``; ``completion`` turns it into the response, and records the request's one
 ``guard_requests_total`` outcome in its ``finally``: every request that reaches the guard is counted once,
 however it ends. A reservation is released in a ``finally`` too: completion, upstream failure and a client
-that leaves all give the blocks back. A replica that cannot be reached before a single byte was sent to it
+that leaves all give the blocks back; so is a rate-limit charge settled, once, to what the request used
+(guard/admission/limits.py). A replica that cannot be reached before a single byte was sent to it
 (refused or unaccepted connection) has its circuit opened at once, and the request is admitted again on
 the replicas left; when none is left, it makes one attempt on the first usable fallback.
 """
@@ -23,7 +24,8 @@ from aiohttp import web
 
 from guard.admission.dispatch import Ticket, TicketState
 from guard.admission.gate import batch_blocks_for
-from guard.config import Tenant
+from guard.admission.limits import Charge
+from guard.config import Lane, Tenant
 from guard.errors import GuardError, Outcome
 from guard.http.errors import error_response
 from guard.http.relay import StreamObserver, UpstreamUnavailable
@@ -43,7 +45,9 @@ class Exchange:
     clients: Clients
     arrived: float
     tenant: Tenant | None = None  # once authenticated
+    lane: Lane | None = None  # the tenant's, resolved with it (a reload may change the lanes meanwhile)
     parsed: ParsedRequest | None = None  # once validated
+    charge: Charge | None = None  # once charged to its tenant's rate limits (None: a tenant without any)
     outcome: Outcome = Outcome.CANCELLED  # until a stage knows better: a client that left ends here
 
     def record(self) -> None:
@@ -77,7 +81,8 @@ async def completion(request: web.Request) -> web.StreamResponse:
         return await serve(ex)
     except GuardError as exc:
         ex.outcome = exc.outcome
-        return error_response(exc.status, exc.message, param=exc.param, code=exc.code, retry_after=exc.retry_after)
+        return error_response(exc.status, exc.message, param=exc.param, code=exc.code, retry_after=exc.retry_after,
+                              headers=exc.headers)
     finally:
         ex.record()
 
@@ -85,13 +90,13 @@ async def completion(request: web.Request) -> web.StreamResponse:
 async def serve(ex: Exchange) -> web.StreamResponse:
     state, request = ex.state, ex.request
     ex.tenant = tenant = authenticate(request)
+    ex.lane = state.config.lanes[tenant.lane]
     if request.headers.get("X-Stainless-Retry-Count", "0") not in ("", "0"):
         state.metrics.child(state.metrics.client_retries, tenant.name).inc()
     ex.parsed = await parse_request(request, state.config.limits.max_body_bytes)
     state.update_mode()  # arrivals move saturation between snapshots
     if state.modes.mode != "normal":  # in normal mode everything goes to the pool: nothing to decide
-        lane = state.config.lanes[tenant.lane]
-        route = state.router.route(state.modes.mode, lane, state.over_share(tenant), state.pool.any_up())
+        route = state.router.route(state.modes.mode, ex.lane, state.over_share(tenant), state.pool.any_up())
         if route.kind != "pool":
             return await serve_elsewhere(ex, route)
     try:
@@ -109,7 +114,7 @@ async def serve_pool(ex: Exchange) -> web.StreamResponse:
     """Admission-controlled service on the pool. Raises ``UpstreamUnavailable`` when no replica could be
     sent the request (the caller then tries a fallback)."""
     state, tenant, parsed = ex.state, ex.tenant, ex.parsed
-    assert tenant is not None and parsed is not None  # set by the stages before
+    assert tenant is not None and ex.lane is not None and parsed is not None  # set by the stages before
     pool, metrics = state.pool, state.metrics
     await pool.wait_while_starting()  # a guard that just started may not have heard from its engines yet
     try:
@@ -125,7 +130,7 @@ async def serve_pool(ex: Exchange) -> web.StreamResponse:
     bound = limits.max_tokens  # what each sequence may generate: the client's bound, or the context's room
     # Without a bound of its own a request reserves what such requests generate, not the whole room.
     reserve = bound if declared else state.predictor.predict(tenant.name, tenant.lane, bound)
-    cap, lane = state.escalation.shape(tenant, state.config.lanes[tenant.lane], reserve)
+    cap, lane = state.escalation.shape(tenant, ex.lane, reserve)
     if cap is not None:
         bound, reserve = min(bound, cap), min(reserve, cap)
     blocks = batch_blocks_for(block_size, limits.prompts, reserve, parsed.n)
@@ -157,6 +162,8 @@ async def serve_pool(ex: Exchange) -> web.StreamResponse:
     observer = StreamObserver(on_first_token=lambda now: ttft.observe(now - ex.arrived),
                               on_gap=itl.observe if declared else on_gap)
     body = parsed.upstream_body(cache_salt=salt, max_tokens=bound, priority=lane.priority)
+    # Limits come before the fair queue and the KV budget: charged what the reservation covers, now.
+    ex.charge = charge = state.limiter.charge(tenant, limits.prompt_tokens + reserve * sequences)
     try:
         await state.dispatcher.submit(ticket)
         metrics.child(metrics.queue_wait, tenant.name).observe(time.monotonic() - ex.arrived)
@@ -180,6 +187,9 @@ async def serve_pool(ex: Exchange) -> web.StreamResponse:
             ex.outcome = Outcome.COMPLETED  # the client hung up after [DONE]: it got everything
         if ex.outcome is Outcome.COMPLETED and not declared:
             state.predictor.record(tenant.name, tenant.lane, -(-observer.output_tokens // sequences))
+        if charge is not None:  # a ticket still admitted reached an engine; any other gives its charge back
+            charge.settle(limits.prompt_tokens + observer.output_tokens if ticket.state is TicketState.ADMITTED
+                          else None)
         state.dispatcher.charge_output(ticket, observer.output_tokens)
         state.dispatcher.finish(ticket)
 
@@ -187,7 +197,7 @@ async def serve_pool(ex: Exchange) -> web.StreamResponse:
 async def serve_elsewhere(ex: Exchange, route: Route) -> web.StreamResponse:
     """A fallback engine, the static message, or a refusal: outside the pool's admission control."""
     state, tenant, parsed = ex.state, ex.tenant, ex.parsed
-    assert tenant is not None and parsed is not None
+    assert tenant is not None and ex.lane is not None and parsed is not None
     if route.kind == "reject":
         if route.name == "no_backend":
             raise GuardError(503, "no engine replica is available and no fallback is usable",
@@ -200,7 +210,7 @@ async def serve_elsewhere(ex: Exchange, route: Route) -> web.StreamResponse:
         return static_response(parsed, route.backend.message, headers)
     model = state.fallback_models.get(route.name, parsed.model.model)
     body = parsed.upstream_body(cache_salt=state.keys.cache_salt(tenant), max_tokens=parsed.max_tokens,
-                                priority=state.config.lanes[tenant.lane].priority, model=model)
+                                priority=ex.lane.priority, model=model)
     observer = StreamObserver(on_first_token=lambda now: None, on_gap=lambda gap: None)
     try:
         response, outcome = await forward(ex, route.backend.url, route.name, body, observer, route=route.name)
@@ -244,6 +254,8 @@ async def forward(
         breaker.record_success()
     out_headers = stamp_headers(ex.request, route)
     out_headers["X-Guard-Backend"] = backend
+    if ex.charge is not None:  # a limited tenant paces itself by these, on every answer
+        out_headers.update(ex.charge.headers())
     if not parsed.stream:
         response, answer = await relay.unary(upstream, out_headers)
         observer.completion_tokens = int(((answer or {}).get("usage") or {}).get("completion_tokens", 0) or 0)

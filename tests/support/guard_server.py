@@ -12,6 +12,7 @@ from aiohttp import web
 
 from guard.config import GuardConfig
 from guard.http.app import create_app
+from guard.http.connections import GuardRunner
 from guard.runtime import STATE, GuardState
 
 from .loop_thread import AppThread
@@ -40,7 +41,10 @@ def guard_config(engine_url: str | list[str], tmp_path: Path | None = None, **ov
 
 
 class GuardThread(AppThread):
-    """``with GuardThread(config) as guard``: listening on a free loopback port once entered."""
+    """``with GuardThread(config) as guard``: listening on a free loopback port once entered, its client
+    connections guarded as in a guard process."""
+
+    runner_class = GuardRunner
 
     def __init__(self, config: GuardConfig) -> None:
         super().__init__("test-guard-loop", handler_cancellation=True,

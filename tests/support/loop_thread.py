@@ -73,7 +73,10 @@ class LoopThread:
 
 
 class AppThread(LoopThread):
-    """An aiohttp application on ``127.0.0.1:port`` (0: any free port), served from a ``LoopThread``."""
+    """An aiohttp application on ``127.0.0.1:port`` (0: any free port), served from a ``LoopThread`` by a
+    ``runner_class`` (the guard's has its own, which guards its client connections)."""
+
+    runner_class: type[web.AppRunner] = web.AppRunner
 
     def __init__(self, name: str, port: int = 0, **runner_options: Any) -> None:
         super().__init__(name)
@@ -87,7 +90,7 @@ class AppThread(LoopThread):
         raise NotImplementedError
 
     async def started(self) -> None:
-        self.runner = web.AppRunner(self.make_app(), **self.runner_options)
+        self.runner = self.runner_class(self.make_app(), **self.runner_options)
         await self.runner.setup()
         await self.listen()
 

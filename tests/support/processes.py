@@ -178,16 +178,18 @@ class EngineProcess(Process):
 
 
 class GuardProcess(Process):
-    """``python -m guard --config config *flags``, at the address the file's ``listen`` names."""
+    """``python -m guard --config config *flags``, at the address the file's ``listen`` names (``env``: the
+    process's whole environment, when not this one's)."""
 
-    def __init__(self, config: Path, *flags: str, name: str = "guard", log: Path | None = None) -> None:
+    def __init__(self, config: Path, *flags: str, name: str = "guard", log: Path | None = None,
+                 env: dict[str, str] | None = None) -> None:
         listen = yaml.safe_load(config.read_text())["listen"]
         self.config = config
         self.port = int(listen["port"])
         assert self.port, "a guard process needs a fixed listen port (use free_port())"
         self.url = f"http://{listen.get('host', '127.0.0.1')}:{self.port}"
         command = [sys.executable, "-m", "guard", "--config", str(config), *flags]
-        super().__init__(name, command, ready_url=self.url + "/health", log=log, ready_timeout=30.0)
+        super().__init__(name, command, ready_url=self.url + "/health", log=log, env=env, ready_timeout=30.0)
 
 
 class Processes:
@@ -202,8 +204,9 @@ class Processes:
                ) -> EngineProcess:
         return self.add(EngineProcess(*flags, port=port, name=name, log=self._log(name)), wait)
 
-    def guard(self, config: Path, *flags: str, name: str = "guard", wait: bool = True) -> GuardProcess:
-        return self.add(GuardProcess(config, *flags, name=name, log=self._log(name)), wait)
+    def guard(self, config: Path, *flags: str, name: str = "guard", wait: bool = True,
+              env: dict[str, str] | None = None) -> GuardProcess:
+        return self.add(GuardProcess(config, *flags, name=name, log=self._log(name), env=env), wait)
 
     def start(self, name: str, command: Sequence[str | Path], *, ready_url: str | None = None,
               cwd: Path = ROOT, wait: bool = True) -> Process:
