@@ -36,6 +36,7 @@ from run_info import command, describe
 from engine import LLM, SamplingParams
 from engine.core import EngineCore
 from engine.sched.output import SchedulerOutput
+from engine.structured.bitmask import GrammarBitmask
 from engine.worker.bandwidth import peak_bandwidth
 from engine.worker.runner import StepResult
 
@@ -141,9 +142,9 @@ def trace_steps(core: EngineCore) -> list[StepRecord]:
     execute, on_step = core.runner.execute, core.stats.on_step
     kinds: list[tuple[bool, int]] = []
 
-    def traced_execute(out: SchedulerOutput) -> StepResult:
+    def traced_execute(out: SchedulerOutput, grammar: GrammarBitmask | None = None) -> StepResult:
         kinds.append((all(s.num_new_tokens == 1 for s in out.scheduled), len(out.scheduled)))
-        return execute(out)
+        return execute(out, grammar)
 
     def traced_on_step(duration_s: float, num_tokens: int, has_decode: bool, bytes_moved: int) -> None:
         decode_only, batch = kinds.pop()

@@ -8,10 +8,12 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 from support import ROOT
 from support.processes import run_command
 
 
+@pytest.mark.slow  # half a minute; the nothing-lost invariants run in make test through tests/support/nothing_lost.py
 def test_soak_runs_and_loses_nothing(tmp_path: Path) -> None:
     report = tmp_path / "soak.json"
     result = run_command(sys.executable, ROOT / "bench" / "soak.py", "--minutes", "0.1", "--report", report)

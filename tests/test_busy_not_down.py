@@ -309,6 +309,7 @@ def mode_transitions(guard_url: str) -> dict[tuple[str, str], float]:
             if family.name == "guard_mode_transitions" for s in family.samples if s.name.endswith("_total")}
 
 
+@pytest.mark.slow  # over a minute of CPU prefills; the busy-heartbeat rule is tested above in seconds
 def test_six_long_prefills_through_the_guard_never_degrade_it(checkpoint: Path) -> None:
     """Six concurrent 3000-token prompts with a 4096-token step budget: prefill steps of 10 to 25 s on two
     shared CPU cores, far past the guard's 2 s ``telemetry_stale_s`` (its default)."""

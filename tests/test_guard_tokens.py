@@ -25,8 +25,8 @@ from engine.model.sources import SMOLLM2, smollm2_path
 from engine.prompting.gguf_vocab import read_gguf_vocab
 from engine.prompting.prompts import PromptCounter, PromptError
 from engine.protocol import CompletionRequest, TokenizerInfo
-from guard.http.tokens import TokenCounter
 from guard.errors import GuardError
+from guard.http.tokens import TokenCounter
 from guard.http.validate import MODELS, ParsedRequest
 
 CORPUS = ["The quick brown fox jumps over the lazy dog.", "Grüße aus München 🙂", "def f(x):\n    return x\n"] * 30
