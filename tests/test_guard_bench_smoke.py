@@ -14,6 +14,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import pytest
 from support import ROOT
 from support.processes import run_command
 
@@ -26,6 +27,7 @@ def run_quick(script: str, tmp_path: Path) -> tuple[str, dict]:
     return done.stdout, json.loads(result_file.read_text())
 
 
+@pytest.mark.slow  # 20 s of two tenants' load; the guard's fairness is tested in tests/test_guard_load.py
 def test_noisy_neighbour_quick(tmp_path: Path) -> None:
     out, report = run_quick("noisy_neighbour.py", tmp_path)
     phases = report["phases"]
@@ -42,6 +44,7 @@ def test_noisy_neighbour_quick(tmp_path: Path) -> None:
     assert "(c) A + B, straight to the engine" in out and "p99/(a)" in out
 
 
+@pytest.mark.slow  # half a minute of four proxies under load; a benchmark's plumbing, not a behaviour
 def test_guard_overhead_quick(tmp_path: Path) -> None:
     out, report = run_quick("guard_overhead.py", tmp_path)
     has_nginx = shutil.which("nginx") is not None
@@ -63,3 +66,26 @@ def test_guard_overhead_quick(tmp_path: Path) -> None:
     else:
         assert share is None and "not installed" in report["nginx"]
         assert "n/a (nginx not installed)" in out
+
+
+
+@pytest.mark.slow  # SmolLM2 under four guards; tests/test_no_max_tokens.py checks the behaviour
+def test_no_max_tokens_quick(tmp_path: Path) -> None:
+    """Every guard ran the same requests, every one was answered, and the report carries the issue's figures."""
+    out, report = run_quick("no_max_tokens.py", tmp_path)
+    assert report["benchmark"] == "no_max_tokens" and report["quick"] is True and report["machine"]
+    workload = report["workload"]
+    assert workload["clients"] >= 1 and workload["offered_over_capacity"] > 1
+    assert len(workload["exact_max_tokens"]) == workload["prompts"] and all(workload["exact_max_tokens"])
+    assert list(report["configs"]) == ["fallback", "queue"]
+    for config in report["configs"].values():
+        assert list(config["arms"]) == ["no_max", "exact"]
+        for arm in config["arms"].values():
+            assert arm["requests"] == workload["prompts"] == sum(arm["statuses"].values())
+            assert arm["served_by_primary"] + arm["fallback_routes"] == arm["requests"], arm["statuses"]
+            assert set(arm["ttft"]) == {"n", "mean_ms", "p50_ms", "p90_ms", "p99_ms", "max_ms"}
+            assert set(arm["growths"]) == {"granted", "denied"}
+        assert set(config["verdicts"]) >= {"p99_ttft_no_max_over_exact", "no_max_preemption_share",
+                                           "no_max_fallback_routes", "exact_fallback_routes"}
+    assert report["configs"]["queue"]["verdicts"]["no_max_fallback_routes"] == 0, "no fallback to go to"
+    assert "p99 TTFT no_max / exact" in out

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import urllib.request
 
+import pytest
 from support.engine_server import ServerThread
 from support.guard_server import GuardThread, guard_config
 from support.net import request
@@ -23,10 +24,10 @@ def test_prediction_falls_back_from_tenant_to_lane_to_everyone_to_the_default() 
     assert predictor.predict("acme", "interactive", room=100) == 100, "never above what the context leaves"
     for _ in range(MIN_SAMPLES):
         predictor.record("globex", "interactive", 40)
-    assert predictor.predict("acme", "interactive", 4000) == 50 + PAD_TOKENS, "the lane's: 40 x 1.25 + pad"
-    for tokens in range(1, 21):  # acme's own: its 95th percentile is 19
+    assert predictor.predict("acme", "interactive", 4000) == 44 + PAD_TOKENS, "the lane's: 40 x 1.1 + pad"
+    for tokens in range(1, 21):  # acme's own: its 75th percentile is 15
         predictor.record("acme", "interactive", tokens)
-    assert predictor.predict("acme", "interactive", 4000) == 24 + PAD_TOKENS
+    assert predictor.predict("acme", "interactive", 4000) == 17 + PAD_TOKENS
     assert predictor.predict("bulk", "batch", 4000) > DEFAULT_TOKENS // 100, "everyone's, not the default"
 
 
@@ -69,3 +70,17 @@ def test_a_stream_without_max_tokens_reserves_the_prediction_and_grows_past_it()
         assert guard.call(lambda: not guard.state.pool.reservations())
         # The request's own output now feeds the prediction (a tenant's own history wins once it is long).
         assert json.loads(request(guard.url + "/health")[1])["mode"] == "normal"
+
+
+@pytest.mark.parametrize("num_blocks", [32, 64])
+def test_a_chat_without_max_tokens_is_served_by_a_pool_smaller_than_its_window(num_blocks: int) -> None:
+    """The engine bounds such a chat by its pool, not its window: the guard sends no bound of its own (once
+    it sent the window's room, which the engine refused), and shrinks its prediction to fit the budget (32
+    blocks: the 512-token default needs more than the 27 it may commit)."""
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": 0})
+    with ServerThread(num_blocks=num_blocks, max_model_len=2048) as engine, \
+            GuardThread(guard_config(engine.url)) as guard:
+        wait_for(lambda: guard.call(guard.state.pool.any_usable), bool, 5)
+        assert request(engine.url + "/v1/chat/completions", body.encode())[0] == 200
+        status, answer = request(guard.url + "/v1/chat/completions", body.encode(), {"Authorization": "Bearer sk-acme"})
+        assert status == 200, answer

@@ -134,6 +134,9 @@ async def serve_pool(ex: Exchange) -> web.StreamResponse:
     if cap is not None:
         bound, reserve = min(bound, cap), min(reserve, cap)
     blocks = batch_blocks_for(block_size, limits.prompts, reserve, parsed.n)
+    while not declared and reserve > 1 and blocks > pool.largest_budget():  # a prediction must fit a replica
+        reserve //= 2
+        blocks = batch_blocks_for(block_size, limits.prompts, reserve, parsed.n)
     if blocks > pool.largest_budget():
         raise GuardError(400, f"the request needs {blocks} KV blocks, more than the {pool.largest_budget()} the "
                          "guard can ever commit on one engine; lower max_tokens or shorten the prompt",
@@ -161,7 +164,10 @@ async def serve_pool(ex: Exchange) -> web.StreamResponse:
     ttft, itl = metrics.child(metrics.ttft, tenant.name), metrics.child(metrics.itl, tenant.name)
     observer = StreamObserver(on_first_token=lambda now: ttft.observe(now - ex.arrived),
                               on_gap=itl.observe if declared else on_gap)
-    body = parsed.upstream_body(cache_salt=salt, max_tokens=bound, priority=lane.priority)
+    # A client's own bound, or a suspect's cap, goes upstream; otherwise none, and the engine bounds the
+    # output by its window and its own pool (which may hold fewer tokens than the window).
+    body = parsed.upstream_body(cache_salt=salt, max_tokens=bound if declared or cap is not None else None,
+                                priority=lane.priority)
     # Limits come before the fair queue and the KV budget: charged what the reservation covers, now.
     ex.charge = charge = state.limiter.charge(tenant, limits.prompt_tokens + reserve * sequences)
     try:
