@@ -55,8 +55,9 @@ RESERVED_DESCRIPTORS = 256
 # Even where descriptors abound: one event loop serves them all, and the KV budget admits far fewer requests
 # than this at once (scale out with more guards instead).
 MAX_CONNECTIONS_CEILING = 10_000
-# An over-capacity client that is still sending its request when the connection closes would get a reset
-# instead of the 503; a refusal therefore half-closes and reads (and drops) what comes for up to this long.
+# A client that is still sending when the connection closes would get a reset, which discards the answer
+# waiting in its receive buffer (the 503 of a refusal, the 408 of a deadline); so the guard half-closes and
+# reads (and drops) what still comes for up to this long, then closes.
 REFUSAL_LINGER_S = 1.0
 MAX_LINGERING_REFUSALS = 256  # past this many at once, a refusal closes at once: its descriptor matters more
 CAPACITY_WARNING_INTERVAL_S = 60.0
@@ -96,6 +97,7 @@ class Phase(enum.Enum):
     BODY = "body_timeout"
     SERVING = "serving"
     IDLE = "idle"
+    CLOSING = "closing"  # answered and half-closed: what the client still sends is dropped
 
 
 class ConnectionGuard:
@@ -170,6 +172,8 @@ class GuardedConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         phase = self.phase
+        if phase is Phase.CLOSING:
+            return
         if phase is Phase.BODY:
             self.body_bytes += len(data)
             self.last_read = asyncio.get_running_loop().time()
@@ -178,6 +182,8 @@ class GuardedConnection(asyncio.Protocol):
         self.handler.data_received(data)
 
     def eof_received(self) -> bool | None:
+        if self.phase is Phase.CLOSING:
+            return False  # the client has closed its side too: close ours
         return self.handler.eof_received()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -195,7 +201,7 @@ class GuardedConnection(asyncio.Protocol):
     # -- the request cycle (``track``) ----------------------------------------------------------------------
     def request_began(self, request: web.BaseRequest) -> None:
         """Its headers are in; its body (if any) is still to come."""
-        if self.transport is None:
+        if self.transport is None or self.phase is Phase.CLOSING:
             return
         if request.content.is_eof():
             self._enter(Phase.SERVING, None)
@@ -207,7 +213,7 @@ class GuardedConnection(asyncio.Protocol):
 
     def request_ended(self) -> None:
         self.request = None
-        if self.transport is not None:
+        if self.transport is not None and self.phase is not Phase.CLOSING:
             self._enter(Phase.IDLE, self.guard.settings.keepalive_timeout_s)
 
     # -- deadlines ------------------------------------------------------------------------------------------
@@ -257,9 +263,13 @@ class GuardedConnection(asyncio.Protocol):
                                        **({"X-Guard-Tenant": request[TENANT]} if TENANT in request else {})})
         log.debug("closing a connection: %s", self.phase.value)
         self.guard.cut(self.phase.value)
-        if answer is not None:
-            transport.write(answer)
-        transport.close()  # the handler, if one runs, is cancelled when the connection is lost
+        if answer is None or not transport.can_write_eof():
+            transport.close()  # the handler, if one runs, is cancelled when the connection is lost
+            return
+        transport.write(answer)
+        transport.write_eof()
+        self.phase = Phase.CLOSING
+        self.timer = asyncio.get_running_loop().call_later(REFUSAL_LINGER_S, transport.close)
 
 
 class Refusal(asyncio.Protocol):
