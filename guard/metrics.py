@@ -114,6 +114,11 @@ class GuardMetrics:
         for reason in CONNECTION_CUTS:
             self.connections_cut.labels(reason)
 
+    def show_config(self, config_hash: str) -> None:
+        """``guard_config_info`` names the running configuration only (at start and after each reload)."""
+        self.config_info.clear()
+        self.config_info.labels(config_hash).set(1)
+
     def child(self, metric: MetricWrapperBase, *labels: str) -> MetricWrapperBase:
         """``metric.labels(*labels)``, looked up once: prometheus_client checks the values and takes a lock on
         every ``labels`` call, and the request path resolves half a dozen children per request."""

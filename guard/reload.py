@@ -50,12 +50,10 @@ def apply(state: GuardState, config: GuardConfig) -> None:
     differ from the running one only in ``RELOADABLE`` keys."""
     weights = {t.name: t.weight for t in config.tenants}
     state.config, state.keys = config, KeyStore(config.tenants, config.secret)
-    state.total_weight = sum(weights.values())
     state.dispatcher.reconfigure(config)
     state.escalation.reconfigure(weights, config.lanes)
     state.limiter.configure(config.tenants)
-    state.metrics.config_info.clear()
-    state.metrics.config_info.labels(config_hash(config)).set(1)
+    state.metrics.show_config(config_hash(config))
 
 
 def reload_file(state: GuardState, path: Path) -> bool:

@@ -2,8 +2,8 @@
 
 ``GuardState`` is built whole from the configuration (guard/http/app.py ``create_app``); what needs the
 running loop (the HTTP client session and what uses it) is ``Clients``, built whole when the app starts.
-Neither has a field that is filled in later. A reload (guard/reload.py) replaces ``config``, ``keys`` and
-``total_weight`` together, in one step on the loop.
+Neither has a field that is filled in later. A reload (guard/reload.py) replaces ``config`` and ``keys``
+together, in one step on the loop.
 """
 
 from __future__ import annotations
@@ -45,11 +45,9 @@ class GuardState:
     predictor: OutputPredictor = field(default_factory=OutputPredictor)  # outputs of requests without max_tokens
     fallback_models: dict[str, str] = field(default_factory=dict)  # engine fallback name -> its model name
     in_flight: int = 0  # requests whose handler is running (shutdown waits for them)
-    total_weight: float = field(init=False)  # of all tenants of ``config``
     limiter: RateLimiter = field(init=False)  # the tenants' rpm and tpm windows (RateLimiter.configure retakes them)
 
     def __post_init__(self) -> None:
-        self.total_weight = sum(t.weight for t in self.config.tenants)
         self.limiter = RateLimiter(self.config.tenants, self.metrics)
         self.metrics.ratelimit_levels.read = self.limiter.levels
 
@@ -60,6 +58,11 @@ class GuardState:
         if num_blocks == 0:
             return 0.0
         return (self.pool.committed() + self.dispatcher.blocks_queued()) / num_blocks
+
+    @property
+    def total_weight(self) -> float:
+        """Of the running configuration's tenants (asked only outside normal mode: summed when asked)."""
+        return sum(t.weight for t in self.config.tenants)
 
     def over_share(self, tenant: Tenant) -> bool:
         """Holding more than its weighted share of the admission budget."""

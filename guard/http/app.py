@@ -115,7 +115,7 @@ def create_app(config: GuardConfig) -> web.Application:
     pool = ReplicaPool([Replica(b, AdmissionGate(config.admission, guard_tenants), breaker(b)) for b in config.pool])
     fallback_breakers = {f.name: breaker(f) for f in config.fallbacks if isinstance(f, Backend)}
     metrics = GuardMetrics()
-    metrics.config_info.labels(config_hash(config)).set(1)
+    metrics.show_config(config_hash(config))
     picker = Picker(routing.policy)
     dispatcher = Dispatcher(config, pool, picker)
     metrics.service_tokens.read = lambda: {name: queue.service for name, queue in dispatcher.fair.tenants.items()}
