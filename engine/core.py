@@ -30,6 +30,7 @@ from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.protocol import TelemetrySnapshot
 from engine.sampling_params import SamplingParams
+from engine.sched.output import SchedulerOutput
 from engine.sched.request import Request
 from engine.sched.scheduler import Scheduler
 from engine.structured.spec import Grammar, GrammarSpec
@@ -74,6 +75,9 @@ class EngineCore:
         self._request_ids = itertools.count()
         self._structured: StructuredOutputManager | None = None  # built by the first compile_grammar
         self._structured_lock = threading.Lock()
+        # The latest step's schedule, for the server's tracing (engine/server/tracing.py): which sequences
+        # ran what, and which were preempted. Read on the stepping thread, between steps.
+        self.last_schedule: SchedulerOutput | None = None
 
     @property
     def model_name(self) -> str:
@@ -174,7 +178,7 @@ class EngineCore:
         if not self.scheduler.has_work:
             return []
         started = time.perf_counter()
-        out = self.scheduler.schedule()
+        out = self.last_schedule = self.scheduler.schedule()
         if not out.scheduled:
             # Validation guarantees every request fits an idle pool; an empty step with work left is a bug,
             # and raising beats spinning forever.

@@ -40,6 +40,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.config import EngineConfig
 from engine.protocol import ModelCard, ModelList, StepProgress
+from engine.server import tracing
 from engine.server.async_engine import AsyncEngine
 from engine.server.errors import ApiError, openai_errors
 from engine.server.kv_events import KVEventsHandler
@@ -62,7 +63,10 @@ def create_app(engine: AsyncEngine) -> web.Application:
     """The app for ``engine``; starting the app starts loading the engine, stopping it stops the engine."""
     openai = OpenAIHandlers(engine)  # the chat template comes with the loaded model
     telemetry = TelemetryHandlers(engine)
-    app = web.Application(middlewares=[openai_errors])
+    tracing.setup()  # only with OTEL_EXPORTER_OTLP_ENDPOINT set; before the middlewares are chosen
+    # Tracing outermost, so that its span sees the status openai_errors answered with.
+    app = web.Application(middlewares=[tracing.trace_completions, openai_errors] if tracing.ENABLED
+                          else [openai_errors])
     app.router.add_post("/v1/completions", openai.completions)
     app.router.add_post("/v1/chat/completions", openai.chat_completions)
     app.router.add_post("/tokenize", openai.tokenize)
@@ -80,6 +84,7 @@ def create_app(engine: AsyncEngine) -> web.Application:
 
     async def stop(_: web.Application) -> None:
         await engine.shutdown()
+        await asyncio.to_thread(tracing.shutdown)  # the last batch is sent off the event loop
 
     app.on_startup.append(start)
     app.on_shutdown.append(stop)

@@ -58,6 +58,7 @@ from engine.sched.request import Request
 from engine.server.kv_events import KVEventFeed
 from engine.server.metrics import EngineMetrics, EngineReading, LatencyRecorder
 from engine.server.request_stream import EngineUnavailable, RequestFailed, RequestStream
+from engine.server.tracing import Timeline, record_step
 
 log = logging.getLogger("engine.async")
 
@@ -71,6 +72,7 @@ PUBLISH_INTERVAL_S = 0.025
 @dataclass(slots=True)
 class _Add:
     request: Request
+    timeline: Timeline | None = None  # traced: the engine thread notes its steps there
 
 
 @dataclass(slots=True)
@@ -106,6 +108,7 @@ class AsyncEngine:
         self._last_published = 0.0  # engine thread only
         self._readings = 0  # engine thread only: serial numbers put readings in order
         self._step_started: float | None = None  # engine thread writes (monotonic), event loop reads
+        self._timelines: dict[str, Timeline] = {}  # engine thread only: traced requests still running
         # Event-loop side.
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready: asyncio.Future[None] | None = None
@@ -190,10 +193,11 @@ class AsyncEngine:
                 return None
         return self._published
 
-    def add(self, request: Request) -> RequestStream:
-        """Queue a request built by ``core.make_request``; its outputs arrive on the returned stream."""
+    def add(self, request: Request, timeline: Timeline | None = None) -> RequestStream:
+        """Queue a request built by ``core.make_request``; its outputs arrive on the returned stream, and
+        with a ``timeline`` (engine/server/tracing.py) its steps are noted there."""
         stream = RequestStream(request.request_id)
-        self._submit(_Add(request))
+        self._submit(_Add(request, timeline))
         self._streams[request.request_id] = stream
         return stream
 
@@ -204,9 +208,9 @@ class AsyncEngine:
             self._submit(_Abort(request_id))
 
     @contextlib.asynccontextmanager
-    async def generate(self, request: Request) -> AsyncIterator[RequestStream]:
+    async def generate(self, request: Request, timeline: Timeline | None = None) -> AsyncIterator[RequestStream]:
         """``add`` for the span of a block: leaving it early (an error, a cancelled handler) aborts."""
-        stream = self.add(request)
+        stream = self.add(request, timeline)
         try:
             yield stream
         finally:
@@ -356,16 +360,19 @@ class AsyncEngine:
     def _apply(self, core: EngineCore, command: _Command) -> bool:
         """Run one command between steps; True when it changed the engine's state."""
         match command:
-            case _Add(request):
+            case _Add(request, timeline):
                 try:
                     core.add(request)
                 except ValueError as exc:
                     self._post(self._fail_requests, [request.request_id], exc)
                     return False
                 self._latency.start(request.request_id, request.arrival_time)
+                if timeline is not None:
+                    self._timelines[request.request_id] = timeline
                 return True
             case _Abort(request_id):
                 self._latency.forget(request_id)
+                self._timelines.pop(request_id, None)
                 return core.abort(request_id) is not None
             case _Read(future):
                 if future.set_running_or_notify_cancel():
@@ -383,6 +390,7 @@ class AsyncEngine:
             for request_id in failed:
                 core.abort(request_id)
                 self._latency.forget(request_id)
+                self._timelines.pop(request_id, None)
             self._consecutive_failures += 1
             self._post(self._fail_requests, failed, RequestFailed(f"the engine step failed: {exc!r}"))
             return []
@@ -392,6 +400,8 @@ class AsyncEngine:
         self._consecutive_failures = 0
         self.metrics.step_duration.observe(finished - started)
         self._latency.observe(outputs, finished)
+        if self._timelines and core.last_schedule is not None:  # only while a traced request runs
+            record_step(self._timelines, core.last_schedule, started, finished)
         return outputs
 
     def _publication_due(self, core: EngineCore) -> EngineReading | None:

@@ -61,6 +61,7 @@ from engine.protocol import (
 )
 from engine.sampling_params import SamplingParams
 from engine.sched.request import Request
+from engine.server import tracing
 from engine.server.async_engine import AsyncEngine
 from engine.server.errors import ApiError
 from engine.server.request_stream import EngineUnavailable, RequestFailed, RequestStream
@@ -144,21 +145,24 @@ class OpenAIHandlers:
 
     async def _respond(self, http: web.Request, requests: list[Request], body: SamplingRequest,
                        fmt: _Format) -> web.StreamResponse:
+        timelines = tracing.timelines_for(http, requests)
         if body.stream:
-            return await self._stream(http, requests, body.include_usage, fmt)
-        async with self._generate(requests) as streams:
+            return await self._stream(http, requests, timelines, body.include_usage, fmt)
+        async with self._generate(requests, timelines) as streams:
             outputs = list(await asyncio.gather(*(stream.final() for stream in streams)))
         return web.Response(text=fmt.whole(outputs, _usage(outputs)), content_type="application/json")
 
     @asynccontextmanager
-    async def _generate(self, requests: list[Request]) -> AsyncIterator[list[RequestStream]]:
+    async def _generate(self, requests: list[Request], timelines: list[tracing.Timeline | None]
+                        ) -> AsyncIterator[list[RequestStream]]:
         """``generate`` for all of ``requests`` at once: each is added before any step can run, and leaving
         the block early (an error, one request failing, a cancelled handler) aborts every one still running."""
         async with AsyncExitStack() as stack:
-            yield [await stack.enter_async_context(self.engine.generate(request)) for request in requests]
+            yield [await stack.enter_async_context(self.engine.generate(request, timeline))
+                   for request, timeline in zip(requests, timelines, strict=True)]
 
-    async def _stream(self, http: web.Request, requests: list[Request], include_usage: bool,
-                      fmt: _Format) -> web.StreamResponse:
+    async def _stream(self, http: web.Request, requests: list[Request], timelines: list[tracing.Timeline | None],
+                      include_usage: bool, fmt: _Format) -> web.StreamResponse:
         response = await open_stream(http)
         stops = requests[0].params.stop or []
         holdback = None if fmt.whole_choices else max((len(s) for s in stops), default=1) - 1
@@ -167,7 +171,7 @@ class OpenAIHandlers:
         ended: set[int] = set()
         finals: dict[int, RequestOutput] = {}  # prompt index -> its request's final output
         try:
-            async with self._generate(requests) as streams, aclosing(_merged(streams)) as merged:
+            async with self._generate(requests, timelines) as streams, aclosing(_merged(streams)) as merged:
                 async for prompt, output in merged:
                     for completion in output.outputs:
                         index = prompt * n + completion.index

@@ -5,7 +5,8 @@ in-process server cannot be SIGKILLed or sent SIGTERM without taking the test wi
 - ``Process``: one subprocess whose output goes to a log file; ``start()`` returns once its ready URL
   answers 200 (failing with the log's tail if it exits or times out first); ``stop()`` sends SIGTERM (or the
   signal given), waits, and kills it if it is still there. Restartable: ``start()`` again reuses its port.
-- ``EngineProcess``: ``python -m engine --model tiny --port P [flags]``; ready when ``/health`` is 200.
+- ``EngineProcess``: ``python -m engine --model tiny --port P [flags]``; ready when ``/health`` is 200
+  (``env``: the process's whole environment, when not this one's, as for ``GuardProcess``).
   ``port=0`` lets the engine pick its port, read from its ``engine: listening on`` line.
 - ``GuardProcess``: ``python -m guard --config F``; its URL from the file's ``listen``; ready on ``/health``.
 - ``Processes``: starts named processes logging to ``<root>/<name>.log`` and stops them all (reverse order)
@@ -148,13 +149,13 @@ class EngineProcess(Process):
     LISTENING = re.compile(r"^engine: listening on (\S+)", re.MULTILINE)
 
     def __init__(self, *flags: str, port: int | None = None, model: str = "tiny", name: str = "engine",
-                 log: Path | None = None) -> None:
+                 log: Path | None = None, env: dict[str, str] | None = None) -> None:
         self.port = free_port() if port is None else port
         self.url = f"http://127.0.0.1:{self.port}" if self.port else ""
         self.flags = flags
         self._runs_before = 0
         command = [sys.executable, "-m", "engine", "--model", model, "--port", str(self.port), *flags]
-        super().__init__(name, command, ready_url=self.url + "/health" if self.url else None, log=log)
+        super().__init__(name, command, ready_url=self.url + "/health" if self.url else None, log=log, env=env)
 
     def wait_ready(self, timeout: float | None = None) -> Self:
         if not self.port:  # the engine prints its URL as soon as it listens (before the model has loaded)
@@ -200,9 +201,9 @@ class Processes:
         self.root = root
         self.running: dict[str, Process] = {}
 
-    def engine(self, *flags: str, port: int | None = None, name: str = "engine", wait: bool = True
-               ) -> EngineProcess:
-        return self.add(EngineProcess(*flags, port=port, name=name, log=self._log(name)), wait)
+    def engine(self, *flags: str, port: int | None = None, name: str = "engine", wait: bool = True,
+               env: dict[str, str] | None = None) -> EngineProcess:
+        return self.add(EngineProcess(*flags, port=port, name=name, log=self._log(name), env=env), wait)
 
     def guard(self, config: Path, *flags: str, name: str = "guard", wait: bool = True,
               env: dict[str, str] | None = None) -> GuardProcess:
