@@ -68,9 +68,11 @@ def reload_file(state: GuardState, path: Path) -> bool:
         state.metrics.config_reloads.labels("invalid").inc()
         log.error("config reload refused, the running configuration (hash %s) stays: %s",
                   config_hash(state.config), exc)
+        state.events.record("reload", result="refused")  # not the message: a YAML error quotes the file
         return False
     apply(state, config)
     state.metrics.config_reloads.labels("ok").inc()
+    state.events.record("reload", result="ok", hash=config_hash(config), tenants=[t.name for t in config.tenants])
     log.info("config reloaded from %s (hash %s): tenants %s", path, config_hash(config),
              ", ".join(t.name for t in config.tenants))
     return True

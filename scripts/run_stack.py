@@ -15,10 +15,12 @@ Ctrl-C (or when any process dies) stops them all, the guard first so that it dra
 refuses the placeholder secret: unless ``KVGUARD_SECRET`` names one, it gets a random one for this run in
 its environment (never in a file), so the tenants' cache salts are new each run, as the engine's cache is.
 
-``--port``, ``--engine-port`` (one port per replica to start, in guard.example.yaml's order) and
-``--fallback-port`` move the stack (the test of ``make run`` runs it on free ports). Unless the stack is
-guard.example.yaml's own, the guard runs on a copy whose listen port, replicas and fallback URL follow,
-written to a temporary directory that goes away with the stack.
+``--port``, ``--engine-port`` (one port per replica to start, in guard.example.yaml's order),
+``--fallback-port`` and ``--admin-port`` (the operator console's) move the stack (the test of ``make run``
+runs it on free ports; a stack whose guard port moved puts its console on a free port too, unless
+``--admin-port`` names one). Unless the stack is guard.example.yaml's own, the guard runs on a copy whose
+listen and admin ports, replicas and fallback URL follow, written to a temporary directory that goes away
+with the stack.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import json
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -51,6 +54,7 @@ class Ports:
     guard: int = 8000
     engines: tuple[int, ...] = (8100,)  # one per replica started, in guard.example.yaml's order
     fallback: int = 8101
+    admin: int = 8001  # the operator console (guard/console)
 
 
 DEFAULTS = Ports()  # make run
@@ -71,6 +75,8 @@ def guard_config(ports: Ports, directory: Path) -> Path:
     if len(ports.engines) > len(replicas):
         sys.exit(f"run_stack: {CONFIG.name} names {len(replicas)} replicas, not {len(ports.engines)}")
     config["listen"]["port"] = ports.guard
+    if "admin" in config:
+        config["admin"]["port"] = ports.admin
     config["engines"] = [{**replica, "url": local(port)} for replica, port in zip(replicas, ports.engines)]
     for fallback in config.get("fallbacks", []):
         if fallback.get("url") == local(POOL.fallback):
@@ -97,9 +103,20 @@ def stack(ports: Ports = DEFAULTS, config: Path = CONFIG) -> list[Step]:
     ]
 
 
+def console_line(config: dict) -> str:
+    """Where the operator console is, as the guard's ``admin:`` puts it ("" without one)."""
+    admin = config.get("admin")
+    if admin is None:
+        return ""
+    access = "an admin key required" if admin.get("api_keys") else "loopback, no key"
+    url = f"http://{admin.get('host', '127.0.0.1')}:{admin.get('port', DEFAULTS.admin)}/"
+    return f"  console    {url}  (the live operator console; {access})\n"
+
+
 def up_message(ports: Ports = DEFAULTS, config: Path = CONFIG, more_urls: str = "") -> str:
     """What is printed once everything answers: the URLs, the demo keys (from ``config``), a first chat."""
-    tenants = yaml.safe_load(config.read_text())["tenants"]
+    guard = yaml.safe_load(config.read_text())
+    tenants = guard["tenants"]
     keys = ", ".join(f"{t['api_keys'][0]} ({t['name']})" for t in tenants)
     replicas = "".join(f"  engine {name}  {local(port)}       (/telemetry, /telemetry/stream, /metrics)\n"
                        for name, port in zip(replica_names(config), ports.engines))
@@ -107,12 +124,19 @@ def up_message(ports: Ports = DEFAULTS, config: Path = CONFIG, more_urls: str = 
             "max_tokens": 32, "temperature": 0}  # greedy: OpenAI's default of 1 rambles on a 135M model
     return (f"\nkvguard is up, serving {MODEL}:\n"
             f"  guard      {local(ports.guard)}/v1  (OpenAI-compatible; /metrics, /health)\n"
-            + replicas +
+            + console_line(guard) + replicas +
             f"  fallback   {local(ports.fallback)}\n" + more_urls +
             f"demo API keys: {keys}\n"
             f"try: curl -s {local(ports.guard)}/v1/chat/completions -H 'Authorization: Bearer "
             f"{tenants[0]['api_keys'][0]}' -H 'Content-Type: application/json' -d '{json.dumps(chat)}'\n"
             "Ctrl-C stops everything.")
+
+
+def free_port() -> int:
+    """A port nothing listens on now (the OS picks it; the guard binds it moments later)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def healthy(url: str) -> bool:
@@ -169,8 +193,14 @@ def cli(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine-port", type=int, nargs="+", default=list(DEFAULTS.engines),
                         help="one port per engine replica to start (e0, e1, ... of guard.example.yaml)")
     parser.add_argument("--fallback-port", type=int, default=DEFAULTS.fallback)
+    parser.add_argument("--admin-port", type=int, default=None,
+                        help=f"the operator console's port (default {DEFAULTS.admin}, or a free one when --port "
+                        "moves the guard)")
     args = parser.parse_args(argv)
-    ports = Ports(args.port, tuple(args.engine_port), args.fallback_port)
+    admin = args.admin_port
+    if admin is None:
+        admin = DEFAULTS.admin if args.port == DEFAULTS.guard else free_port()
+    ports = Ports(args.port, tuple(args.engine_port), args.fallback_port, admin)
     with tempfile.TemporaryDirectory(prefix="kvguard-run-") as directory:
         config = guard_config(ports, Path(directory))
         return main(stack(ports, config), up_message(ports, config))

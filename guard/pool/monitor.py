@@ -53,4 +53,5 @@ async def monitor(state: GuardState, session: aiohttp.ClientSession) -> None:
             state.metrics.backend_healthy.labels(backend.name).set(1.0 if breaker.closed else 0.0)
         state.update_mode()
         state.escalation.evaluate()
+        state.note_backends()  # replicas going down or up, into the console's event feed
         await asyncio.sleep(cfg.routing.health_interval_s)
