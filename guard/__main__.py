@@ -43,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     engines = ", ".join(f"{b.name} {b.url}" for b in config.pool)
     print(f"guard listening on http://{config.listen.host}:{config.listen.port} -> engines {engines} "
           f"(routing: {config.routing.policy})", flush=True)
+    if (admin := config.admin) is not None:  # the site itself starts with the app (guard/console/app.py)
+        access = "an admin key required" if admin.api_keys else "loopback, no key"
+        print(f"operator console on http://{admin.host}:{admin.port}/ ({access})", flush=True)
     raise_descriptor_limit()  # before create_app, which sizes the connection cap from it
     app = create_app(config)
     reload_on_sighup(app, Path(args.config))

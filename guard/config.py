@@ -8,6 +8,7 @@ placeholder ``change-me`` is refused, so no guard runs with cache salts anyone c
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import os
 from pathlib import Path
 from typing import Annotated, Literal
@@ -26,6 +27,35 @@ class Strict(BaseModel):
 class Listen(Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
+
+
+def is_loopback(host: str) -> bool:
+    """``host`` names only this machine: ``localhost`` or a loopback address (a wildcard such as ``0.0.0.0``
+    or any other name may reach other machines' clients)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class Admin(Strict):
+    """The admin listener (guard/console): the live operator console at ``/`` and the state endpoints. On a
+    loopback host it needs no key; bound anywhere else it needs ``api_keys``, which every request must then
+    present (``Authorization: Bearer <key>``, or HTTP Basic with the key as password, as a browser sends it).
+    Read at start-up only."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(8001, ge=0, le=65535)
+    api_keys: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _keyed_off_loopback(self) -> Admin:
+        if not self.api_keys and not is_loopback(self.host):
+            raise ValueError(f"admin.host {self.host!r} is not a loopback address, so the console needs a key: "
+                             "set admin.api_keys (or bind admin.host to 127.0.0.1)")
+        return self
 
 
 class Backend(Strict):
@@ -161,6 +191,18 @@ class Connections(Strict):
     max_connections: int | None = Field(None, gt=0)
 
 
+class SharedState(Strict):
+    """Where several guard processes keep what must be one (guard/state/): Redis, at ``redis_url``."""
+
+    redis_url: str = Field(pattern=r"^(redis|rediss|unix)://")
+    # A guard renews its lease (and so everything it reserved) every lease_ttl_s / 5; one that dies loses
+    # its reservations this long after its last renewal.
+    lease_ttl_s: float = Field(10.0, ge=2.0, le=15.0)
+    # One Redis round trip (each admission decision is one) may take this long before the guard counts Redis
+    # as down and admits on its own, conservatively.
+    timeout_s: PositiveSeconds = 0.5
+
+
 class GuardConfig(Strict):
     listen: Listen = Listen()
     engine: Backend | None = None  # a pool of one, as before pools existed
@@ -171,6 +213,8 @@ class GuardConfig(Strict):
     routing: Routing = Routing()
     limits: Limits = Limits()
     connections: Connections = Connections()
+    admin: Admin | None = None  # no admin listener unless configured
+    shared_state: SharedState | None = None  # None: fairness, budget, limits and verdicts live in the process
     lanes: dict[str, Lane] = Field(default_factory=lambda: dict(DEFAULT_LANES))
     tenants: list[Tenant] = Field(min_length=1)
     # HMAC key for per-tenant cache salts. The default is validated too: it is the placeholder, refused below.
@@ -200,6 +244,11 @@ class GuardConfig(Strict):
         digests = [d for t in self.tenants for d in t.key_digests()]
         if len(digests) != len(set(digests)):
             raise ValueError("an API key is listed more than once")
+        if (admin := self.admin) is not None:
+            if {hashlib.sha256(key.encode()).digest() for key in admin.api_keys} & set(digests):
+                raise ValueError("admin.api_keys: an admin key must not also be a tenant's API key")
+            if admin.port and (admin.host, admin.port) == (self.listen.host, self.listen.port):
+                raise ValueError("admin.port: the admin listener needs an address of its own, not listen's")
         for tenant in self.tenants:
             if tenant.lane not in self.lanes:
                 raise ValueError(f"tenant {tenant.name!r}: unknown lane {tenant.lane!r} (lanes: {sorted(self.lanes)})")

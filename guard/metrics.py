@@ -34,6 +34,19 @@ class GuardMetrics:
                              buckets=ITL_BUCKETS, registry=r)
         self.reserved_blocks = Gauge("guard_reserved_blocks", "KV blocks reserved by admitted requests.",
                                      ["tenant"], registry=r)
+        self.borrowed_blocks = Gauge("guard_borrowed_blocks", "Of guard_reserved_blocks, those beyond the "
+                                     "tenant's guaranteed share: lent from idle capacity, reclaimed on demand.",
+                                     ["tenant"], registry=r)
+        self.guaranteed_blocks = Gauge("guard_guaranteed_blocks", "KV blocks the tenant is guaranteed: its "
+                                       "weighted share of the admission budget.", ["tenant"], registry=r)
+        self.shared_up = Gauge("guard_shared_state_up", "1 while the guards' shared state (Redis) answers; 0 "
+                               "while this guard admits alone, to its share of each engine.", registry=r)
+        self.shared_guards = Gauge("guard_shared_state_guards", "Guards sharing state, as last seen in Redis.",
+                                   registry=r)
+        self.shared_round_trip = Histogram("guard_shared_state_round_trip_seconds", "One shared-state decision "
+                                           "(a Lua script in Redis), from call to answer.", ["op"],
+                                           buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05,
+                                                    0.1, 0.25, 0.5), registry=r)
         self.budget_blocks = Gauge("guard_admission_budget_blocks", "KV blocks the guard may commit "
                                    "(safe_utilization x engine blocks).", registry=r)
         self.service_tokens = ServiceTokens()

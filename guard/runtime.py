@@ -18,6 +18,7 @@ from guard.admission.dispatch import Dispatcher
 from guard.admission.limits import RateLimiter
 from guard.admission.predictor import OutputPredictor
 from guard.config import GuardConfig, Tenant
+from guard.console.events import EventLog
 from guard.detect.detector import Detector
 from guard.detect.escalation import Escalation
 from guard.http.auth import KeyStore
@@ -27,6 +28,7 @@ from guard.metrics import MODES, GuardMetrics
 from guard.pool.picker import Picker
 from guard.pool.pool import ReplicaPool
 from guard.pool.routing import CircuitBreaker, ModeMachine, Router
+from guard.state.shared import SharedState
 
 
 @dataclass(slots=True)
@@ -46,34 +48,43 @@ class GuardState:
     fallback_models: dict[str, str] = field(default_factory=dict)  # engine fallback name -> its model name
     in_flight: int = 0  # requests whose handler is running (shutdown waits for them)
     limiter: RateLimiter = field(init=False)  # the tenants' rpm and tpm windows (RateLimiter.configure retakes them)
+    events: EventLog = field(default_factory=EventLog)  # notable transitions, for the console (guard/console)
+    shared: SharedState | None = None  # the link to the other guards' state (shared_state), if configured
 
     def __post_init__(self) -> None:
         self.limiter = RateLimiter(self.config.tenants, self.metrics)
         self.metrics.ratelimit_levels.read = self.limiter.levels
+        self.escalation.events = self.events  # detections join the one feed
 
     def saturation(self) -> float:
         """Blocks committed plus blocks waiting in the guard's queues, over the blocks of the replicas that
-        are up (0 without telemetry)."""
+        are up (0 without telemetry). Borrowed blocks do not count: the pool takes them back on demand
+        (guard/admission/dispatch.py), so a tenant that borrows the idle pool does not make it saturated."""
         num_blocks = self.pool.num_blocks()
         if num_blocks == 0:
             return 0.0
-        return (self.pool.committed() + self.dispatcher.blocks_queued()) / num_blocks
-
-    @property
-    def total_weight(self) -> float:
-        """Of the running configuration's tenants (asked only outside normal mode: summed when asked)."""
-        return sum(t.weight for t in self.config.tenants)
+        return (self.pool.committed() - self.pool.borrowed() + self.dispatcher.blocks_queued()) / num_blocks
 
     def over_share(self, tenant: Tenant) -> bool:
         """Holding more than its weighted share of the admission budget."""
-        return self.pool.tenant_reserved(tenant.name) > tenant.weight / self.total_weight * self.pool.budget()
+        return self.pool.tenant_reserved(tenant.name) > self.dispatcher.guarantee(tenant)
 
     def update_mode(self) -> None:
         change = self.modes.update(self.pool.any_up(), self.saturation())
         if change is not None:
             self.metrics.mode_transitions.labels(*change).inc()
+            self.events.record("mode", was=change[0], now=change[1], saturation=round(self.saturation(), 3))
             for mode in MODES:
                 self.metrics.mode.labels(mode).set(1.0 if mode == change[1] else 0.0)
+
+    def note_backends(self) -> None:
+        """Feed each replica's going down or up, and each engine fallback's circuit opening or closing, to the
+        event log. Polled (the health monitor calls it every round): a replica is up by its breaker and its
+        telemetry together, which change in many places."""
+        for replica in self.pool:
+            self.events.track("replica", replica.name, "up" if replica.up() else "down", initial="up")
+        for name, breaker in self.fallback_breakers.items():
+            self.events.track("fallback", name, "closed" if breaker.closed else "open", initial="closed")
 
 
 @dataclass(slots=True)

@@ -182,7 +182,7 @@ async def test_a_removed_tenant_finishes_what_it_has_queued_then_its_queue_goes(
     new = guard_config(engine.url, tenants=[{"name": "globex", "api_keys": ["sk-globex", "sk-new"], "weight": 3},
                                             {"name": "initech", "api_keys": ["sk-initech"], "lane": "batch"}])
     apply(state, new)
-    assert state.config is new and state.total_weight == 4
+    assert state.config is new and state.dispatcher.total_weight == 4
     assert state.keys.tenant_for("Bearer sk-acme") is None and state.keys.tenant_for("Bearer sk-new").name == "globex"
     assert state.dispatcher.fair.tenants["globex"].weight == 3 and state.detector.weights == {"globex": 3, "initech": 1}
     assert state.detector.state("globex") == "suspect" and state.detector.state("initech") == "normal"

@@ -14,6 +14,11 @@
    kept at its edge.
 
 The attacker never backs off: a refusal (429, 503) is only another "no room" reading.
+
+With several keys (``tenants``), the same attacker spreads each move over them in turn, as colluding API keys
+would: every key probes at a fraction of the rate, holds part of the fill and sends part of the squeeze.
+``probe_jitter`` draws each probe interval from ``probe_interval_s * (1 +- probe_jitter)``, so that no key's
+probes keep a regular beat.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ class AttackPlan:
     max_longs: int = 8
     micro_rate: float = 20.0  # per second
     micro_max_tokens: int = 8
+    probe_jitter: float = 0.0  # 0..1: each probe interval drawn from probe_interval_s * (1 +- this)
 
 
 @dataclass(slots=True)
@@ -51,12 +57,13 @@ class AttackRequest:
 
 
 class Attacker:
-    def __init__(self, plan: AttackPlan, session: aiohttp.ClientSession, target: Target, tenant: str,
+    def __init__(self, plan: AttackPlan, session: aiohttp.ClientSession, target: Target, tenants: list[str],
                  seed: int) -> None:
         self.plan = plan
         self.session = session
         self.target = target
-        self.tenant = tenant
+        self.tenants = tenants  # the keys it sends with, each move's requests spread over them in turn
+        self._turn = dict.fromkeys(KINDS, 0)
         self.requests: list[AttackRequest] = []
         self.fill_start: float | None = None  # the first long generation sent
         self.squeeze_start: float | None = None  # the first probe that said "no room"
@@ -81,7 +88,7 @@ class Attacker:
                     elif self.squeeze_start is None:
                         self.squeeze_start = tick
                         self._tasks.append(asyncio.create_task(self._squeeze(until)))
-                tick += plan.probe_interval_s
+                tick += plan.probe_interval_s * (1.0 + plan.probe_jitter * self._rng.uniform(-1.0, 1.0))
                 await asyncio.sleep(max(0.0, tick - time.monotonic()))
         finally:
             for task in self._tasks:
@@ -98,8 +105,10 @@ class Attacker:
         prompt = {"probe": "ping", "long": "tell me a very long story", "micro": "hi"}[kind]
         body = {"model": "tiny", "prompt": f"{len(self.requests):05d} {prompt}", "max_tokens": max_tokens,
                 "temperature": 0.0, "ignore_eos": True}
+        tenant = self.tenants[self._turn[kind] % len(self.tenants)]
+        self._turn[kind] += 1
         self._tasks.append(asyncio.create_task(
-            stream_completion(self.session, self.target, self.tenant, body, request.outcome)))
+            stream_completion(self.session, self.target, tenant, body, request.outcome)))
 
     def _calibrate(self) -> tuple[float, float]:
         """Room limits from the reconnaissance probes (the floor when none was answered)."""

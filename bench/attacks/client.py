@@ -72,8 +72,14 @@ async def stream_completion(session: aiohttp.ClientSession, target: Target, tena
             outcome.status = answer.status
             if answer.status != 200:
                 outcome.error = _error_code(await answer.read())
+            event = b""
             async for line in answer.content:
+                if line.startswith(b"event:"):
+                    event = line[6:].strip()
                 if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
+                    continue
+                if event == b"error":  # the event that ends a stream cut short (a revoked one: the reason)
+                    outcome.error = _error_code(line[5:])
                     continue
                 now = time.monotonic()
                 if outcome.first_token is None:

@@ -9,9 +9,12 @@ the second only. Each run has two phases over time:
 
   (1) unguarded: every tenant straight to the engine, named by ``X-Tenant-Id``
   (2) guarded:   every tenant through the guard with its own API key, all in the interactive lane; the
-                 victims with weight ``--victim-weight``, the attacker with ``--attacker-weight``, and the
-                 same ``max_blocks_share`` (``--block-share``) for every tenant: an operator's policy, not a
-                 rule aimed at the attacker
+                 victims with weight ``--victim-weight``, each attacker key with ``--attacker-weight``;
+                 the guard's default config otherwise: no ``max_blocks_share`` unless ``--block-share``
+                 sets one (the same for every tenant: an operator's policy, not a rule aimed at the attacker)
+
+``--keys 2`` is the colluding variant: one attacker behind two API keys (tenants ``attacker-1`` and
+``attacker-2``), each move spread over both; ``--probe-jitter`` makes its probes irregular.
 
 The victims (bench/attacks/victims.py) send the same seeded Poisson arrivals in both runs. While a run goes
 on, the engine's ``/telemetry`` and the guard's ``/metrics`` are read every 0.25 s (timeline.py). The report
@@ -19,11 +22,12 @@ on, the engine's ``/telemetry`` and the guard's ``/metrics`` are read every 0.25
 engine preemptions in each phase (``preemptions_total`` deltas; the attack's include the drain), the time
 from the attacker's first long request to the first scrape showing
 ``guard_fill_squeeze_state{tenant="attacker"} 2``, and plots of victim TTFT, engine free blocks and the
-attacker's detector state over time, checked against issue 8's targets: unguarded, mean TTFT >= 5x baseline
-and preemptions climb; guarded, p99 TTFT <= 1.5x baseline, preemptions <= 10% of the unguarded run's,
-``confirmed`` within 10 s of the fill starting.
+attacker's detector state over time, checked against issues 8 and 16's targets: unguarded, mean TTFT >= 5x
+baseline and preemptions climb; guarded, p99 TTFT <= 2x baseline (goal 1.5x), preemptions <= 10% of the
+unguarded run's, every attacker key ``confirmed`` within 10 s of the fill starting, no victim ever flagged.
 
     .venv/bin/python -m bench.attacks.fill_squeeze [--out bench/results/fill_squeeze] [--attack 40] ...
+    .venv/bin/python -m bench.attacks.fill_squeeze --keys 2 --probe-jitter 0.5 --out bench/results/fill_squeeze_2keys
     .venv/bin/python -m bench.attacks.fill_squeeze --quick     # a few seconds per phase: checks that it runs
 """
 
@@ -52,16 +56,26 @@ from bench.attacks.victims import VictimLoad, VictimRequest, victim_traffic
 from bench.run_info import describe
 from bench.stack import REPO, Service, start_engine, start_guard
 
-ATTACKER = "attacker"
 VICTIMS = ("victim-1", "victim-2")
-KEYS = {name: f"sk-bench-{name}" for name in (*VICTIMS, ATTACKER)}
 DEFAULT_PLAN = AttackPlan()
 
 
+def attackers(args: argparse.Namespace) -> list[str]:
+    """The attacker's tenants: ``attacker``, or ``attacker-1``..``attacker-N`` for N colluding keys."""
+    return ["attacker"] if args.keys == 1 else [f"attacker-{i}" for i in range(1, args.keys + 1)]
+
+
+def api_keys(args: argparse.Namespace) -> dict[str, str]:
+    return {name: f"sk-bench-{name}" for name in (*VICTIMS, *attackers(args))}
+
+
 def guard_config(engine_url: str, args: argparse.Namespace) -> dict:
-    tenants = [{"name": name, "api_keys": [KEYS[name]], "lane": "interactive",
-                "weight": args.attacker_weight if name == ATTACKER else args.victim_weight,
-                "max_blocks_share": args.block_share} for name in (*VICTIMS, ATTACKER)]
+    keys = api_keys(args)
+    tenants = [{"name": name, "api_keys": [keys[name]], "lane": "interactive",
+                "weight": args.victim_weight if name in VICTIMS else args.attacker_weight} for name in keys]
+    if args.block_share is not None:
+        for tenant in tenants:
+            tenant["max_blocks_share"] = args.block_share
     return {"engine": {"name": "primary", "url": engine_url}, "admission": {"safe_utilization": 0.85},
             "secret": "bench-fill-squeeze", "tenants": tenants}
 
@@ -69,7 +83,7 @@ def guard_config(engine_url: str, args: argparse.Namespace) -> dict:
 def attack_plan(args: argparse.Namespace) -> AttackPlan:
     return AttackPlan(probe_interval_s=args.probe_interval, long_max_tokens=args.long_max_tokens,
                       max_longs=args.max_longs, micro_rate=args.micro_rate,
-                      micro_max_tokens=args.micro_max_tokens)
+                      micro_max_tokens=args.micro_max_tokens, probe_jitter=args.probe_jitter)
 
 
 async def wait_idle(session: aiohttp.ClientSession, engine_url: str, timeout: float = 60.0) -> dict:
@@ -91,7 +105,7 @@ async def run_scenario(target: Target, engine_url: str, guard_url: str | None,
     samples: list[Sample] = []
     victims: list[VictimRequest] = []
     stop = asyncio.Event()
-    sampler = asyncio.create_task(sample_until(stop, engine_url, guard_url, ATTACKER, samples))
+    sampler = asyncio.create_task(sample_until(stop, engine_url, guard_url, attackers(args), samples))
     # No connection cap on the clients' side: it would be a queue of its own, in front of the one under test.
     async with aiohttp.ClientSession() as control, \
             aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as victim_session, \
@@ -104,7 +118,7 @@ async def run_scenario(target: Target, engine_url: str, guard_url: str | None,
             victim_traffic(victim_session, target, load, args.seed, origin, end, victims))
         await asyncio.sleep(max(0.0, attack_start - time.monotonic()))
         at_attack = await telemetry(control, engine_url)
-        attacker = Attacker(attack_plan(args), attacker_session, target, ATTACKER, args.seed)
+        attacker = Attacker(attack_plan(args), attacker_session, target, attackers(args), args.seed)
         await attacker.run(end)  # and hangs up on its own requests when the attack phase ends
         tasks = await schedule
         if pending := [task for task in tasks if not task.done()]:
@@ -152,10 +166,11 @@ async def warm_up(target: Target, engine_url: str) -> None:
 
 
 def detector_log(guard: Service) -> list[str]:
-    """The guard's own account of the attacker's transitions, with their evidence (guard/detect/detector.py)."""
+    """The guard's own account of every tenant's transitions, with their evidence (guard/detect/detector.py):
+    the attacker's keys, and any victim's (there should be none)."""
     lines = guard.log.read_text(errors="replace").splitlines()
     return [line.split("guard.detect.detector", 1)[-1].strip(" :-") for line in lines
-            if f"tenant {ATTACKER}:" in line]
+            if "guard.detect.detector" in line]
 
 
 def command() -> str:
@@ -167,13 +182,13 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict:
     engine_flags = ["--model", "tiny", "--device", "cpu", "--num-blocks", str(args.num_blocks)]
     engine = start_engine(workdir, engine_flags)
     try:
-        direct = engine_target(engine.url, [*VICTIMS, ATTACKER])
+        direct = engine_target(engine.url, [*VICTIMS, *attackers(args)])
         await warm_up(direct, engine.url)
         unguarded = await run_scenario(direct, engine.url, None, args)
         config = guard_config(engine.url, args)
         guard = start_guard(workdir, config)
         try:
-            via_guard = guard_target(guard.url, KEYS)
+            via_guard = guard_target(guard.url, api_keys(args))
             await warm_up(via_guard, engine.url)
             guarded = await run_scenario(via_guard, engine.url, guard.url, args)
         finally:
@@ -193,7 +208,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict:
         "guard_config": {**config, "engine": {"name": "primary", "url": "(the engine above)"}},
         "victims": {"tenants": list(VICTIMS), "rate_per_s_each": args.victim_rate,
                     "max_tokens": args.victim_max_tokens, "streamed": True, "ignore_eos": True},
-        "attack_plan": asdict(attack_plan(args)),
+        "attack_plan": {**asdict(attack_plan(args)), "keys": attackers(args)},
         "phases_s": {"baseline": args.baseline, "attack": args.attack, "drain": args.drain},
         "targets": figures.TARGETS,
         "runs": {"unguarded": unguarded, "guarded": guarded},
@@ -220,8 +235,12 @@ def main() -> None:
     parser.add_argument("--micro-max-tokens", type=int, default=DEFAULT_PLAN.micro_max_tokens)
     parser.add_argument("--victim-weight", type=float, default=2.0)
     parser.add_argument("--attacker-weight", type=float, default=1.0)
-    parser.add_argument("--block-share", type=float, default=0.5,
-                        help="max_blocks_share of every tenant in the guard (the same for all)")
+    parser.add_argument("--block-share", type=float, default=None,
+                        help="max_blocks_share of every tenant in the guard (the same for all; default: none, "
+                        "the guard's default)")
+    parser.add_argument("--keys", type=int, default=1, help="API keys the attacker spreads its moves over")
+    parser.add_argument("--probe-jitter", type=float, default=DEFAULT_PLAN.probe_jitter,
+                        help="0..1: each probe interval drawn from probe-interval * (1 +- this)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.quick:

@@ -17,8 +17,9 @@ from bench.attacks.timeline import Sample
 from bench.attacks.victims import VictimRequest
 from bench.latency import summarize
 
-TARGETS = {"unguarded_mean_ttft_ratio_min": 5.0, "guarded_p99_ttft_ratio_max": 1.5,
-           "guarded_preemptions_share_max": 0.10, "confirmed_within_s": 10.0}
+# Issue 16's acceptance (the default config, no max_blocks_share): p99 at most 2x, with 1.5x as the goal.
+TARGETS = {"unguarded_mean_ttft_ratio_min": 5.0, "guarded_p99_ttft_ratio_max": 2.0,
+           "guarded_p99_ttft_ratio_goal": 1.5, "guarded_preemptions_share_max": 0.10, "confirmed_within_s": 10.0}
 
 
 def victim_summary(victims: list[VictimRequest], start: float, end: float, cut: float) -> dict:
@@ -39,8 +40,9 @@ def longest_gap(samples: list[Sample], start: float, end: float) -> float | None
 
 
 def detection(samples: list[Sample], fill_start: float | None, origin: float) -> dict:
-    """When the scrapes first showed the attacker ``suspect`` and ``confirmed``: seconds after the fill
-    began (the attacker's first long request), and since the run began."""
+    """When the scrapes first showed the attacker ``suspect`` and ``confirmed`` (every key of it): seconds
+    after the fill began (the attacker's first long request), and since the run began; and whether any
+    victim was ever anything but ``normal``."""
     first = {level: next((s.at for s in samples if s.state is not None and s.state >= level), None)
              for level in (1, 2)}
 
@@ -48,7 +50,8 @@ def detection(samples: list[Sample], fill_start: float | None, origin: float) ->
         return None if t is None or start is None else round(t - start, 3)
 
     return {"suspect_after_fill_s": after(first[1], fill_start),
-            "confirmed_after_fill_s": after(first[2], fill_start), "confirmed_at_s": after(first[2], origin)}
+            "confirmed_after_fill_s": after(first[2], fill_start), "confirmed_at_s": after(first[2], origin),
+            "victims_flagged": any(s.victims_state for s in samples)}
 
 
 def ttft_ratios(run: dict) -> dict[str, float | None]:
@@ -70,6 +73,7 @@ def verdicts(unguarded: dict, guarded: dict) -> dict[str, bool]:
         "guarded_preemptions_share": share <= TARGETS["guarded_preemptions_share_max"],
         "confirmed_within_10_s": _at_most(guarded["detection"]["confirmed_after_fill_s"],
                                           TARGETS["confirmed_within_s"]),
+        "victims_never_flagged": not guarded["detection"]["victims_flagged"],
     }
 
 
@@ -106,14 +110,16 @@ def verdict_lines(report: dict) -> list[str]:
          f"{unguarded['engine_preemptions']['baseline']} in the baseline, "
          f"{unguarded['engine_preemptions']['attack']} in the attack "
          f"{_mark(ok['unguarded_preemptions_climb'])}"),
-        (f"guarded: victim p99 TTFT {_x(guarded['ttft_ratios']['p99'])} its baseline (target <= 1.5x) "
+        (f"guarded: victim p99 TTFT {_x(guarded['ttft_ratios']['p99'])} its baseline (target <= 2x, goal "
+         f"<= 1.5x) "
          f"{_mark(ok['guarded_p99_ttft_ratio'])}; engine preemptions "
          f"{guarded['engine_preemptions']['attack']} vs "
          f"{unguarded['engine_preemptions']['attack']} unguarded (target <= 10%) "
          f"{_mark(ok['guarded_preemptions_share'])}"),
-        (f"detection: suspect {_s(found['suspect_after_fill_s'])}, confirmed "
+        (f"detection: suspect {_s(found['suspect_after_fill_s'])}, confirmed (every key) "
          f"{_s(found['confirmed_after_fill_s'])} after the fill began (target <= 10 s) "
-         f"{_mark(ok['confirmed_within_10_s'])}"),
+         f"{_mark(ok['confirmed_within_10_s'])}; victims flagged: "
+         f"{'yes' if found['victims_flagged'] else 'never'} {_mark(ok['victims_never_flagged'])}"),
     ]
 
 

@@ -2,7 +2,10 @@
 
 Each sample reads the engine's ``/telemetry`` (free blocks, preemptions, the attacker's blocks) and, when a
 guard is in front, its ``/metrics`` (the attacker's Fill-and-Squeeze state and suspicion, its reserved
-blocks, the guard's queues), as an operator's scraper would: the harness never looks inside either process.
+blocks, the guard's queues, and the highest state any victim reached), as an operator's scraper would: the
+harness never looks inside either process. An attacker with several keys is summed over its keys (blocks,
+queues) or read at its least flagged key (state, suspicion: "confirmed" once every key is), and each key's
+state is kept too.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ class Sample:
     attacker_reserved: float | None = None  # guard_reserved_blocks of the attacker
     attacker_queued: float | None = None  # guard_queue_depth of the attacker
     others_queued: float | None = None  # guard_queue_depth of every other tenant, summed
+    key_states: list[int] | None = None  # guard_fill_squeeze_state of each attacker key
+    victims_state: int | None = None  # the highest guard_fill_squeeze_state of any other tenant
 
     def as_row(self, origin: float) -> list:
         """The sample as a row of ``table``, its time in seconds since ``origin``."""
@@ -50,21 +55,25 @@ async def telemetry(session: aiohttp.ClientSession, engine_url: str) -> dict:
         return await answer.json()
 
 
-async def guard_readings(session: aiohttp.ClientSession, guard_url: str, tenant: str) -> dict[str, float]:
-    """``tenant``'s values of ``GUARD_GAUGES``, and ``others_queued``."""
+async def guard_readings(session: aiohttp.ClientSession, guard_url: str, attackers: list[str]) -> dict:
+    """The attacker keys' values of ``GUARD_GAUGES`` (name -> {key: value}), ``others_queued`` and
+    ``victims_state``."""
     async with session.get(guard_url + "/metrics") as answer:
         text = await answer.text()
-    readings = {"others_queued": 0.0}
+    readings: dict = {"others_queued": 0.0, "victims_state": 0}
     for family in text_string_to_metric_families(text):
         for sample in family.samples if family.name in GUARD_GAUGES else ():
-            if sample.labels.get("tenant") == tenant:
-                readings[sample.name] = sample.value
+            tenant = sample.labels.get("tenant")
+            if tenant in attackers:
+                readings.setdefault(sample.name, {})[tenant] = sample.value
             elif sample.name == "guard_queue_depth":
                 readings["others_queued"] += sample.value
+            elif sample.name == "guard_fill_squeeze_state":
+                readings["victims_state"] = max(readings["victims_state"], int(sample.value))
     return readings
 
 
-async def sample_until(stop: asyncio.Event, engine_url: str, guard_url: str | None, attacker: str,
+async def sample_until(stop: asyncio.Event, engine_url: str, guard_url: str | None, attackers: list[str],
                        samples: list[Sample]) -> None:
     """Append a sample every ``INTERVAL_S`` until ``stop`` is set (a failed read skips that tick)."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as session:
@@ -72,23 +81,34 @@ async def sample_until(stop: asyncio.Event, engine_url: str, guard_url: str | No
         while not stop.is_set():
             try:
                 snap = await telemetry(session, engine_url)
-                guard = await guard_readings(session, guard_url, attacker) if guard_url else {}
+                guard = await guard_readings(session, guard_url, attackers) if guard_url else {}
             except (aiohttp.ClientError, TimeoutError, ValueError):
                 snap = None
             if snap is not None:
-                state = guard.get("guard_fill_squeeze_state")
+                states = guard.get("guard_fill_squeeze_state", {})
                 samples.append(Sample(
                     at=time.monotonic(), reclaimable_blocks=snap["free_blocks"] + snap["cached_blocks"],
                     num_blocks=snap["num_blocks"],
                     preemptions_total=snap["preemptions_total"], num_running=snap["num_running"],
                     num_waiting=snap["num_waiting"],
-                    attacker_blocks=snap["tenants"].get(attacker, {}).get("blocks", 0),
-                    state=None if state is None else int(state),
-                    suspicion=guard.get("guard_fill_squeeze_suspicion"),
-                    attacker_reserved=guard.get("guard_reserved_blocks"),
-                    attacker_queued=guard.get("guard_queue_depth"), others_queued=guard.get("others_queued")))
+                    attacker_blocks=sum(snap["tenants"].get(key, {}).get("blocks", 0) for key in attackers),
+                    state=int(min(states.values())) if states else None,
+                    suspicion=_least(guard.get("guard_fill_squeeze_suspicion")),
+                    attacker_reserved=_total(guard.get("guard_reserved_blocks")),
+                    attacker_queued=_total(guard.get("guard_queue_depth")),
+                    others_queued=guard.get("others_queued"),
+                    key_states=[int(states[key]) for key in attackers if key in states] or None,
+                    victims_state=guard.get("victims_state")))
             tick += INTERVAL_S
             try:
                 await asyncio.wait_for(stop.wait(), max(0.0, tick - time.monotonic()))
             except TimeoutError:
                 pass
+
+
+def _least(by_key: dict[str, float] | None) -> float | None:
+    return min(by_key.values()) if by_key else None
+
+
+def _total(by_key: dict[str, float] | None) -> float | None:
+    return sum(by_key.values()) if by_key else None

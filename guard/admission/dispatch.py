@@ -8,6 +8,17 @@ tenant at its own block cap is passed over (its limit, not the pool's), but when
 tenant's next request fits no replica, admission stops there, so big requests are not starved by small
 ones. ``finish`` releases exactly once, however the request ended.
 
+Guaranteed shares and borrowing (the default, attack-safe without any ``max_blocks_share``): each tenant is
+guaranteed ``weight / total weight`` of the pool's budget. What a ticket reserves beyond its tenant's
+guarantee is *borrowed* from idle capacity: it must fit the gate whole, it runs at a lower engine priority
+(``BORROWED_PRIORITY``, so the engine preempts borrowers first), and a borrowing ticket that does not fit is
+passed over like a capped one, never holding up a tenant within its guarantee. A ticket within its
+guarantee reclaims borrowed blocks (guard/admission/gate.py). A tenant alone may borrow the whole budget.
+
+``revoke`` takes the pool back from a tenant at once (a confirmed attacker): its admitted tickets are told
+why through ``Ticket.on_revoke``, which ends their upstream requests; their reservations are released as
+they end, as any other's.
+
 Invariant: a ticket is in exactly one state: queued (in the fair queue, no reservation), admitted (a
 reservation on exactly one replica, ``ticket.replica``, not queued) or done (neither).
 
@@ -23,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from guard.admission.fairness import FairQueue, TenantQueue
@@ -56,6 +68,11 @@ class Ticket:
     admitted: asyncio.Future[None] | None = None
     replica: Replica | None = None  # where the reservation is (was, once done)
     hit_blocks: int = 0  # leading prompt blocks the replica it went to caches, as its index predicted
+    borrowed: int = 0  # of ``blocks``, those beyond the tenant's guaranteed share (see the module docstring)
+    # Set by whoever runs the admitted request: ends it, with the reason its client is to be told.
+    on_revoke: Callable[[GuardError], None] | None = None
+    revoked: GuardError | None = None  # why the guard took its blocks back, once it did
+    output_tokens: int = 0  # what it generated, once it ended
 
 
 class Dispatcher:
@@ -67,6 +84,8 @@ class Dispatcher:
         self.closed: GuardError | None = None  # set by reject_all: what every later submit gets
         self.fair: FairQueue[Ticket] = FairQueue()
         self.retired: set[str] = set()  # tenants a reload removed that still have a queue here
+        self.running: dict[str, set[Ticket]] = {}  # tenant -> its admitted tickets, for revoke
+        self.total_weight = sum(tenant.weight for tenant in config.tenants)  # of the running config's tenants
         for tenant in config.tenants:
             self.fair.tenant(tenant.name, tenant.weight)
 
@@ -74,6 +93,7 @@ class Dispatcher:
         """Take a reloaded configuration: a new tenant gets a queue, a kept one its new weight (for service
         from now on: its counter keeps what it was charged), a removed one is retired."""
         self.config = config
+        self.total_weight = sum(tenant.weight for tenant in config.tenants)
         for tenant in config.tenants:
             self.fair.tenant(tenant.name, tenant.weight).weight = tenant.weight
         self.retired = set(self.fair.tenants) - {t.name for t in config.tenants}
@@ -104,7 +124,7 @@ class Dispatcher:
         if self.closed is not None:
             raise self.closed
         queue = self.queue_of(ticket.tenant)
-        if not self.fair.queued and self._within_cap(queue, ticket) and self._place(queue, ticket):
+        if not self.fair.queued and self._within_cap(queue, ticket) and await self._place_now(queue, ticket):
             self._admitted(queue, ticket)  # nobody waits, so VTC order has nothing to say: no queue, no future
             return
         ahead = self.blocks_ahead_of(ticket) + ticket.blocks
@@ -148,18 +168,40 @@ class Dispatcher:
                 capped.add(queue.name)
                 continue
             if not self._place(queue, ticket):
+                if ticket.borrowed:  # idle capacity it would borrow is not there: others' turn
+                    capped.add(queue.name)
+                    continue
                 return
             self.fair.pop(queue)
             self._admitted(queue, ticket)
 
+    async def _place_now(self, queue: TenantQueue[Ticket], ticket: Ticket) -> bool:
+        """``_place`` for a ticket that nobody queues before (a dispatcher whose placement asks elsewhere
+        overrides this)."""
+        return self._place(queue, ticket)
+
     def _place(self, queue: TenantQueue[Ticket], ticket: Ticket) -> bool:
-        """Reserve the ticket's blocks on the first replica, in the picker's order, whose gate admits them."""
+        """Reserve the ticket's blocks on the first replica, in the picker's order, whose gate admits them;
+        ``ticket.borrowed`` says how many of them are (or would be) borrowed."""
+        ticket.borrowed = self._borrowed(ticket.tenant, ticket.blocks)
         for replica, hit_blocks in self.picker.rank(self.pool.replicas, ticket.blocks, ticket.hashes):
-            if replica.gate.try_reserve(ticket.request_id, queue.name, ticket.blocks):
+            if replica.gate.try_reserve(ticket.request_id, queue.name, ticket.blocks, ticket.borrowed):
                 ticket.replica, ticket.hit_blocks = replica, hit_blocks
                 replica.in_flight += 1
                 return True
         return False
+
+    def guarantee(self, tenant: Tenant) -> int:
+        """Blocks the tenant is guaranteed: its weighted share of the pool's budget (0 once a reload removed
+        it: whatever it still runs is borrowed)."""
+        if tenant.name in self.retired or not self.total_weight:
+            return 0
+        return int(tenant.weight / self.total_weight * self.pool.budget())
+
+    def _borrowed(self, tenant: Tenant, blocks: int) -> int:
+        """Of ``blocks`` more for the tenant, those past its guarantee."""
+        room = max(0, self.guarantee(tenant) - self.pool.tenant_guaranteed(tenant.name))
+        return max(0, blocks - room)
 
     def _within_cap(self, queue: TenantQueue[Ticket], ticket: Ticket) -> bool:
         """The tenant's reservations may grow by this ticket (one request alone is always within its cap)."""
@@ -171,6 +213,7 @@ class Dispatcher:
         """The ticket's reservation is committed: charge its input and wake its request."""
         self.fair.charge(queue, input_tokens=ticket.prompt_tokens)
         ticket.state = TicketState.ADMITTED
+        self.running.setdefault(queue.name, set()).add(ticket)
         if ticket.admitted is not None:  # None while submit is admitting it itself
             ticket.admitted.set_result(None)
 
@@ -179,12 +222,16 @@ class Dispatcher:
         replica, if that replica has room; False leaves the ticket as it was."""
         if ticket.state is not TicketState.ADMITTED or ticket.replica is None:
             return False
-        if not ticket.replica.gate.try_grow(ticket.request_id, blocks - ticket.blocks):
+        more = blocks - ticket.blocks
+        borrowed = self._borrowed(ticket.tenant, more)
+        if not ticket.replica.gate.try_grow(ticket.request_id, more, borrowed):
             return False
         ticket.blocks, ticket.max_tokens = blocks, max_tokens
+        ticket.borrowed += borrowed
         return True
 
     def charge_output(self, ticket: Ticket, output_tokens: int) -> None:
+        ticket.output_tokens = output_tokens
         self.fair.charge(self.queue_of(ticket.tenant), output_tokens=output_tokens)
 
     def finish(self, ticket: Ticket) -> None:
@@ -195,6 +242,10 @@ class Dispatcher:
             assert ticket.replica is not None  # set with the reservation
             ticket.replica.gate.release(ticket.request_id)
             ticket.replica.in_flight -= 1
+            running = self.running[ticket.tenant.name]
+            running.discard(ticket)
+            if not running:
+                del self.running[ticket.tenant.name]
             self.pump()
         ticket.state = TicketState.DONE
         if self.retired:
@@ -231,6 +282,16 @@ class Dispatcher:
             ticket.admitted.set_exception(reason)
             rejected += 1
         return rejected
+
+    def revoke(self, tenant: str, reason: GuardError) -> int:
+        """End the tenant's admitted requests with ``reason`` (each releases its reservation as it ends);
+        returns how many were told."""
+        tickets = list(self.running.get(tenant, ()))
+        for ticket in tickets:
+            ticket.revoked = reason
+            if ticket.on_revoke is not None:
+                ticket.on_revoke(reason)
+        return len(tickets)
 
     def _dequeue(self, ticket: Ticket) -> None:
         if ticket.state is TicketState.QUEUED and self.fair.remove(self.queue_of(ticket.tenant),

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -47,6 +47,9 @@ class FairQueue(Generic[Item]):
     def __init__(self) -> None:
         self.tenants: dict[str, TenantQueue[Item]] = {}
         self.queued = 0  # items queued over all tenants
+        # Told (tenant, +1 or -1) of every item queued and unqueued: guards that share state keep a global
+        # backlog with it (guard/admission/shared_dispatch.py).
+        self.on_backlog: Callable[[str, int], None] | None = None
         # Weighted service per whole second of the clock, (second, {tenant: service / weight}), over the last
         # JAIN_WINDOW_S: one entry per second, not per charge, so a busy guard's window stays small.
         self._service_log: deque[tuple[int, dict[str, float]]] = deque()
@@ -75,6 +78,8 @@ class FairQueue(Generic[Item]):
         tenant.lanes.setdefault(lane_priority, deque()).append(item)
         tenant.queued += 1
         self.queued += 1
+        if self.on_backlog is not None:
+            self.on_backlog(tenant.name, 1)
 
     def remove(self, tenant: TenantQueue[Item], lane_priority: int, item: Item) -> bool:
         """Drop a queued item (its client left, or its deadline passed). False if it was not queued."""
@@ -84,6 +89,8 @@ class FairQueue(Generic[Item]):
         lane.remove(item)
         tenant.queued -= 1
         self.queued -= 1
+        if self.on_backlog is not None:
+            self.on_backlog(tenant.name, -1)
         return True
 
     def next_tenant(self, skip: set[str] | frozenset[str] = frozenset()) -> TenantQueue[Item] | None:
@@ -95,6 +102,8 @@ class FairQueue(Generic[Item]):
             if tenant.lanes[priority]:
                 tenant.queued -= 1
                 self.queued -= 1
+                if self.on_backlog is not None:
+                    self.on_backlog(tenant.name, -1)
                 return tenant.lanes[priority].popleft()
         raise IndexError(f"tenant {tenant.name!r} has nothing queued")
 

@@ -8,7 +8,17 @@ sequence plus the output blocks of each extra one (``n > 1`` shares the prompt).
 where ``reserved`` sums the reservations of everything the guard has admitted (each an upper bound on what
 the request can hold in the engine) and ``other`` is what the engine holds for traffic that did not come
 through the guard (engine used blocks minus those of the guard's tenants). So the engine's own queue stays
-short and it never has to preempt. ``threshold`` is ``safe_utilization`` while the gate is open; once a
+short and it never has to preempt.
+
+Part of a reservation may be *borrowed*: the blocks beyond its tenant's guaranteed share, lent out of idle
+capacity (the dispatcher says how many, guard/admission/dispatch.py). A reservation that borrows must fit
+the rule above whole. One that borrows nothing is within its tenant's guarantee, and borrowed blocks do not
+stand in its way under the threshold: it fits when ``other + (reserved - borrowed) + request`` does and
+everything reserved still fits the engine's whole pool (``other + reserved + request <= num_blocks``). So a
+tenant waiting for its share reclaims the headroom the threshold keeps instead of queueing behind the
+borrowers, and no reservation is ever made that the engine could not hold. Guaranteed reservations alone
+never pass the threshold. Requests that borrow run at a lower engine priority (``BORROWED_PRIORITY``): if
+the engine does run short (an output that outgrows its predicted reservation), it preempts them first. ``threshold`` is ``safe_utilization`` while the gate is open; once a
 request does not fit, the gate closes and reopens only below ``resume_utilization`` (hysteresis), so that a
 pool hovering at the edge is not refilled by a stream of small requests. Telemetry that is missing, stale or
 unhealthy counts as a full pool. A reservation is released exactly once, whatever ends the request.
@@ -45,6 +55,9 @@ from guard.config import Admission
 log = logging.getLogger("guard.admission.gate")
 
 DRAIN_WINDOW_S = 10.0
+# Added to the engine priority of a request that borrows (lower runs first): past every lane and the
+# suspects' last lane, so the engine preempts every borrower before anyone within its guarantee.
+BORROWED_PRIORITY = 100
 
 
 def blocks_for(block_size: int, prompt_tokens: int, max_tokens: int, n: int = 1) -> int:
@@ -65,6 +78,7 @@ class Reservation:
     key: str
     tenant: str
     blocks: int
+    borrowed: int = 0  # of ``blocks``, those beyond the tenant's guaranteed share
 
 
 class AdmissionGate:
@@ -76,9 +90,14 @@ class AdmissionGate:
         self.heard_at = 0.0  # when the engine's telemetry last said anything (a snapshot or a busy heartbeat)
         self.step_started: float | None = None  # when the step busy heartbeats report started; None between
         self.open = True
+        # Of the room under each limit, the part this guard may commit alone: 1, unless guards that share
+        # state (guard/state/) lost it and each must keep to its share of every engine.
+        self.share = 1.0
         self.reservations: dict[str, Reservation] = {}
         self.reserved_by_tenant: dict[str, int] = {}
         self.reserved = 0  # the sum of reserved_by_tenant
+        self.borrowed_by_tenant: dict[str, int] = {}
+        self.borrowed = 0  # the sum of borrowed_by_tenant: reclaimable by reservations within a guarantee
         self.outside = 0  # blocks the last snapshot shows held by traffic that did not come through the guard
         # Blocks released per whole second of the clock, [second, blocks], over the last DRAIN_WINDOW_S: one
         # entry per second however many requests end in it (an entry per release made the window hold 20k
@@ -143,52 +162,78 @@ class AdmissionGate:
         return self.outside + self.reserved
 
     # -- reservations ----------------------------------------------------------------------------------
-    def fits(self, blocks: int) -> bool:
-        """Room for ``blocks`` more under the gate's current threshold (telemetry assumed usable)."""
+    def fits(self, blocks: int, borrowed: int = 0) -> bool:
+        """Room for ``blocks`` more, ``borrowed`` of them beyond their tenant's guarantee, under the gate's
+        current threshold (telemetry assumed usable)."""
+        assert self.snapshot is not None
+        threshold_room, pool_room = self.rooms()
+        if borrowed:
+            return self.reserved + blocks <= self.share * threshold_room
+        # Within a guarantee, what others borrowed is reclaimable up to the engine's whole pool.
+        return (self.reserved - self.borrowed + blocks <= self.share * threshold_room
+                and self.reserved + blocks <= self.share * pool_room)
+
+    def rooms(self) -> tuple[int, int]:
+        """What the guard's reservations may sum to: under the current threshold, and in the whole pool
+        (each less the blocks held by traffic from outside the guard). Telemetry assumed usable."""
         assert self.snapshot is not None
         share = self.config.safe_utilization if self.open else self.config.resume
-        return self.committed() + blocks <= int(share * self.snapshot.num_blocks)
+        num_blocks = self.snapshot.num_blocks
+        return int(share * num_blocks) - self.outside, num_blocks - self.outside
 
-    def try_reserve(self, key: str, tenant: str, blocks: int) -> bool:
+    def try_reserve(self, key: str, tenant: str, blocks: int, borrowed: int = 0) -> bool:
         """Commit ``blocks`` for request ``key`` if the pool allows; closes the gate when it does not."""
         if key in self.reservations:
             raise ValueError(f"reservation {key!r} already exists")
         if not self.usable:
             return False  # no news is not a full pool: the gate's hysteresis state stays as it was
-        if not self.fits(blocks):
+        if not self.fits(blocks, borrowed):
             self.open = False
             return False
         self.open = True
-        self.reservations[key] = Reservation(key, tenant, blocks)
-        self.reserved_by_tenant[tenant] = self.reserved_by_tenant.get(tenant, 0) + blocks
-        self.reserved += blocks
+        self.record(key, tenant, blocks, borrowed)
         return True
 
-    def try_grow(self, key: str, blocks: int) -> bool:
-        """Add ``blocks`` to a running request's reservation if the pool has room under ``safe_utilization``.
-        The hysteresis threshold does not apply: the request runs already, and what it cannot reserve it
-        takes from the engine anyway (growing late is better than not at all). False leaves it as it was."""
+    def record(self, key: str, tenant: str, blocks: int, borrowed: int = 0) -> None:
+        """Account a reservation that was decided elsewhere (the guards' shared ledger, guard/state/)."""
+        if key in self.reservations:
+            raise ValueError(f"reservation {key!r} already exists")
+        self.reservations[key] = reservation = Reservation(key, tenant, 0)
+        self._add(reservation, blocks, borrowed)
+
+    def try_grow(self, key: str, blocks: int, borrowed: int = 0) -> bool:
+        """Add ``blocks`` (``borrowed`` of them beyond the tenant's guarantee) to a running request's
+        reservation if the pool has idle room under ``safe_utilization``. The hysteresis threshold does not
+        apply: the request runs already, and what it cannot reserve it takes from the engine anyway (growing
+        late is better than not at all). False leaves it as it was."""
         reservation = self.reservations.get(key)
         if reservation is None or not self.usable or self.snapshot is None:
             return False
         if self.committed() + blocks > int(self.config.safe_utilization * self.snapshot.num_blocks):
             return False
-        reservation.blocks += blocks
-        self.reserved_by_tenant[reservation.tenant] += blocks
-        self.reserved += blocks
+        self._add(reservation, blocks, borrowed)
         return True
+
+    def _add(self, reservation: Reservation, blocks: int, borrowed: int) -> None:
+        tenant = reservation.tenant
+        reservation.blocks += blocks
+        reservation.borrowed += borrowed
+        self.reserved_by_tenant[tenant] = self.reserved_by_tenant.get(tenant, 0) + blocks
+        self.reserved += blocks
+        if borrowed:
+            self.borrowed_by_tenant[tenant] = self.borrowed_by_tenant.get(tenant, 0) + borrowed
+            self.borrowed += borrowed
 
     def release(self, key: str) -> bool:
         """Give a reservation back; idempotent (False when there was nothing to release)."""
         reservation = self.reservations.pop(key, None)
         if reservation is None:
             return False
-        left = self.reserved_by_tenant[reservation.tenant] - reservation.blocks
-        if left:
-            self.reserved_by_tenant[reservation.tenant] = left
-        else:
-            del self.reserved_by_tenant[reservation.tenant]
+        _take(self.reserved_by_tenant, reservation.tenant, reservation.blocks)
         self.reserved -= reservation.blocks
+        if reservation.borrowed:
+            _take(self.borrowed_by_tenant, reservation.tenant, reservation.borrowed)
+            self.borrowed -= reservation.borrowed
         second = int(time.monotonic())
         if self._releases and self._releases[-1][0] == second:
             self._releases[-1][1] += reservation.blocks
@@ -200,6 +245,9 @@ class AdmissionGate:
     def tenant_reserved(self, tenant: str) -> int:
         return self.reserved_by_tenant.get(tenant, 0)
 
+    def tenant_borrowed(self, tenant: str) -> int:
+        return self.borrowed_by_tenant.get(tenant, 0)
+
     def drain_rate(self) -> float:
         """Blocks released per second over the last ``DRAIN_WINDOW_S``, to the second (0 when nothing was)."""
         now = time.monotonic()
@@ -208,3 +256,12 @@ class AdmissionGate:
         # Until a whole window has passed, divide by the time observed, not by the window.
         span = min(DRAIN_WINDOW_S, max(now - self._started, 1.0))
         return self._released_blocks / span
+
+
+def _take(counts: dict[str, int], tenant: str, blocks: int) -> None:
+    """Subtract from a tenant's count, dropping the entry at 0 (a dict of tenants holding something)."""
+    left = counts[tenant] - blocks
+    if left:
+        counts[tenant] = left
+    else:
+        del counts[tenant]

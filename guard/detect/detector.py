@@ -12,16 +12,22 @@ its probes read as "full". Each phase leaves a trace the guard can see:
   its own requests wait for more (1 at twice its share);
 - ``switch``: long generations held, then a burst of short requests at the edge: the pool's (little of it
   uncommitted), or the tenant's own (its requests wait in the guard's queue);
-- ``victims``: other tenants get preempted while this tenant holds a large part of the pool.
+- ``victims``: other tenants get preempted while this tenant holds a large part of the pool;
+- ``coordination``: its probing or its fill began in the same seconds as another tenant's, which is still
+  at it too: one attacker behind several keys (guard/detect/coordination.py). Every key involved gets it.
 
-``suspicion = min(1, 0.3 probe + 0.3 share + 0.3 switch + 0.2 victims)``: no single signal reaches
-``suspect`` (0.5) on its own, so a bursty chat, a long-document tenant or a chatty agent stay ``normal``;
-the combination of phases does. States move up when the score crosses a threshold and down only after it
-stays low for a while::
+``suspicion = min(1, 0.3 probe + 0.3 share + 0.3 switch + 0.2 victims + 0.2 coordination)``: no single
+signal reaches ``suspect`` (0.5) on its own, so a bursty chat, a long-document tenant or a chatty agent
+stay ``normal``; the combination of phases does. States move up when the score crosses a threshold and down
+only after it stays low for a while::
 
     normal --(>= 0.5)--> suspect --(>= 0.75)--> confirmed
-       ^   (< 0.3 for 10 s)  |  ^  (< 0.4 for 30 s)  |
-       +---------------------+  +--------------------+
+       ^   (< 0.3 for 10 s)  |  ^  (< 0.4 for 30 s, the pattern stopped)  |
+       +---------------------+  +-----------------------------------------+
+
+A confirmed tenant is refused, so it soon holds nothing and its score falls to what its probes alone give;
+it stays confirmed while it keeps up the pattern (probes or short requests at 0.5/s, or long ones, within
+the window) and is forgiven only once it has stopped for the clear time.
 
 Escalation by state: ``suspect`` clamps ``max_tokens``, caps the tenant's reserved blocks and lowers its
 priority; ``confirmed`` rejects with 429 ``abuse_suspected``.
@@ -37,6 +43,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.protocol import TelemetrySnapshot
+from guard.detect.coordination import Onsets, coordination
 
 log = logging.getLogger("guard.detect.detector")
 
@@ -51,6 +58,7 @@ STATES = ("normal", "suspect", "confirmed")
 SUSPECT_AT, CONFIRM_AT = 0.5, 0.75
 CLEAR_SUSPECT_BELOW, CLEAR_SUSPECT_AFTER_S = 0.3, 10.0
 CLEAR_CONFIRMED_BELOW, CLEAR_CONFIRMED_AFTER_S = 0.4, 30.0
+PATTERN_MIN_REQUESTS = 5  # probes or short requests in the window that keep a confirmed tenant confirmed
 TRANSITIONS_KEPT = 256  # the newest state changes with their evidence, for reports and tests; older ones go
 
 
@@ -69,6 +77,8 @@ class TenantSignals:
     state: str = "normal"
     score: float = 0.0
     low_since: float | None = None  # when the score last dropped below the current state's clear level
+    onsets: Onsets = field(default_factory=Onsets)  # when its probing and its fill began, for coordination
+    adopted: bool = False  # confirmed on another guard's verdict (guard/state/verdicts.py), not this one's
     evidence: dict[str, float] = field(default_factory=dict)
 
 
@@ -99,10 +109,12 @@ class Detector:
         now = now if now is not None else time.monotonic()
         if max_tokens >= LONG_MAX_TOKENS:
             signals.last_long = now
+            signals.onsets.saw("fill", now, WINDOW_S)
             return
         signals.shorts.append(now)
         if max_tokens <= PROBE_MAX_TOKENS:
             signals.probes.append(now)
+            signals.onsets.saw("probe", now, WINDOW_S)
 
     def on_telemetry(self, snapshot: TelemetrySnapshot, now: float | None = None) -> None:
         """Attribute new preemptions of each tenant to everyone else holding blocks at the time."""
@@ -123,6 +135,7 @@ class Detector:
         """Recompute every tenant's score and state; returns the transitions ``(tenant, from, to)``."""
         now = now if now is not None else time.monotonic()
         total_weight = sum(self.weights.values())
+        links = coordination({name: signals.onsets for name, signals in self.tenants.items()}, now, WINDOW_S)
         changes = []
         for name, signals in self.tenants.items():
             for events in (signals.probes, signals.shorts):
@@ -142,21 +155,37 @@ class Detector:
                 "share": min(1.0, max(0.0, held / fair - 1.0)) if fair and (others_wait or pressing) else 0.0,
                 "switch": _switch_signal(signals, held, budget, at_edge),
                 "victims": min(1.0, sum(c for _, c in signals.victim_events) / 5.0) if held > 0.3 * budget else 0.0,
+                "coordination": links.get(name, 0.0),
             }
             score = min(1.0, 0.3 * evidence["probe"] + 0.3 * evidence["share"] + 0.3 * evidence["switch"]
-                        + 0.2 * evidence["victims"])
+                        + 0.2 * evidence["victims"] + 0.2 * evidence["coordination"])
             signals.score, signals.evidence = score, evidence
-            new_state = self._next_state(signals, score, now)
+            persisting = (len(signals.shorts) >= PATTERN_MIN_REQUESTS or signals.last_long is not None)
+            new_state = self._next_state(signals, score, now, persisting)
             if new_state != signals.state:
                 changes.append((name, signals.state, new_state))
                 self.transitions.append((now, name, signals.state, new_state, evidence))
                 log.warning("tenant %s: %s -> %s (suspicion %.2f; evidence %s)", name, signals.state, new_state,
                             score, {k: round(v, 2) for k, v in evidence.items()})
-                signals.state, signals.low_since = new_state, None
+                signals.state, signals.low_since, signals.adopted = new_state, None, False
         return changes
 
+    def adopt(self, tenant: str, now: float | None = None) -> bool:
+        """Another guard confirmed ``tenant`` (guard/state/): it is confirmed here too, and comes down as if
+        confirmed here. False if it already was, or is no tenant of this guard."""
+        signals = self.tenants.get(tenant)
+        if signals is None or signals.state == "confirmed":
+            return False
+        now = now if now is not None else time.monotonic()
+        evidence = {"another_guard": 1.0}
+        self.transitions.append((now, tenant, signals.state, "confirmed", evidence))
+        log.warning("tenant %s: %s -> confirmed (confirmed by another guard)", tenant, signals.state)
+        signals.state, signals.low_since, signals.evidence, signals.adopted = "confirmed", None, evidence, True
+        return True
+
     @staticmethod
-    def _next_state(signals: TenantSignals, score: float, now: float) -> str:
+    def _next_state(signals: TenantSignals, score: float, now: float, persisting: bool) -> str:
+        """``persisting``: the tenant keeps sending what makes up the pattern (short or long requests)."""
         state = signals.state
         if score >= CONFIRM_AT and state != "confirmed":
             return "confirmed" if state == "suspect" else "suspect"
@@ -164,7 +193,7 @@ class Detector:
             return "suspect"
         clear_below, clear_after = ((CLEAR_CONFIRMED_BELOW, CLEAR_CONFIRMED_AFTER_S) if state == "confirmed"
                                     else (CLEAR_SUSPECT_BELOW, CLEAR_SUSPECT_AFTER_S))
-        if state == "normal" or score >= clear_below:
+        if state == "normal" or score >= clear_below or (state == "confirmed" and persisting):
             signals.low_since = None
             return state
         if signals.low_since is None:

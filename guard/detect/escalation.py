@@ -4,13 +4,18 @@ state): the one place where a verdict becomes a consequence.
 - ``normal``: nothing.
 - ``suspect``: its requests may generate ``SUSPECT_MAX_TOKENS`` at most and are served after every
   configured lane; its reservations may hold ``SUSPECT_BLOCK_SHARE`` of the budget at most.
-- ``confirmed``: its requests, queued or new, get 429 ``abuse_suspected``.
+- ``confirmed``: its requests, queued or new, get 429 ``abuse_suspected``, and those already running are
+  ended with that error (a stream with its error event): what they reserved goes back to the pool at once,
+  instead of when their long generations would have ended.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from guard.admission.dispatch import Dispatcher
 from guard.config import Lane, Tenant
+from guard.console.events import EventLog
 from guard.detect.detector import STATES, Detector
 from guard.errors import GuardError
 from guard.metrics import GuardMetrics
@@ -40,6 +45,7 @@ class Escalation:
         self.pool = pool
         self.metrics = metrics
         self.last_lane = after_every(lanes)
+        self.events = EventLog()  # the console's feed of detections (GuardState gives it the guard's own)
         self._publish()
 
     def reconfigure(self, weights: dict[str, float], lanes: dict[str, Lane]) -> None:
@@ -69,14 +75,27 @@ class Escalation:
         free_share = 1.0 - self.pool.committed() / num_blocks if num_blocks else 1.0
         waiting = {name for name, queue in self.dispatcher.fair.tenants.items() if len(queue)}
         for tenant, _, new in self.detector.evaluate(self.pool.reserved_by_tenant(), budget, waiting, free_share):
-            self.metrics.detections.labels(tenant, new).inc()
-            if new == "confirmed":  # what it had queued before is refused too, not only what comes next
-                self.dispatcher.reject_queued(tenant, abuse_refusal())
-            if new == "normal":
-                self.dispatcher.block_caps.pop(tenant, None)
-            else:
-                self.dispatcher.block_caps[tenant] = SUSPECT_BLOCK_SHARE
+            self._apply(tenant, new)
         self._publish()
+
+    def adopt(self, confirmed: Iterable[str]) -> None:
+        """Take the verdicts of other guards (guard/state/): these tenants stand confirmed there."""
+        for tenant in confirmed:
+            if self.detector.adopt(tenant):
+                self._apply(tenant, "confirmed")
+        self._publish()
+
+    def _apply(self, tenant: str, new: str) -> None:
+        """The consequences of the tenant's new state."""
+        self.metrics.detections.labels(tenant, new).inc()
+        self.events.record("detection", tenant=tenant, state=new)
+        if new == "confirmed":  # what it had queued or running before ends too, not only what comes next
+            self.dispatcher.reject_queued(tenant, abuse_refusal())
+            self.dispatcher.revoke(tenant, abuse_refusal())
+        if new == "normal":
+            self.dispatcher.block_caps.pop(tenant, None)
+        else:
+            self.dispatcher.block_caps[tenant] = SUSPECT_BLOCK_SHARE
 
     def _publish(self) -> None:
         """Every tenant's score and state as metrics (a series for each from the start)."""

@@ -15,9 +15,12 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from engine.protocol import StepProgress, TelemetrySnapshot
+from guard import tracing
 from guard.admission.dispatch import Dispatcher
 from guard.admission.gate import AdmissionGate
+from guard.admission.shared_dispatch import SharedDispatcher
 from guard.config import Backend, GuardConfig, config_hash
+from guard.console.app import install as install_console
 from guard.detect.detector import Detector
 from guard.detect.escalation import Escalation
 from guard.errors import GuardError
@@ -36,6 +39,8 @@ from guard.pool.replica import Replica
 from guard.pool.routing import CircuitBreaker, ModeMachine, Router
 from guard.pool.telemetry import TelemetrySubscriber
 from guard.runtime import CLIENTS, REQUEST_ID, STATE, TENANT, Clients, GuardState
+from guard.state.shared import SharedState
+from guard.state.verdicts import share_verdicts
 
 log = logging.getLogger("guard")
 
@@ -89,11 +94,15 @@ async def health(request: web.Request) -> web.Response:
 async def metrics_endpoint(request: web.Request) -> web.Response:
     state = request.app[STATE]
     m, pool = state.metrics, state.pool
-    for gauge in (m.queue_depth, m.reserved_blocks):
+    for gauge in (m.queue_depth, m.reserved_blocks, m.borrowed_blocks, m.guaranteed_blocks):
         gauge.clear()  # a tenant a reload removed leaves no series behind once its queue has gone
     for name, queue in state.dispatcher.fair.tenants.items():
         m.queue_depth.labels(name).set(len(queue))
-        m.reserved_blocks.labels(name).set(pool.tenant_reserved(name))
+        reserved = pool.tenant_reserved(name)
+        m.reserved_blocks.labels(name).set(reserved)
+        m.borrowed_blocks.labels(name).set(reserved - pool.tenant_guaranteed(name))
+    for tenant in state.config.tenants:
+        m.guaranteed_blocks.labels(tenant.name).set(state.dispatcher.guarantee(tenant))
     m.budget_blocks.set(pool.budget())
     m.jain.set(state.dispatcher.fair.jain_index())
     for replica in pool:
@@ -117,12 +126,13 @@ def create_app(config: GuardConfig) -> web.Application:
     metrics = GuardMetrics()
     metrics.show_config(config_hash(config))
     picker = Picker(routing.policy)
-    dispatcher = Dispatcher(config, pool, picker)
+    shared = SharedState(config.shared_state, metrics) if config.shared_state is not None else None
+    dispatcher = Dispatcher(config, pool, picker) if shared is None else SharedDispatcher(config, pool, picker, shared)
     metrics.service_tokens.read = lambda: {name: queue.service for name, queue in dispatcher.fair.tenants.items()}
     detector = Detector({t.name: t.weight for t in config.tenants})
     state = GuardState(config, KeyStore(config.tenants, config.secret), pool, picker, dispatcher, metrics,
                        ModeMachine(routing), Router(config.fallbacks, fallback_breakers), fallback_breakers,
-                       detector, Escalation(detector, dispatcher, pool, metrics, config.lanes))
+                       detector, Escalation(detector, dispatcher, pool, metrics, config.lanes), shared=shared)
     for replica in pool:  # every replica's series exist from the start, at 0
         for counter in (metrics.routed, metrics.prefix_predicted, metrics.prefix_reported_hits,
                         metrics.prefix_reported_queries):
@@ -141,12 +151,15 @@ def create_app(config: GuardConfig) -> web.Application:
     app.on_startup.append(_start)
     app.on_shutdown.append(_shutdown)
     app.on_cleanup.append(_cleanup)
+    if config.admin is not None:
+        install_console(app, config.admin)  # the admin listener starts and stops with the guard
     return app
 
 
 async def _start(app: web.Application) -> None:
     state = app[STATE]
     config = state.config
+    tracing.setup()  # only with OTEL_EXPORTER_OTLP_ENDPOINT set; in each process (after any fork)
     state.pool.start()
     # Far above anything the admission gate lets through, so the connector never becomes a second queue.
     connector = aiohttp.TCPConnector(limit=4096, limit_per_host=0, enable_cleanup_closed=True)
@@ -163,6 +176,13 @@ async def _start(app: web.Application) -> None:
             events = KVEventSubscriber(session, replica.url, replica.index, stale_s)
             clients.tasks.append(asyncio.create_task(events.run(), name=f"kv events {replica.name}"))
     clients.tasks.append(asyncio.create_task(monitor(state, session), name="monitor"))
+    if (shared := state.shared) is not None:
+        await shared.resync()  # join the other guards before the first request (alone if Redis is down)
+        assert isinstance(state.dispatcher, SharedDispatcher)
+        for work, name in ((shared.run(), "shared state lease"), (shared.deliver(), "shared state outbox"),
+                           (state.dispatcher.run(), "shared admission"),
+                           (share_verdicts(shared, state.escalation), "shared verdicts")):
+            clients.tasks.append(asyncio.create_task(work, name=name))
 
 
 def _telemetry_callbacks(state: GuardState, clients: Clients, replica: Replica):
@@ -209,8 +229,15 @@ async def _shutdown(app: web.Application) -> None:
 
 
 async def _cleanup(app: web.Application) -> None:
-    clients = app[CLIENTS]
+    clients, dispatcher = app[CLIENTS], app[STATE].dispatcher
+    if isinstance(dispatcher, SharedDispatcher):
+        dispatcher.stop()  # its loops end on their own, whatever a Redis call does with a cancellation
     for task in clients.tasks:
         task.cancel()
     await asyncio.gather(*clients.tasks, return_exceptions=True)
     await clients.session.close()
+    if (shared := app[STATE].shared) is not None:
+        await shared.close()
+    # The exporter's last batch goes out on its own thread: a collector that is slow to answer must not
+    # stall the event loop (nothing else runs on it any more, but the loop's shutdown waits for this).
+    await asyncio.to_thread(tracing.shutdown)

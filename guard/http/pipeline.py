@@ -11,6 +11,9 @@ that leaves all give the blocks back; so is a rate-limit charge settled, once, t
 (guard/admission/limits.py). A replica that cannot be reached before a single byte was sent to it
 (refused or unaccepted connection) has its circuit opened at once, and the request is admitted again on
 the replicas left; when none is left, it makes one attempt on the first usable fallback.
+
+Tracing (guard/tracing.py): with ``tracing.ENABLED``, the ``Exchange`` carries a ``GuardTrace`` and the
+stages store their timestamps in it; without, ``ex.trace`` is None and each stage's only cost is that test.
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
+from guard import tracing
 from guard.admission.dispatch import Ticket, TicketState
-from guard.admission.gate import batch_blocks_for
+from guard.admission.gate import BORROWED_PRIORITY, batch_blocks_for
 from guard.admission.limits import Charge
 from guard.config import Lane, Tenant
 from guard.errors import GuardError, Outcome
@@ -49,6 +53,16 @@ class Exchange:
     parsed: ParsedRequest | None = None  # once validated
     charge: Charge | None = None  # once charged to its tenant's rate limits (None: a tenant without any)
     outcome: Outcome = Outcome.CANCELLED  # until a stage knows better: a client that left ends here
+    trace: tracing.GuardTrace | None = None  # only while tracing is on
+    upstream: aiohttp.ClientResponse | None = None  # the answer being relayed, once the engine sent headers
+    revoked: GuardError | None = None  # why the guard took the request's blocks back, if it did
+
+    def revoke(self, reason: GuardError) -> None:
+        """The guard ends this admitted request (guard/admission/dispatch.py, ``revoke``): its upstream
+        request is dropped, and the client is told ``reason``."""
+        self.revoked = reason
+        if self.upstream is not None:
+            self.clients.relay.revoke(self.upstream, reason)
 
     def record(self) -> None:
         """The one place a request's outcome is counted."""
@@ -77,14 +91,32 @@ def authenticate(request: web.Request) -> Tenant:
 
 async def completion(request: web.Request) -> web.StreamResponse:
     ex = Exchange(request, request.app[STATE], request.app[CLIENTS], time.monotonic())
+    if tracing.ENABLED:
+        ex.trace = tracing.begin(request.headers, request.method, request.path, ex.arrived)
+    response: web.StreamResponse | None = None
     try:
-        return await serve(ex)
+        response = await serve(ex)
+        return response
     except GuardError as exc:
         ex.outcome = exc.outcome
-        return error_response(exc.status, exc.message, param=exc.param, code=exc.code, retry_after=exc.retry_after,
-                              headers=exc.headers)
+        response = error_response(exc.status, exc.message, param=exc.param, code=exc.code,
+                                  retry_after=exc.retry_after, headers=exc.headers)
+        return response
     finally:
         ex.record()
+        if ex.trace is not None:
+            end_trace(ex, response)
+
+
+def end_trace(ex: Exchange, response: web.StreamResponse | None) -> None:
+    """The request's last facts into its trace, which goes to the exporter (None: the client left)."""
+    trace = ex.trace
+    assert trace is not None
+    trace.status = response.status if response is not None else 499  # nginx's "client closed request"
+    trace.tenant = ex.tenant.name if ex.tenant is not None else "unknown"
+    trace.outcome = ex.outcome.value
+    trace.request_id = ex.request[REQUEST_ID]
+    tracing.finish(trace)
 
 
 async def serve(ex: Exchange) -> web.StreamResponse:
@@ -94,6 +126,8 @@ async def serve(ex: Exchange) -> web.StreamResponse:
     if request.headers.get("X-Stainless-Retry-Count", "0") not in ("", "0"):
         state.metrics.child(state.metrics.client_retries, tenant.name).inc()
     ex.parsed = await parse_request(request, state.config.limits.max_body_bytes)
+    if ex.trace is not None:
+        ex.trace.validated = time.monotonic()
     state.update_mode()  # arrivals move saturation between snapshots
     if state.modes.mode != "normal":  # in normal mode everything goes to the pool: nothing to decide
         route = state.router.route(state.modes.mode, ex.lane, state.over_share(tenant), state.pool.any_up())
@@ -117,6 +151,8 @@ async def serve_pool(ex: Exchange) -> web.StreamResponse:
     assert tenant is not None and ex.lane is not None and parsed is not None  # set by the stages before
     pool, metrics = state.pool, state.metrics
     await pool.wait_while_starting()  # a guard that just started may not have heard from its engines yet
+    if (trace := ex.trace) is not None:
+        trace.admission = time.monotonic()
     try:
         limits = await ex.clients.counter.count(parsed)
     except GuardError as exc:
@@ -144,7 +180,8 @@ async def serve_pool(ex: Exchange) -> web.StreamResponse:
     salt = state.keys.cache_salt(tenant)
     hashes = ([prompt_block_hashes(ids, block_size, salt) for ids in limits.ids]
               if state.picker.needs_hashes and len(pool) > 1 and limits.ids is not None else [])
-    ticket = Ticket(ex.request[REQUEST_ID], tenant, lane, limits.prompt_tokens, reserve, blocks, hashes)
+    ticket = Ticket(ex.request[REQUEST_ID], tenant, lane, limits.prompt_tokens, reserve, blocks, hashes,
+                    on_revoke=ex.revoke)
     sequences = len(limits.prompts) * parsed.n  # a stream's token events are theirs, interleaved
     grow_at = reserve * sequences  # token events past which the reservation no longer covers the output
 
@@ -164,18 +201,26 @@ async def serve_pool(ex: Exchange) -> web.StreamResponse:
     ttft, itl = metrics.child(metrics.ttft, tenant.name), metrics.child(metrics.itl, tenant.name)
     observer = StreamObserver(on_first_token=lambda now: ttft.observe(now - ex.arrived),
                               on_gap=itl.observe if declared else on_gap)
-    # A client's own bound, or a suspect's cap, goes upstream; otherwise none, and the engine bounds the
-    # output by its window and its own pool (which may hold fewer tokens than the window).
-    body = parsed.upstream_body(cache_salt=salt, max_tokens=bound if declared or cap is not None else None,
-                                priority=lane.priority)
     # Limits come before the fair queue and the KV budget: charged what the reservation covers, now.
     ex.charge = charge = state.limiter.charge(tenant, limits.prompt_tokens + reserve * sequences)
     try:
+        if trace is not None:
+            trace.queued, trace.blocks = time.monotonic(), blocks
         await state.dispatcher.submit(ticket)
-        metrics.child(metrics.queue_wait, tenant.name).observe(time.monotonic() - ex.arrived)
+        admitted = time.monotonic()
+        metrics.child(metrics.queue_wait, tenant.name).observe(admitted - ex.arrived)
+        if trace is not None:
+            trace.admitted, trace.waited = admitted, ticket.enqueued_at > 0.0
         while True:
             replica = ticket.replica
             assert replica is not None  # admitted
+            if ex.revoked is not None:
+                raise ex.revoked
+            # A client's own bound, or a suspect's cap, goes upstream; otherwise none, and the engine bounds
+            # the output by its window and its own pool (which may hold fewer tokens than the window). A
+            # ticket that borrows runs at a lower engine priority, so the engine preempts borrowers first.
+            body = parsed.upstream_body(cache_salt=salt, max_tokens=bound if declared or cap is not None else None,
+                                        priority=lane.priority + (BORROWED_PRIORITY if ticket.borrowed else 0))
             metrics.child(metrics.routed, replica.name).inc()
             metrics.child(metrics.prefix_predicted, replica.name).inc(ticket.hit_blocks * block_size)
             try:
@@ -239,10 +284,16 @@ async def forward(
                "X-Request-Id": ex.request[REQUEST_ID]}
     breaker = state.pool.by_name[backend].breaker if backend in state.pool.by_name else \
         state.fallback_breakers[backend]
+    if (trace := ex.trace) is not None:
+        trace.upstream = trace.upstream or time.monotonic()  # a retry on another replica extends the span
+        trace.backend = backend
+        headers.update(trace.upstream_headers())
     try:
         upstream = await relay.open(url.rstrip("/") + parsed.path, body, headers, parsed.stream)
     except UpstreamUnavailable:
         metrics.child(metrics.upstream_requests, backend, "error").inc()
+        if trace is not None:
+            trace.unavailable += ((time.monotonic(), backend),)
         raise
     except (TimeoutError, aiohttp.ClientError) as exc:
         metrics.child(metrics.upstream_requests, backend, "error").inc()
@@ -253,7 +304,12 @@ async def forward(
             return relay.failure(504, message, "upstream_timeout"), Outcome.UPSTREAM_ERROR
         return relay.failure(502, f"the engine failed: {type(exc).__name__}", "upstream_error"), \
             Outcome.UPSTREAM_ERROR
+    ex.upstream = upstream
+    if ex.revoked is not None:  # revoked while its headers were on their way
+        relay.revoke(upstream, ex.revoked)
     metrics.child(metrics.upstream_requests, backend, str(upstream.status)).inc()
+    if trace is not None:
+        trace.headers, trace.upstream_status = time.monotonic(), upstream.status
     if upstream.status >= 500:
         breaker.record_failure()
     else:
@@ -264,10 +320,19 @@ async def forward(
         out_headers.update(ex.charge.headers())
     if not parsed.stream:
         response, answer = await relay.unary(upstream, out_headers)
+        if trace is not None:
+            trace.upstream_end = time.monotonic()
         observer.completion_tokens = int(((answer or {}).get("usage") or {}).get("completion_tokens", 0) or 0)
+        if ex.revoked is not None and response.status != 200:
+            return response, ex.revoked.outcome
         return response, Outcome.COMPLETED if response.status == 200 else Outcome.UPSTREAM_ERROR
     response = await relay.stream(ex.request, upstream, out_headers, observer)
+    if trace is not None:
+        trace.upstream_end, trace.first_token = time.monotonic(), observer.first_at
+        trace.token_events = observer.events
     if observer.client_gone:
         return response, Outcome.CANCELLED
+    if ex.revoked is not None and (observer.failed or response.status != 200):
+        return response, ex.revoked.outcome
     ok = response.status == 200 and not observer.failed
     return response, Outcome.COMPLETED if ok else Outcome.UPSTREAM_ERROR

@@ -9,6 +9,7 @@ comes whole when its generation ends, so ``unary_timeout`` bounds it instead. A 
 after its first byte ends with an SSE ``error`` event and no ``[DONE]``; a client that leaves closes the
 upstream connection at once (the engine then aborts the request and frees its blocks). Once ``closing`` is
 set (shutdown), the failures that follow are the guard's own: 503 ``shutting_down``, not the engine's fault.
+So are those of an answer the guard revokes (a confirmed attacker's): the client is told the reason.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import pydantic_core
 from aiohttp import web
 
 from guard.config import Upstream
+from guard.errors import GuardError
 from guard.http.errors import error_response, sse_error_event
 
 SHUTTING_DOWN = "the guard is shutting down; retry shortly"
@@ -53,6 +55,7 @@ class StreamObserver:
     failed: bool = False  # the stream ended with an error event instead of its natural end
     client_gone: bool = False  # the client left or was dropped before the end: nobody got the rest
     completion_tokens: int | None = None  # from a usage chunk, when the client asked for one
+    first_at: float = 0.0  # time.monotonic() of the first token event (0.0: none yet)
     _partial: bytes = b""
     _last: float = field(default=0.0)
 
@@ -75,6 +78,7 @@ class StreamObserver:
                 if b'"choices":[]' in line.replace(b" ", b""):
                     continue  # the usage-only chunk carries no token
             if self.events == 0:
+                self.first_at = now
                 self.on_first_token(now)
             else:
                 self.on_gap(now - self._last)
@@ -93,6 +97,7 @@ class Relay:
         self.config = config
         self.closing = False  # the guard is shutting down and drops its upstream connections itself
         self._open: set[aiohttp.ClientResponse] = set()  # answers being relayed, for close_all
+        self._revoked: dict[aiohttp.ClientResponse, GuardError] = {}  # ended by the guard, and why
         self.stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout,
                                                     sock_read=config.idle_timeout)
         self.unary_timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout,
@@ -125,6 +130,13 @@ class Relay:
         for upstream in list(self._open):
             upstream.close()
 
+    def revoke(self, upstream: aiohttp.ClientResponse, reason: GuardError) -> None:
+        """End an answer being relayed: the engine sees the disconnect and aborts, the client gets ``reason``
+        (a stream as its error event)."""
+        if upstream in self._open:
+            self._revoked[upstream] = reason
+            upstream.close()
+
     async def unary(self, upstream: aiohttp.ClientResponse, headers: dict[str, str]) -> tuple[web.Response, dict | None]:
         """A non-streaming answer: forwarded as is when it is JSON, else a 502. Returns the parsed body too."""
         try:
@@ -132,9 +144,10 @@ class Relay:
                 raw = await upstream.read()
         except (aiohttp.ClientError, TimeoutError) as exc:  # the engine died or went quiet mid-body
             return self.failure(502, f"the engine's answer broke off: {type(exc).__name__}", "upstream_error",
-                                headers), None
+                                headers, upstream), None
         finally:
             self._open.discard(upstream)
+            self._revoked.pop(upstream, None)
         try:
             parsed = pydantic_core.from_json(raw)
         except ValueError:
@@ -168,7 +181,7 @@ class Relay:
                                       code="upstream_timeout", headers=headers)
             except aiohttp.ClientError as exc:  # nothing reached the client yet: a plain 502 says it best
                 return self.failure(502, f"the engine failed before its first token: {type(exc).__name__}",
-                                    "upstream_error", headers)
+                                    "upstream_error", headers, upstream)
             response = web.StreamResponse(status=200, headers={
                 **headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             try:
@@ -188,11 +201,12 @@ class Relay:
                 return response
             except (aiohttp.ClientError, TimeoutError) as exc:  # the engine failed or went quiet mid-stream
                 observer.failed = True
-                await _try_write(response, self.failure_event(f"the engine stream failed: {type(exc).__name__}"))
+                await _try_write(response, self.failure_event(f"the engine stream failed: {type(exc).__name__}",
+                                                              upstream))
                 return response
             if not completed:
                 observer.failed = True
-                await _try_write(response, self.failure_event("the engine stream ended early"))
+                await _try_write(response, self.failure_event("the engine stream ended early", upstream))
                 return response
             try:
                 await response.write_eof()
@@ -201,19 +215,26 @@ class Relay:
             return response
         finally:
             self._open.discard(upstream)
+            self._revoked.pop(upstream, None)
             if not completed:
                 upstream.close()  # drop the connection: the engine sees the disconnect and aborts
             else:
                 upstream.release()
 
-    def failure(self, status: int, message: str, code: str, headers: dict[str, str] | None = None) -> web.Response:
+    def failure(self, status: int, message: str, code: str, headers: dict[str, str] | None = None,
+                upstream: aiohttp.ClientResponse | None = None) -> web.Response:
         """The answer to a request whose upstream failed before its first byte reached the client."""
+        if (revoked := self._revoked.get(upstream)) is not None:
+            return error_response(revoked.status, revoked.message, code=revoked.code,
+                                  retry_after=revoked.retry_after, headers=headers)
         if self.closing:
             return error_response(503, SHUTTING_DOWN, code="shutting_down", retry_after=1, headers=headers)
         return error_response(status, message, code=code, headers=headers)
 
-    def failure_event(self, message: str) -> bytes:
+    def failure_event(self, message: str, upstream: aiohttp.ClientResponse | None = None) -> bytes:
         """The event that ends a stream whose upstream failed after it started."""
+        if (revoked := self._revoked.get(upstream)) is not None:
+            return sse_error_event(revoked.status, revoked.message, revoked.code)
         if self.closing:
             return sse_error_event(503, SHUTTING_DOWN, "shutting_down")
         return sse_error_event(502, message, "upstream_stream_error")

@@ -77,11 +77,20 @@ class ReplicaPool:
     def committed(self) -> int:
         return sum(replica.gate.committed() for replica in self.replicas if replica.up())
 
+    def borrowed(self) -> int:
+        """Of ``committed``, the blocks reserved beyond their tenants' guarantees (reclaimable)."""
+        return sum(replica.gate.borrowed for replica in self.replicas if replica.up())
+
     def num_blocks(self) -> int:
         return sum(r.gate.snapshot.num_blocks for r in self.replicas if r.up() and r.gate.snapshot is not None)
 
     def tenant_reserved(self, tenant: str) -> int:
         return sum(replica.gate.tenant_reserved(tenant) for replica in self.replicas)
+
+    def tenant_guaranteed(self, tenant: str) -> int:
+        """Blocks the tenant holds within its guaranteed share: its reservations less what they borrow."""
+        return sum(replica.gate.tenant_reserved(tenant) - replica.gate.tenant_borrowed(tenant)
+                   for replica in self.replicas)
 
     def reserved_by_tenant(self) -> dict[str, int]:
         totals: dict[str, int] = {}

@@ -16,7 +16,11 @@ Integrity checks and purpose-built parts
 - ``nothing_lost``: the reliability tests' counted ``Client``/``Tally``, ``ready_guard``, and the closing
   check ``assert_nothing_lost`` (every request answered, every block back, nothing held by the guard).
 - ``fault_upstream``: ``FaultUpstream``, a fake engine for the faults a real one cannot produce on demand.
+- ``redis_server``: ``RedisServer``, a real ``redis-server`` on a free loopback port (restartable, no
+  persistence), for the guards' shared state.
 - ``live_stack``: engine, guard, Prometheus, Alertmanager and an on-call webhook receiver, as processes.
+- ``browser``: ``Chromium``, a real headless Chromium driven over the DevTools protocol (``Page.evaluate``,
+  ``wait_for`` in the live page, ``screenshot``), for the operator console.
 - ``prometheus_tools``: the Prometheus/Alertmanager binaries (``binary(name)``) and ``ALERTS``.
 - ``grafana_queries``: the committed dashboards' queries with their template variables substituted.
 - ``triton_aot.py``: a script (run by path, in a subprocess) compiling every Triton kernel for a GPU target.

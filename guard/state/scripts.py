@@ -1,0 +1,253 @@
+"""The guards' shared decisions as Lua scripts: each runs atomically in Redis, one round trip per decision.
+
+Keys (all under ``PREFIX``):
+
+- ``guards``: sorted set, guard id -> lease expiry (Redis server time, s). A guard renews its lease while it
+  runs; one whose lease has expired is dead, and every script that meets it first removes what it held.
+- ``ledger``: hash, ``{guard}|{engine}|r`` -> blocks that guard has reserved on that engine, ``...|b`` -> of
+  those, the blocks borrowed beyond their tenants' guarantees (guard/admission/gate.py). Per guard, not per
+  request: a guard's own ledger is the truth for its requests, and after Redis comes back it writes its
+  totals again (``resync``).
+- ``vtc``: hash, tenant -> its virtual token counter (weighted service / weight), one for every guard.
+- ``backlog``: hash, ``{guard}|{tenant}`` -> requests of that tenant queued at that guard.
+- ``verdicts``: hash, tenant -> until when (server time) it stands confirmed as a Fill-and-Squeeze attacker;
+  the guards that confirmed it extend that while they still do, and every guard refuses it meanwhile.
+
+Invariants: for every engine, the sum of the live guards' ``r`` fields only grows through ``admit``, which
+keeps it within the limits the caller read from that engine's telemetry; a dead guard's fields are gone
+before any decision counts them; counters only grow (a release may refund part of what its admission
+charged for output that was not generated, never more).
+"""
+
+from __future__ import annotations
+
+PREFIX = "kvguard:"
+KEYS = [PREFIX + name for name in ("guards", "ledger", "vtc", "backlog", "verdicts")]
+
+# Shared by every script: the server's clock, and the removal of dead guards (and of their fields).
+_PROLOGUE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)
+if #dead > 0 then
+  local is_dead = {}
+  for _, g in ipairs(dead) do is_dead[g] = true end
+  for _, h in ipairs({KEYS[2], KEYS[4]}) do
+    for _, field in ipairs(redis.call('HKEYS', h)) do
+      if is_dead[string.match(field, '^([^|]+)|')] then redis.call('HDEL', h, field) end
+    end
+  end
+  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+end
+local function backlogged_min(except)
+  -- the lowest counter among tenants queued at any guard, ``except`` left out (nil: nobody is)
+  local queued = {}
+  local fields = redis.call('HGETALL', KEYS[4])
+  for i = 1, #fields, 2 do
+    local tenant = string.match(fields[i], '|(.*)$')
+    if tenant ~= except and tonumber(fields[i + 1]) > 0 then queued[tenant] = true end
+  end
+  local low = nil
+  for tenant, _ in pairs(queued) do
+    local c = tonumber(redis.call('HGET', KEYS[3], tenant) or '0')
+    if low == nil or c < low then low = c end
+  end
+  return low
+end
+"""
+
+# ARGV: guard, lease_ttl_s, engine, tenant, blocks, borrowed, threshold room (safe_utilization * num_blocks
+# minus blocks held outside the guards), pool room (num_blocks minus the same), service charged to the
+# tenant's counter (already divided by its weight), slack (how far above the lowest backlogged counter the
+# tenant may be and still go first). Returns {1} admitted, {0, 'fair'} not its turn, {0, 'full'} no room.
+ADMIT = _PROLOGUE + """
+local guard, engine, tenant = ARGV[1], ARGV[3], ARGV[4]
+local blocks, borrowed = tonumber(ARGV[5]), tonumber(ARGV[6])
+local threshold, pool = tonumber(ARGV[7]), tonumber(ARGV[8])
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), guard)
+local low = backlogged_min(tenant)
+local mine = tonumber(redis.call('HGET', KEYS[3], tenant) or '0')
+if low ~= nil and mine > low + tonumber(ARGV[10]) then return {0, 'fair'} end
+local reserved, lent = 0, 0
+local fields = redis.call('HGETALL', KEYS[2])
+local suffix_r, suffix_b = '|' .. engine .. '|r', '|' .. engine .. '|b'
+for i = 1, #fields, 2 do
+  local f = fields[i]
+  if string.sub(f, -#suffix_r) == suffix_r then reserved = reserved + tonumber(fields[i + 1])
+  elseif string.sub(f, -#suffix_b) == suffix_b then lent = lent + tonumber(fields[i + 1]) end
+end
+local fits
+if borrowed > 0 then
+  fits = reserved + blocks <= threshold
+else
+  fits = reserved - lent + blocks <= threshold and reserved + blocks <= pool
+end
+if not fits then return {0, 'full'} end
+redis.call('HINCRBY', KEYS[2], guard .. suffix_r, blocks)
+if borrowed > 0 then redis.call('HINCRBY', KEYS[2], guard .. suffix_b, borrowed) end
+redis.call('HINCRBYFLOAT', KEYS[3], tenant, ARGV[9])
+return {1}
+"""
+
+# ARGV: guard, engine, blocks, borrowed, tenant, service correction (may be negative: output reserved for
+# but not generated). Never takes a field below 0 (a field Redis lost, before the guard's resync).
+RELEASE = _PROLOGUE + """
+local guard, engine, tenant = ARGV[1], ARGV[2], ARGV[5]
+for _, part in ipairs({{'|r', tonumber(ARGV[3])}, {'|b', tonumber(ARGV[4])}}) do
+  if part[2] > 0 then
+    local field = guard .. '|' .. engine .. part[1]
+    if redis.call('HINCRBY', KEYS[2], field, -part[2]) <= 0 then redis.call('HDEL', KEYS[2], field) end
+  end
+end
+local delta = tonumber(ARGV[6])
+if delta ~= 0 then
+  local c = tonumber(redis.call('HGET', KEYS[3], tenant) or '0')
+  redis.call('HSET', KEYS[3], tenant, tostring(math.max(0, c + delta)))
+end
+return 1
+"""
+
+# ARGV: guard, tenant, delta (+1 queued, -1 left the queue). A tenant that was queued nowhere is lifted to
+# the lowest counter of those queued (VTC: idling banks no credit), over every guard.
+BACKLOG = _PROLOGUE + """
+local guard, tenant, delta = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local field = guard .. '|' .. tenant
+if delta > 0 then
+  local anywhere = false
+  local fields = redis.call('HGETALL', KEYS[4])
+  for i = 1, #fields, 2 do
+    if string.match(fields[i], '|(.*)$') == tenant and tonumber(fields[i + 1]) > 0 then anywhere = true end
+  end
+  if not anywhere then
+    local low = backlogged_min(tenant)
+    local mine = tonumber(redis.call('HGET', KEYS[3], tenant) or '0')
+    if low ~= nil and low > mine then redis.call('HSET', KEYS[3], tenant, tostring(low)) end
+  end
+end
+if redis.call('HINCRBY', KEYS[4], field, delta) <= 0 then redis.call('HDEL', KEYS[4], field) end
+return 1
+"""
+
+# ARGV: guard, lease_ttl_s, then (kind, field, value) triples: the guard's ledger and backlog as it knows them, which
+# replace whatever Redis holds for it (after Redis lost it, or at start). Returns the live guards.
+RESYNC = _PROLOGUE + """
+local guard = ARGV[1]
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), guard)
+for _, h in ipairs({KEYS[2], KEYS[4]}) do
+  for _, field in ipairs(redis.call('HKEYS', h)) do
+    if string.match(field, '^([^|]+)|') == guard then redis.call('HDEL', h, field) end
+  end
+end
+for i = 3, #ARGV, 3 do
+  local h = ARGV[i] == 'ledger' and KEYS[2] or KEYS[4]
+  redis.call('HSET', h, guard .. '|' .. ARGV[i + 1], ARGV[i + 2])
+end
+return redis.call('ZCARD', KEYS[1])
+"""
+
+# ARGV: guard, lease_ttl_s. Renews the lease; returns the live guards and whether this one was still known
+# (0: its lease had lapsed, or Redis lost it: the caller resyncs).
+RENEW = _PROLOGUE + """
+local known = redis.call('ZSCORE', KEYS[1], ARGV[1])
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+return {redis.call('ZCARD', KEYS[1]), known and 1 or 0}
+"""
+
+# ARGV: guard, how long a verdict stands unless extended (s), then the tenants this guard holds confirmed.
+# Returns every tenant confirmed by any guard.
+VERDICTS = _PROLOGUE + """
+for i = 3, #ARGV do redis.call('HSET', KEYS[5], ARGV[i], tostring(now + tonumber(ARGV[2]))) end
+local standing = {}
+local fields = redis.call('HGETALL', KEYS[5])
+for i = 1, #fields, 2 do
+  if tonumber(fields[i + 1]) > now then table.insert(standing, fields[i])
+  else redis.call('HDEL', KEYS[5], fields[i]) end
+end
+return standing
+"""
+
+# -- rate limits (guard/state/limits.py) ---------------------------------------------------------------------
+# One hash per tenant and limit, ``kvguard:ratelimit:{kind}:{tenant}``: Redis server second -> what was charged
+# in it (never negative): the sliding minute of guard/admission/limits.py, on the server's clock for every
+# guard. An entry counts through the ``window`` whole seconds after its own (ARGV[2], limits.WINDOW_S); every
+# write renews the key's expiry past its newest entry's, so an idle tenant leaves nothing behind. These scripts
+# use neither KEYS nor the prologue: the windows are per tenant, not per guard, and a dead guard's charges
+# were admitted requests, which count until they slide out.
+
+
+def rate_key(tenant: str, kind: str) -> str:
+    """The key of ``tenant``'s window for ``kind`` (requests, tokens); tenant names have no ':' (config)."""
+    return f"{PREFIX}ratelimit:{kind}:{tenant}"
+
+
+# ARGV: guard, window, then (key, limit, need) per window of the tenant. Either every window has room for its
+# need and each is charged, or none is. Returns {admitted (1|0), the server second charged, the window that
+# refused (1-based; 0 when admitted), its wait (s; 'inf': it never fits), then per window: used (after the
+# charge when admitted), seconds until it is empty}. Floats travel as strings (Redis truncates Lua numbers).
+RATE_CHARGE = """
+local t = redis.call('TIME')
+local second = tonumber(t[1])
+local now = second + tonumber(t[2]) / 1000000
+local window = tonumber(ARGV[2])
+local windows, refused, longest = {}, 0, 0
+for i = 3, #ARGV, 3 do
+  local key, limit, need = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
+  local entries, used = {}, 0
+  local fields = redis.call('HGETALL', key)
+  for j = 1, #fields, 2 do
+    local s, amount = tonumber(fields[j]), tonumber(fields[j + 1])
+    if s < second - window then redis.call('HDEL', key, fields[j])
+    else
+      entries[#entries + 1] = {s, amount}
+      used = used + amount
+    end
+  end
+  table.sort(entries, function(a, b) return a[1] < b[1] end)
+  local wait, excess = 0, used + need - limit
+  if excess > 0 and need > limit then wait = math.huge
+  elseif excess > 0 then
+    -- used > limit - need >= 0: the oldest entries that make up the excess must leave first
+    for _, e in ipairs(entries) do
+      excess = excess - e[2]
+      if excess <= 0 then wait = e[1] + window + 1 - now; break end
+    end
+  end
+  if wait > longest then refused, longest = #windows + 1, wait end  -- the limit that holds it longest
+  windows[#windows + 1] = {key = key, need = need, used = used, entries = entries}
+end
+local out = {refused == 0 and 1 or 0, second, refused, tostring(longest)}
+for _, w in ipairs(windows) do
+  if refused == 0 and w.need > 0 then
+    redis.call('HINCRBY', w.key, second, w.need)
+    redis.call('EXPIRE', w.key, window + 2)
+    w.used = w.used + w.need
+    w.entries[#w.entries + 1] = {second, w.need}
+  end
+  local newest = nil
+  for _, e in ipairs(w.entries) do if e[2] > 0 then newest = e[1] end end
+  out[#out + 1] = w.used
+  out[#out + 1] = tostring(newest == nil and 0 or math.max(0, newest + window + 1 - now))
+end
+return out
+"""
+
+# ARGV: guard, window, the server second a charge was made in, then (key, delta) per window: what the request
+# used minus what it was charged. While that second is in the window the delta moves its entry (a refund
+# returns at once, a surplus counts from the charge's second); after, a refund has nothing left to give back
+# and a surplus is charged now. An entry that would go below 0 (Redis lost the charge) is removed instead.
+RATE_SETTLE = """
+local second = tonumber(redis.call('TIME')[1])
+local window, charged = tonumber(ARGV[2]), ARGV[3]
+local in_window = tonumber(charged) >= second - window
+for i = 4, #ARGV, 2 do
+  local key, delta = ARGV[i], tonumber(ARGV[i + 1])
+  if in_window and delta ~= 0 then
+    if redis.call('HINCRBY', key, charged, delta) <= 0 then redis.call('HDEL', key, charged) end
+    redis.call('EXPIRE', key, window + 2)
+  elseif delta > 0 then
+    redis.call('HINCRBY', key, second, delta)
+    redis.call('EXPIRE', key, window + 2)
+  end
+end
+return 1
+"""

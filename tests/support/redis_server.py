@@ -1,0 +1,43 @@
+"""A real Redis for the tests of shared state: Debian's ``redis-server`` on a free loopback port.
+
+``RedisServer`` is a ``Process`` (restartable on the same port, so a test can kill Redis and bring it back
+where the guards expect it); it keeps nothing on disk (no RDB snapshots, no AOF), so a restart starts empty,
+as a Redis that lost its data would. Ready once it answers ``PING``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+from pathlib import Path
+from typing import Self
+
+from .net import free_port
+from .processes import Process
+from .wait import wait_for
+
+
+def _pong(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as conn:
+            conn.sendall(b"PING\r\n")
+            return conn.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+class RedisServer(Process):
+    def __init__(self, workdir: Path, name: str = "redis", port: int | None = None) -> None:
+        binary = shutil.which("redis-server")
+        assert binary is not None, "redis-server is not installed (make test installs Debian's redis-server)"
+        self.port = free_port() if port is None else port
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        command = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                   "--dir", str(workdir)]
+        super().__init__(name, command, log=workdir / f"{name}.log")
+
+    def wait_ready(self, timeout: float | None = None) -> Self:
+        wait_for(lambda: _pong(self.port) or self.poll() is not None, bool, timeout or 10.0,
+                 message=lambda: f"{self.name} not answering PING:\n{self.log_tail()}")
+        assert self.poll() is None, f"{self.name} exited with {self.returncode}:\n{self.log_tail()}"
+        return self
