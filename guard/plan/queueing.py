@@ -1,0 +1,65 @@
+"""Erlang-C (M/M/c): the chance a request waits for a server, and its mean wait, for ``c`` servers.
+
+A *server* here is one concurrent stream slot: a place in the KV safe envelope for one sequence of the
+workload's mean p95 size (sizing.py counts them per replica). A request holds its slot from admission to its
+last token, so ``mean_service_s`` is that time, measured at the load being planned: under continuous
+batching a slot's speed depends on how many slots are busy, which M/M/c does not model.
+
+Computed through the Erlang-B recursion, ``B(0) = 1``, ``B(k) = a B(k-1) / (k + a B(k-1))``, then
+``C = c B / (c - a (1 - B))``: no factorials or powers, so it stays exact to float precision for thousands
+of servers where ``a**c / c!`` overflows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(slots=True, frozen=True)
+class QueueRow:
+    """The queue of a fleet of ``replicas`` replicas; unstable (``utilization >= 1``): every request waits and
+    the mean wait grows without bound (``math.inf``)."""
+
+    replicas: int
+    servers: int
+    utilization: float
+    p_wait: float
+    mean_wait_s: float
+
+
+def erlang_c(servers: int, offered: float) -> float:
+    """P(wait > 0) for ``offered`` Erlangs (arrival rate x mean service time) on ``servers`` servers; 1 when
+    the queue is unstable (``offered >= servers``)."""
+    if servers <= 0 or offered >= servers:
+        return 1.0
+    if offered <= 0:
+        return 0.0
+    blocking = 1.0
+    for k in range(1, servers + 1):
+        blocking = offered * blocking / (k + offered * blocking)
+    return servers * blocking / (servers - offered * (1.0 - blocking))
+
+
+def mean_wait(servers: int, offered: float, mean_service_s: float) -> float:
+    """Mean queue wait, in seconds, over all requests (those that never wait included)."""
+    if offered >= servers:
+        return math.inf
+    return erlang_c(servers, offered) * mean_service_s / (servers - offered)
+
+
+def queue_row(replicas: int, slots_per_replica: int, rate_per_s: float, mean_service_s: float) -> QueueRow:
+    servers = replicas * slots_per_replica
+    offered = rate_per_s * mean_service_s
+    return QueueRow(replicas, servers, offered / servers, erlang_c(servers, offered),
+                    mean_wait(servers, offered, mean_service_s))
+
+
+def replicas_for_wait(slots_per_replica: int, rate_per_s: float, mean_service_s: float, max_wait_s: float) -> int:
+    """The fewest replicas whose mean queue wait is at most ``max_wait_s``. Starts at the fewest that are
+    stable; the wait falls with every server added and tends to 0, so the search ends."""
+    offered = rate_per_s * mean_service_s
+    replicas = max(1, math.floor(offered / slots_per_replica) + 1)
+    while mean_wait(replicas * slots_per_replica, offered, mean_service_s) > max_wait_s:
+        replicas += 1
+    return replicas
