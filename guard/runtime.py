@@ -28,6 +28,7 @@ from guard.metrics import MODES, GuardMetrics
 from guard.pool.picker import Picker
 from guard.pool.pool import ReplicaPool
 from guard.pool.routing import CircuitBreaker, ModeMachine, Router
+from guard.state.limits import SharedRateLimiter
 from guard.state.shared import SharedState
 
 
@@ -52,7 +53,8 @@ class GuardState:
     shared: SharedState | None = None  # the link to the other guards' state (shared_state), if configured
 
     def __post_init__(self) -> None:
-        self.limiter = RateLimiter(self.config.tenants, self.metrics)
+        self.limiter = (RateLimiter(self.config.tenants, self.metrics) if self.shared is None
+                        else SharedRateLimiter(self.config.tenants, self.metrics, self.shared))
         self.metrics.ratelimit_levels.read = self.limiter.levels
         self.escalation.events = self.events  # detections join the one feed
 

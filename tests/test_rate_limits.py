@@ -19,7 +19,7 @@ from support.guard_server import GuardThread, guard_config
 from support.net import request
 from support.wait import wait_for
 
-from guard.admission.limits import WINDOW_S, RateLimiter, duration
+from guard.admission.limits import WINDOW_S, Charge, RateLimiter, duration
 from guard.config import Tenant
 from guard.errors import GuardError
 from guard.metrics import GuardMetrics
@@ -39,9 +39,21 @@ def tenant(name: str = "acme", **limits: int) -> Tenant:
     return Tenant(name=name, api_keys=[f"sk-{name}"], **limits)
 
 
+def charge_now(limiter: RateLimiter, who: Tenant, tokens: int) -> Charge | None:
+    """``limiter.charge`` run to its end here: a coroutine for the shared limiter's sake, the local limiter's
+    never suspends (which this checks), so these tests need no event loop."""
+    coroutine = limiter.charge(who, tokens)
+    try:
+        coroutine.send(None)
+    except StopIteration as done:
+        return done.value
+    coroutine.close()
+    raise AssertionError("the local limiter's charge suspended")
+
+
 def refused(limiter: RateLimiter, who: Tenant, tokens: int) -> GuardError:
     with pytest.raises(GuardError) as info:
-        limiter.charge(who, tokens)
+        charge_now(limiter, who, tokens)
     assert (info.value.status, info.value.code) == (429, "rate_limit_exceeded")
     assert 1 <= info.value.retry_after <= 60
     return info.value
@@ -50,9 +62,9 @@ def refused(limiter: RateLimiter, who: Tenant, tokens: int) -> GuardError:
 def test_rpm_admits_the_limit_per_sliding_minute(clock: list[float]) -> None:
     acme, free = tenant(rpm=3), tenant("free")
     limiter = RateLimiter([acme, free], GuardMetrics())
-    assert limiter.charge(free, 10**9) is None, "a tenant without limits has no windows"
+    assert charge_now(limiter, free, 10**9) is None, "a tenant without limits has no windows"
     for _ in range(3):
-        assert limiter.charge(acme, 10) is not None
+        assert charge_now(limiter, acme, 10) is not None
     clock[0] = 1030.5
     error = refused(limiter, acme, 10)
     assert error.retry_after == 31, "the charges of second 1000 leave the window at 1061"
@@ -62,21 +74,21 @@ def test_rpm_admits_the_limit_per_sliding_minute(clock: list[float]) -> None:
     clock[0] = 1060.999
     refused(limiter, acme, 10)
     clock[0] = 1061.0
-    assert limiter.charge(acme, 10) is not None
+    assert charge_now(limiter, acme, 10) is not None
     assert list(limiter.levels()) == [("acme", "requests", 3, 2)]
 
 
 def test_tpm_is_charged_at_admission_and_settled_to_the_use(clock: list[float]) -> None:
     acme = tenant(tpm=2000)
     limiter = RateLimiter([acme], GuardMetrics())
-    charges = [limiter.charge(acme, 400) for _ in range(5)]
+    charges = [charge_now(limiter, acme, 400) for _ in range(5)]
     error = refused(limiter, acme, 400)
     assert "tpm limit of 2000 tokens per minute: this request needs 400, 0 remain" in error.message
     assert error.headers["x-ratelimit-remaining-tokens"] == "0" and "x-ratelimit-limit-requests" not in error.headers
     charges[0].settle(150)  # used less than charged: the rest comes back at once
     assert charges[0].headers()["x-ratelimit-remaining-tokens"] == "250"
     charges[1].settle(None)  # never reached an engine: all of it comes back
-    assert limiter.charge(acme, 650) is not None
+    assert charge_now(limiter, acme, 650) is not None
     charges[2].settle(500)  # used more: charged the difference
     refused(limiter, acme, 1)
     clock[0] = 1000.25 + WINDOW_S + 1  # everything charged in second 1000 has left
@@ -99,9 +111,9 @@ def test_the_limit_that_holds_the_request_longest_refuses_it(clock: list[float])
     metrics = GuardMetrics()
     acme = tenant(rpm=2, tpm=100)
     limiter = RateLimiter([acme], metrics)
-    limiter.charge(acme, 0)
+    charge_now(limiter, acme, 0)
     clock[0] = 1010.5
-    limiter.charge(acme, 0).settle(100)  # a surplus counts from its charge's second: the tokens of 1010
+    charge_now(limiter, acme, 0).settle(100)  # a surplus counts from its charge's second: the tokens of 1010
     clock[0] = 1020.0
     error = refused(limiter, acme, 1)
     assert "tpm" in error.message and error.retry_after == 1071 - 1020, "not the requests of 1000 (41 s)"
@@ -109,13 +121,32 @@ def test_the_limit_that_holds_the_request_longest_refuses_it(clock: list[float])
     assert metrics.ratelimit_rejections.labels("acme", "requests")._value.get() == 0
 
 
+def test_a_guard_deciding_alone_keeps_to_its_share(clock: list[float]) -> None:
+    """``charge_here`` with ``guards``: the shared limiter's fallback while Redis is down (guard/state/limits.py)."""
+    acme = tenant(rpm=5, tpm=1000)
+    limiter = RateLimiter([acme], GuardMetrics())
+    assert [limiter.charge_here(acme, 100, guards=2) is not None for _ in range(2)] == [True, True]
+    with pytest.raises(GuardError) as info:  # 5 // 2: two requests a minute for each of two guards
+        limiter.charge_here(acme, 100, guards=2)
+    assert info.value.retry_after == 60 and "admits 1/2 of the limit" in info.value.message
+    assert info.value.headers is not None and info.value.headers["x-ratelimit-remaining-requests"] == "0"
+    assert info.value.headers["x-ratelimit-remaining-tokens"] == "300", "of its share, 500"
+    clock[0] += WINDOW_S + 1
+    with pytest.raises(GuardError) as info:  # fits the limit, never this guard's share: ask again soon
+        limiter.charge_here(acme, 600, guards=2)
+    assert info.value.retry_after == 1 and "retrying will not help" not in info.value.message
+    charge = limiter.charge_here(acme, 400, guards=2)
+    assert charge is not None and charge.headers()["x-ratelimit-remaining-tokens"] == "100"
+    assert sorted(limiter.local_levels(2)) == [("acme", "requests", 5, 1), ("acme", "tokens", 1000, 100)]
+
+
 def test_configure_keeps_what_the_windows_hold(clock: list[float]) -> None:
     limiter = RateLimiter([tenant(tpm=1000)], GuardMetrics())
-    charge = limiter.charge(tenant(tpm=1000), 800)
+    charge = charge_now(limiter, tenant(tpm=1000), 800)
     limiter.configure([tenant(tpm=900, rpm=2)])
     assert sorted(limiter.levels()) == [("acme", "requests", 2, 2), ("acme", "tokens", 900, 100)]
     limiter.configure([tenant()])
-    assert list(limiter.levels()) == [] and limiter.charge(tenant(), 10**6) is None
+    assert list(limiter.levels()) == [] and charge_now(limiter, tenant(), 10**6) is None
     charge.settle(10)  # on the window it was charged on, which no longer limits anyone
 
 
@@ -144,7 +175,7 @@ def test_no_drift(ops: list[tuple[str, int]]) -> None:
                     window.expire(int(now[0]))
                 before = {kind: window.used for kind, window in windows.items()}
                 try:
-                    open_charges.append(limiter.charge(acme, n))
+                    open_charges.append(charge_now(limiter, acme, n))
                 except GuardError:
                     continue
                 assert before["requests"] + 1 <= 7 and before["tokens"] + n <= 1500

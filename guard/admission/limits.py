@@ -29,6 +29,11 @@ never be admitted; as OpenAI does ("Request too large"), it gets the same 429, w
 retrying will not help. Every answer to a limited tenant, 429s and successes, carries OpenAI's
 ``x-ratelimit-{limit,remaining,reset}-{requests,tokens}`` headers for the limits it has; a reset is the time
 until the window is empty (the limit whole again), in OpenAI's duration format ("120ms", "6.5s", "1m0s").
+
+``RateLimiter.charge`` is a coroutine so that the limiter of guards sharing state (guard/state/limits.py,
+``SharedRateLimiter``: the same windows in Redis) has the same interface; this one never suspends. The
+shared limiter falls back on these windows while Redis is down, each limit divided among the guards
+(``charge_here`` with ``guards``), so the pieces it needs are methods here.
 """
 
 from __future__ import annotations
@@ -43,6 +48,9 @@ from guard.errors import GuardError
 from guard.metrics import GuardMetrics
 
 WINDOW_S = 60
+# Retry-After for a request that fits the limit but not this guard's share of it while the guards cannot share
+# state: the link tries Redis again at least once a second (guard/state/shared.py, ``run``).
+ALONE_RETRY_S = 1.0
 UNITS = {"requests": "rpm", "tokens": "tpm"}  # a window's kind -> the config key of its limit
 
 
@@ -72,13 +80,14 @@ class Window:
         self.used += amount
         return entry
 
-    def wait(self, need: int, now: float) -> float:
-        """Seconds until ``need`` more fits in the window (expired to ``now``): 0 if it fits now, ``inf`` if it
-        never will."""
-        excess = self.used + need - self.limit
+    def wait(self, need: int, now: float, limit: int | None = None) -> float:
+        """Seconds until ``need`` more fits in the window (expired to ``now``) under ``limit`` (default: its
+        own): 0 if it fits now, ``inf`` if it never will."""
+        limit = self.limit if limit is None else limit
+        excess = self.used + need - limit
         if excess <= 0:
             return 0.0
-        if need > self.limit:
+        if need > limit:
             return math.inf
         # used > limit - need >= 0, and the entries sum to used: some oldest ones make up the excess.
         for second, amount in self.entries:
@@ -92,8 +101,8 @@ class Window:
         newest = next((second for second, amount in reversed(self.entries) if amount), None)
         return 0.0 if newest is None else newest + WINDOW_S + 1 - now
 
-    def remaining(self) -> int:
-        return max(0, self.limit - self.used)
+    def remaining(self, limit: int | None = None) -> int:
+        return max(0, (self.limit if limit is None else limit) - self.used)
 
 
 class Limited:
@@ -104,30 +113,36 @@ class Limited:
     def __init__(self, windows: dict[str, Window]) -> None:
         self.windows = windows
 
-    def headers(self, now: float) -> dict[str, str]:
-        """OpenAI's ``x-ratelimit-*`` headers for the tenant's limits, as of ``now``."""
+    def headers(self, now: float, guards: int = 1) -> dict[str, str]:
+        """OpenAI's ``x-ratelimit-*`` headers for the tenant's limits, as of ``now``; what remains is of this
+        guard's share of each limit (1/``guards``: all of it unless it decides alone among several)."""
         second = int(now)
         headers = {}
         for kind, window in self.windows.items():
             window.expire(second)
             headers[f"x-ratelimit-limit-{kind}"] = str(window.limit)
-            headers[f"x-ratelimit-remaining-{kind}"] = str(window.remaining())
+            headers[f"x-ratelimit-remaining-{kind}"] = str(window.remaining(window.limit // guards))
             headers[f"x-ratelimit-reset-{kind}"] = duration(window.reset(now))
         return headers
+
+
+# One window's part of a charge: (kind, window, entry, amount charged), the window as it was when charged.
+Part = tuple[str, Window, list[int], int]
 
 
 class Charge:
     """One admitted request's charge on its tenant's windows, from admission until ``settle``."""
 
-    __slots__ = ("limited", "parts", "settled")
+    __slots__ = ("guards", "limited", "parts", "settled")
 
-    def __init__(self, limited: Limited, parts: list[tuple[str, Window, list[int], int]]) -> None:
+    def __init__(self, limited: Limited, parts: list[Part], guards: int = 1) -> None:
         self.limited = limited
-        self.parts = parts  # (kind, window, entry, amount charged): the windows as they were when charged
+        self.parts = parts
+        self.guards = guards  # charged against 1/guards of each limit (see RateLimiter.charge_here)
         self.settled = False
 
     def headers(self) -> dict[str, str]:
-        return self.limited.headers(time.monotonic())
+        return self.limited.headers(time.monotonic(), self.guards)
 
     def settle(self, tokens: int | None) -> None:
         """Correct the charge to what the request used: ``tokens`` (prompt and output) that the engine was sent
@@ -135,7 +150,7 @@ class Charge:
         assert not self.settled, "a charge is settled exactly once"
         self.settled = True
         second = int(time.monotonic())
-        used = {"requests": 0 if tokens is None else 1, "tokens": tokens or 0}
+        used = usage(tokens)
         for kind, window, entry, charged in self.parts:
             delta = used[kind] - charged
             window.expire(second)
@@ -171,9 +186,15 @@ class RateLimiter:
                 limited[tenant.name] = Limited(windows)
         self.limited = limited
 
-    def charge(self, tenant: Tenant, tokens: int) -> Charge | None:
+    async def charge(self, tenant: Tenant, tokens: int) -> Charge | None:
         """Charge one request of ``tokens`` (prompt plus the output its reservation covers) to ``tenant``;
         None for a tenant without limits. Raises ``GuardError`` 429 when a limit has no room for it."""
+        return self.charge_here(tenant, tokens)
+
+    def charge_here(self, tenant: Tenant, tokens: int, guards: int = 1) -> Charge | None:
+        """``charge`` on this guard's own windows, against 1/``guards`` of each limit (rounded down, so that
+        guards deciding alone stay within the limit together). A request within the limit but beyond the
+        share can only wait for the guards to share state again: it is told to retry in ``ALONE_RETRY_S``."""
         limited = self.limited.get(tenant.name)
         if limited is None:
             return None
@@ -183,35 +204,63 @@ class RateLimiter:
         waits = {}
         for kind, window in limited.windows.items():
             window.expire(second)
-            waits[kind] = window.wait(need[kind], now)
+            waits[kind] = window.wait(need[kind], now, window.limit // guards)
+            if math.isinf(waits[kind]) and need[kind] <= window.limit:
+                waits[kind] = ALONE_RETRY_S
         kind = max(waits, key=waits.__getitem__)  # the limit that holds the request longest
         if waits[kind]:
-            self.metrics.child(self.metrics.ratelimit_rejections, tenant.name, kind).inc()
-            raise GuardError(429, refusal(tenant.name, kind, limited.windows[kind], need[kind], waits[kind]),
-                             code="rate_limit_exceeded", retry_after=max(1, math.ceil(min(60, waits[kind]))),
-                             headers=limited.headers(now))
-        return Charge(limited, [(kind, window, window.add(second, need[kind]), need[kind])
-                                for kind, window in limited.windows.items()])
+            window = limited.windows[kind]
+            raise self.refuse(tenant.name, kind, window.limit, window.remaining(window.limit // guards),
+                              need[kind], waits[kind], limited.headers(now, guards), guards)
+        return Charge(limited, self.record(limited, need, second), guards)
+
+    @staticmethod
+    def record(limited: Limited, need: dict[str, int], second: int) -> list[Part]:
+        """Add ``need`` to each of the tenant's windows in ``second``, unchecked; returns the charge's parts."""
+        for window in limited.windows.values():
+            window.expire(second)  # keeps a window's entries to the minute, however it is charged
+        return [(kind, window, window.add(second, need[kind]), need[kind])
+                for kind, window in limited.windows.items()]
+
+    def refuse(self, tenant: str, kind: str, limit: int, remaining: int, need: int, wait: float,
+               headers: dict[str, str], guards: int = 1) -> GuardError:
+        """The 429 for a request that ``kind``'s window holds ``wait`` s (``inf``: forever), counted."""
+        self.metrics.child(self.metrics.ratelimit_rejections, tenant, kind).inc()
+        return GuardError(429, refusal(tenant, kind, limit, remaining, need, wait, guards), headers=headers,
+                          code="rate_limit_exceeded", retry_after=max(1, math.ceil(min(60, wait))))
 
     def levels(self) -> Iterator[tuple[str, str, int, int]]:
         """(tenant, kind, limit, remaining) of every limit as of now: the metrics read them when scraped."""
+        return self.local_levels(1)
+
+    def local_levels(self, guards: int) -> Iterator[tuple[str, str, int, int]]:
+        """``levels`` of this guard's own windows, what remains being of 1/``guards`` of each limit."""
         second = int(time.monotonic())
         for name, limited in self.limited.items():
             for kind, window in limited.windows.items():
                 window.expire(second)
-                yield name, kind, window.limit, window.remaining()
+                yield name, kind, window.limit, window.remaining(window.limit // guards)
 
 
-def refusal(tenant: str, kind: str, window: Window, need: int, wait: float) -> str:
+def usage(tokens: int | None) -> dict[str, int]:
+    """What a request used, per window kind: ``tokens`` the engine was sent and produced, or None for one that
+    never reached an engine (it used nothing, not even its request)."""
+    return {"requests": 0 if tokens is None else 1, "tokens": tokens or 0}
+
+
+def refusal(tenant: str, kind: str, limit: int, remaining: int, need: int, wait: float, guards: int = 1) -> str:
     """The message of a 429: the limit by its config key, and when (or that never) the request would fit."""
-    limit = f"{UNITS[kind]} limit of {window.limit} {kind} per minute"
+    limit_text = f"{UNITS[kind]} limit of {limit} {kind} per minute"
     if math.isinf(wait):
         return (f"the request needs {need} tokens (prompt and maximum output), more than tenant {tenant!r}'s "
-                f"{limit}: it can never be admitted, retrying will not help; lower max_tokens or shorten the prompt")
+                f"{limit_text}: it can never be admitted, retrying will not help; lower max_tokens or shorten the "
+                f"prompt")
+    alone = (f" (the guards cannot share state now: this one admits 1/{guards} of the limit until they can)"
+             if guards > 1 else "")
     if kind == "tokens":
-        return (f"tenant {tenant!r} is over its {limit}: this request needs {need}, {window.remaining()} remain; "
-                f"retry in {math.ceil(wait)} s")
-    return f"tenant {tenant!r} is over its {limit}; retry in {math.ceil(wait)} s"
+        return (f"tenant {tenant!r} is over its {limit_text}{alone}: this request needs {need}, {remaining} "
+                f"remain; retry in {math.ceil(wait)} s")
+    return f"tenant {tenant!r} is over its {limit_text}{alone}; retry in {math.ceil(wait)} s"
 
 
 def duration(seconds: float) -> str:

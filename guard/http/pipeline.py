@@ -202,7 +202,7 @@ async def serve_pool(ex: Exchange) -> web.StreamResponse:
     observer = StreamObserver(on_first_token=lambda now: ttft.observe(now - ex.arrived),
                               on_gap=itl.observe if declared else on_gap)
     # Limits come before the fair queue and the KV budget: charged what the reservation covers, now.
-    ex.charge = charge = state.limiter.charge(tenant, limits.prompt_tokens + reserve * sequences)
+    ex.charge = charge = await state.limiter.charge(tenant, limits.prompt_tokens + reserve * sequences)
     try:
         if trace is not None:
             trace.queued, trace.blocks = time.monotonic(), blocks

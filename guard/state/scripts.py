@@ -181,13 +181,14 @@ def rate_key(tenant: str, kind: str) -> str:
 
 
 # ARGV: guard, window, then (key, limit, need) per window of the tenant. Either every window has room for its
-# need and each is charged, or none is. Returns {admitted (1|0), the server second charged, the window that
-# refused (1-based; 0 when admitted), its wait (s; 'inf': it never fits), then per window: used (after the
-# charge when admitted), seconds until it is empty}. Floats travel as strings (Redis truncates Lua numbers).
+# need and each is charged, or none is. Returns {admitted (1|0), the server time (second charged, and its
+# microseconds), the window that refused (1-based; 0 when admitted), its wait (s; 'inf': it never fits), then
+# per window: used (after the charge when admitted), seconds until it is empty}. Floats travel as strings
+# (Redis truncates Lua numbers to integers).
 RATE_CHARGE = """
 local t = redis.call('TIME')
-local second = tonumber(t[1])
-local now = second + tonumber(t[2]) / 1000000
+local second, micros = tonumber(t[1]), tonumber(t[2])
+local now = second + micros / 1000000
 local window = tonumber(ARGV[2])
 local windows, refused, longest = {}, 0, 0
 for i = 3, #ARGV, 3 do
@@ -215,7 +216,7 @@ for i = 3, #ARGV, 3 do
   if wait > longest then refused, longest = #windows + 1, wait end  -- the limit that holds it longest
   windows[#windows + 1] = {key = key, need = need, used = used, entries = entries}
 end
-local out = {refused == 0 and 1 or 0, second, refused, tostring(longest)}
+local out = {refused == 0 and 1 or 0, second, micros, refused, tostring(longest)}
 for _, w in ipairs(windows) do
   if refused == 0 and w.need > 0 then
     redis.call('HINCRBY', w.key, second, w.need)

@@ -43,8 +43,8 @@ class SharedState:
         self.guard_id = uuid.uuid4().hex[:12]
         self.client = aioredis.Redis.from_url(config.redis_url, socket_timeout=config.timeout_s,
                                               socket_connect_timeout=config.timeout_s)
-        self._scripts = {name: self.client.register_script(getattr(scripts, name))
-                         for name in ("ADMIT", "RELEASE", "BACKLOG", "RESYNC", "RENEW", "VERDICTS", "RATE_CHARGE", "RATE_SETTLE")}
+        self._scripts = {name: self.client.register_script(getattr(scripts, name)) for name in (
+            "ADMIT", "RELEASE", "BACKLOG", "RESYNC", "RENEW", "VERDICTS", "RATE_CHARGE", "RATE_SETTLE")}
         self.up = False
         self.live_guards = 1  # the last number seen: each guard's share while Redis is down
         self.holdings: Callable[[], Holdings] = lambda: ({}, {})  # set by the dispatcher
