@@ -1,4 +1,5 @@
-"""The Fill-and-Squeeze harness still runs: its ``--quick`` mode as its own process, and its report's shape.
+"""The Fill-and-Squeeze harness still runs: its ``--quick`` mode (the two-key colluding variant) as its own
+process, and its report's shape.
 
 No timing and no verdict is asserted: phases of a few seconds on a shared machine say nothing about the
 guard. What is checked is that both runs, both phases, the engine and guard readings, the detection record
@@ -17,7 +18,7 @@ TTFT_FIGURES = {"n", "mean_ms", "p50_ms", "p90_ms", "p99_ms", "max_ms"}
 
 
 def test_fill_squeeze_quick(tmp_path: Path) -> None:
-    done = run_command(sys.executable, "-m", "bench.attacks.fill_squeeze", "--quick", "--out", tmp_path)
+    done = run_command(sys.executable, "-m", "bench.attacks.fill_squeeze", "--quick", "--keys", "2", "--out", tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "QUICK RUN" in done.stdout
     report = json.loads((tmp_path / "report.json").read_text())
@@ -43,8 +44,10 @@ def test_fill_squeeze_quick(tmp_path: Path) -> None:
         assert len(run["victim_requests"]) == sum(run["victims"][p]["sent"] for p in ("baseline", "attack"))
     assert report["runs"]["unguarded"]["detection"] is None
     assert set(report["runs"]["guarded"]["detection"]) == {"suspect_after_fill_s", "confirmed_after_fill_s",
-                                                           "confirmed_at_s"}
+                                                           "confirmed_at_s", "victims_flagged"}
+    assert report["attack_plan"]["keys"] == ["attacker-1", "attacker-2"]  # the colluding variant
     assert set(report["verdicts"]) == {"unguarded_mean_ttft_ratio", "unguarded_preemptions_climb",
-                                       "guarded_p99_ttft_ratio", "guarded_preemptions_share", "confirmed_within_10_s"}
+                                       "guarded_p99_ttft_ratio", "guarded_preemptions_share", "confirmed_within_10_s",
+                                       "victims_never_flagged"}
     for plot in ("victim_ttft", "free_blocks", "detector"):
         assert (tmp_path / f"{plot}.png").read_bytes().startswith(b"\x89PNG"), plot

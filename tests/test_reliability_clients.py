@@ -50,10 +50,11 @@ async def test_04_client_leaving_while_queued_is_removed_and_the_engine_never_he
     async with ready_guard(guard_config(engine.url)) as guard:
         client = Client(guard.url, tally)
         globex_before = tenant_usage(engine, "globex")["prompt_tokens_total"]
-        # 51 of the 54 blocks the guard may commit: globex's 5-block request has to wait behind it.
+        # 51 of the 54 blocks the guard may commit: globex's 16-block request, past its guarantee of 13 (a
+        # quarter of the budget), waits for idle room behind it.
         blocker = asyncio.create_task(client.call(body(800, stream=True)))
         await until(lambda: guard.call(lambda: guard.state.pool.tenant_reserved("acme")), bool, 5)
-        queued = asyncio.create_task(client.call(body(64), key="sk-globex"))
+        queued = asyncio.create_task(client.call(body(240), key="sk-globex"))
 
         def globex_queue() -> int:
             return guard.call(lambda: len(guard.state.dispatcher.fair.tenants["globex"]))
