@@ -1,5 +1,6 @@
 """Guard admission & fairness: what happened to each tenant's requests, how long they queued, how much of the
-KV budget the guard has committed, whether service follows the weights, and which mode the guard is in."""
+KV budget the guard has committed, whether service follows the weights, whether the guards share their state
+(Redis), and which mode the guard is in."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ REJECTED = 'outcome=~"rejected_quota|rejected_overload"'
 MODES = {0: ("normal", "green"), 1: ("pressure", "orange"), 2: ("degraded", "red")}
 UP_DOWN = {0: ("unhealthy", "red"), 1: ("healthy", "green")}
 PRESSURE, DEGRADED = 'mode="pressure"', 'mode="degraded"'
+# guard_shared_state_up + (guard_shared_state_guards > 0): a guard without shared_state exports 0 for both.
+SHARED = {0: ("alone (no shared_state)", "blue"), 1: ("Redis down: admitting alone", "red"), 2: ("shared", "green")}
 
 
 def build() -> dict:
@@ -85,6 +88,20 @@ def build() -> dict:
                            "weight: 1 is exactly proportional, 1/n is one tenant getting everything.", "none",
                            Target(f"min by (instance) ({sel('guard_fairness_jain_index')})", "{{instance}}"),
                            min=0, max=1),
+            ]),
+            Row("Shared state", [
+                state_timeline("Shared state (Redis) per guard", "Guards that share fairness, KV budgets, "
+                               "limits and verdicts through Redis (shared_state, or --workers N: one instance "
+                               "per worker). Redis down: the guard admits alone, to 1/N of each engine "
+                               "(GuardSharedStateDown).",
+                               Target(f"max by (instance) ({sel('guard_shared_state_up')}) + max by (instance) "
+                                      f"({sel('guard_shared_state_guards')} > bool 0)", "{{instance}}"),
+                               SHARED),
+                timeseries("Guards sharing state", "Live guards each guard saw in Redis (leases not yet "
+                           "lapsed); while Redis is down, the number last seen, which sets each guard's "
+                           "share. Guards that disagree for long have lost one another.", "short",
+                           Target(f"max by (instance) ({sel('guard_shared_state_guards')})", "{{instance}}"),
+                           min=0),
             ]),
             Row("Mode and backends", [
                 state_timeline("Guard mode", "normal: everything to the engine; pressure: sheddable lanes "

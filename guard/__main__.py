@@ -1,18 +1,45 @@
-"""``python -m guard --config guard.yaml``: run the guard until SIGINT/SIGTERM, then shut down gracefully;
-SIGHUP re-reads the file (guard/reload.py)."""
+"""``python -m guard --config guard.yaml [--workers N]``: run the guard until SIGINT/SIGTERM, then shut down
+gracefully; SIGHUP re-reads the file (guard/reload.py).
+
+``--workers N`` (N > 1, which needs ``shared_state``) runs N guard processes on one port::
+
+    python -m guard --workers 2          the supervisor: spawns the workers, forwards signals, reports deaths
+      |-- worker 0   listen.port (SO_REUSEPORT) + its own /metrics, /health on --metrics-port + 0; the console
+      '-- worker 1   listen.port (SO_REUSEPORT) + its own /metrics, /health on --metrics-port + 1
+
+Each worker is a whole guard (this module again, with the hidden ``--worker-index``), sharing fairness, KV
+budgets, limits and verdicts with the others through Redis (guard/state/) as separate guards do; the kernel
+spreads new connections among the listeners. The supervisor forwards SIGTERM, SIGINT and SIGHUP to every
+worker and exits once they have; a worker that dies on its own is reported and the others are stopped (exit
+status 1), so that whatever supervises the guard (systemd, compose's restart policy) restarts it whole.
+Workers run in their own session, so a terminal's Ctrl-C reaches them once, through the supervisor, and
+they are sent SIGTERM if the supervisor dies (``PR_SET_PDEATHSIG``).
+
+Metrics are per process: the listener's ``/metrics`` is whichever worker the kernel handed the connection,
+so Prometheus scrapes each worker's own port instead, one ``instance`` per worker, exactly as it would scrape
+separate guards. Only worker 0 runs the admin console (``admin:``).
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import gc
 import logging
+import os
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
-from guard.config import ConfigError, load_config
-from guard.http.app import create_app
+from aiohttp import web
+
+from guard.config import ConfigError, GuardConfig, load_config
+from guard.http.app import create_app, health, metrics_endpoint
 from guard.http.connections import raise_descriptor_limit, serve
 from guard.reload import reload_on_sighup
+from guard.runtime import STATE
 
 # Young objects allocated before the collector starts a pass. The default (700) suits programs whose objects
 # die in order; here 64+ requests in flight allocate and free thousands at once, the count (allocations net
@@ -21,6 +48,9 @@ from guard.reload import reload_on_sighup
 # or so under load and most of a request's objects are gone before one does. Nothing here relies on the
 # collector (aiohttp's objects die by reference counting), so garbage is only held a little longer.
 GEN0_THRESHOLD = 10_000
+METRICS_PORT_OFFSET = 10  # --workers N without --metrics-port: worker i's metrics on listen.port + 10 + i
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+PR_SET_PDEATHSIG = 1
 
 
 def tune_collector() -> None:
@@ -33,29 +63,164 @@ def main(argv: list[str] | None = None) -> int:
                                      "in front of the engine (OpenAI-compatible).")
     parser.add_argument("--config", required=True, help="YAML configuration file (see guard.example.yaml)")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--workers", type=int, default=1, metavar="N",
+                        help="guard processes sharing the listen port (SO_REUSEPORT); N > 1 needs shared_state")
+    parser.add_argument("--metrics-port", type=int, metavar="PORT",
+                        help="worker i serves its own /metrics and /health on PORT + i, on listen.host (default "
+                        f"with --workers N > 1: listen.port + {METRICS_PORT_OFFSET}; 0: ports the OS picks, "
+                        "printed)")
+    parser.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)  # set by the supervisor only
+    parser.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.workers < 1:
+        parser.error("--workers must be at least 1")
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = load_config(args.config)
     except ConfigError as exc:
         print(f"guard: invalid configuration: {exc}", file=sys.stderr)
         return 2
+    if args.workers > 1 and (problem := workers_problem(config)):
+        print(f"guard: --workers {args.workers}: {problem}", file=sys.stderr)
+        return 2
+    if args.worker_index is not None:
+        return worker(config, args)
+    announce(config, args.workers)
+    if args.workers > 1:
+        base = config.listen.port + METRICS_PORT_OFFSET if args.metrics_port is None else args.metrics_port
+        return supervise(args, base)
+    return run(config, Path(args.config), metrics_port=args.metrics_port)
+
+
+def workers_problem(config: GuardConfig) -> str | None:
+    """Why ``config`` cannot run as several workers, or None."""
+    if config.shared_state is None:
+        return ("several workers need shared_state (shared_state: {redis_url: \"redis://HOST:6379/0\"} in the "
+                "config): without it each worker would keep its own fairness, KV budget and limits, and "
+                "together they would overcommit the engines")
+    if config.listen.port == 0:
+        return "several workers need a fixed listen.port to share (0 would give each a port of its own)"
+    return None
+
+
+def announce(config: GuardConfig, workers: int) -> None:
     engines = ", ".join(f"{b.name} {b.url}" for b in config.pool)
+    processes = f"; {workers} workers sharing state through Redis" if workers > 1 else ""
     print(f"guard listening on http://{config.listen.host}:{config.listen.port} -> engines {engines} "
-          f"(routing: {config.routing.policy})", flush=True)
+          f"(routing: {config.routing.policy}{processes})", flush=True)
     if (admin := config.admin) is not None:  # the site itself starts with the app (guard/console/app.py)
         access = "an admin key required" if admin.api_keys else "loopback, no key"
-        print(f"operator console on http://{admin.host}:{admin.port}/ ({access})", flush=True)
+        owner = " (worker 0)" if workers > 1 else ""
+        print(f"operator console on http://{admin.host}:{admin.port}/ ({access}){owner}", flush=True)
+
+
+def run(config: GuardConfig, path: Path, *, console: bool = True, reuse_port: bool = False,
+        metrics_port: int | None = None, name: str = "guard") -> int:
+    """One guard process, serving until a signal ends it."""
     raise_descriptor_limit()  # before create_app, which sizes the connection cap from it
-    app = create_app(config)
-    reload_on_sighup(app, Path(args.config))
+    app = create_app(config, console=console)
+    if metrics_port is not None:
+        serve_metrics(app, config.listen.host, metrics_port, name)
+    reload_on_sighup(app, path)
     # What exists now (modules, pydantic schemas, the app) lives as long as the process: keep it out of the
     # collector's reach, so that a full collection walks only what requests left behind. Walking ~50k
     # startup objects made every gen-2 pass (one every few seconds under load) stall all streams 35-140 ms.
     gc.freeze()
     tune_collector()
-    serve(app, config.listen.host, config.listen.port, shutdown_timeout=config.limits.shutdown_timeout)
+    serve(app, config.listen.host, config.listen.port, shutdown_timeout=config.limits.shutdown_timeout,
+          reuse_port=reuse_port)
     return 0
+
+
+def serve_metrics(app: web.Application, host: str, port: int, name: str) -> None:
+    """``/metrics`` and ``/health`` of this process alone on ``host:port``, beside the shared listener, from
+    the time ``app`` starts (a port that cannot be bound stops the worker from starting)."""
+    runners: list[web.AppRunner] = []
+
+    async def start(app: web.Application) -> None:
+        private = web.Application()
+        private[STATE] = app[STATE]
+        private.router.add_get("/metrics", metrics_endpoint)
+        private.router.add_get("/health", health)
+        runner = web.AppRunner(private, access_log=None, shutdown_timeout=1.0)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, host, port).start()
+        except OSError as exc:
+            await runner.cleanup()
+            raise OSError(exc.errno, f"{name}'s metrics listener {host}:{port} (--metrics-port): "
+                                     f"{exc.strerror}") from exc
+        runners.append(runner)
+        print(f"{name} (pid {os.getpid()}): metrics on http://{host}:{runner.addresses[0][1]}/metrics",
+              flush=True)
+
+    async def stop(app: web.Application) -> None:
+        for runner in runners:
+            await runner.cleanup()
+
+    app.on_startup.append(start)
+    app.on_cleanup.append(stop)
+
+
+# -- --workers N ----------------------------------------------------------------------------------------------
+def worker(config: GuardConfig, args: argparse.Namespace) -> int:
+    """Worker ``args.worker_index`` of a supervisor: one guard on the shared port."""
+    die_with(args.parent_pid)
+    index = args.worker_index
+    return run(config, Path(args.config), console=index == 0, reuse_port=True, metrics_port=args.metrics_port,
+               name=f"guard worker {index}")
+
+
+def die_with(parent: int | None) -> None:
+    """Ask the kernel for SIGTERM when the supervisor dies (Linux), so that no worker outlives it holding the
+    port and its lease; exit at once if it already has."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if parent is not None and os.getppid() != parent:
+        sys.exit("guard worker: the supervisor is gone")
+
+
+def supervise(args: argparse.Namespace, metrics_base: int) -> int:
+    """Spawn ``args.workers`` workers and wait for them (see the module docstring): 0 when they all ended
+    cleanly on a forwarded signal, 1 when one died on its own."""
+    workers: dict[int, int] = {}  # pid: index, of the workers still running
+    stopping = False
+
+    def send(sig: signal.Signals) -> None:
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+    def forward(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = stopping or signum != signal.SIGHUP
+        send(signal.Signals(signum))
+
+    for sig in FORWARDED:
+        signal.signal(sig, forward)
+    for index in range(args.workers):
+        command = [sys.executable, "-m", "guard", "--config", args.config, "--log-level", args.log_level,
+                   "--workers", str(args.workers), "--worker-index", str(index), "--parent-pid", str(os.getpid()),
+                   "--metrics-port", str(metrics_base + index if metrics_base else 0)]
+        workers[subprocess.Popen(command, start_new_session=True).pid] = index
+    if stopping:  # a signal came while they were being spawned: the later ones missed it
+        send(signal.SIGTERM)
+    status = 0
+    while workers:
+        pid, wait_status = os.wait()  # a signal runs its handler, then the wait goes on (PEP 475)
+        if (index := workers.pop(pid, None)) is None:
+            continue
+        code = os.waitstatus_to_exitcode(wait_status)
+        if stopping and code == 0:
+            continue
+        status = 1
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+        then = "" if stopping else "; stopping the other workers"
+        print(f"guard: worker {index} (pid {pid}) {how}{then}", file=sys.stderr, flush=True)
+        if not stopping:
+            stopping = True
+            send(signal.SIGTERM)
+    return status
 
 
 if __name__ == "__main__":

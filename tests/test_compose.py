@@ -21,6 +21,7 @@ from support import ROOT
 
 SCHEMA = ROOT / "tests" / "schemas" / "compose-spec.json"
 REPLICAS = ("engine-e0", "engine-e1")
+GUARDS = {"guard-a": 8010, "guard-b": 8020}  # the guard replicas behind the load balancer, and their ports
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,7 @@ def test_compose_file_follows_the_compose_specification(validator: Draft202012Va
 
 @pytest.mark.parametrize(("path", "value"), [
     (("services", "engine-e0", "healthcheck", "intervall"), "5s"),
-    (("services", "guard", "depends_on", "engine-e1", "condition"), "service_ready"),
+    (("services", "guard-a", "depends_on", "engine-e1", "condition"), "service_ready"),
     (("services", "engine-e1", "deploy", "resources", "reservations", "devices", 0, "capabilites"), "gpu"),
 ])
 def test_the_schema_rejects_a_broken_file(validator: Draft202012Validator, compose: dict,
@@ -70,13 +71,17 @@ def test_each_replica_reserves_a_gpu_of_its_own_and_mounts_the_model_directory(c
 
 def test_every_service_has_a_healthcheck_and_healthy_dependencies_can_be_waited_on(compose: dict) -> None:
     services = compose["services"]
-    assert set(services) == {*REPLICAS, "fallback", "guard", "prometheus", "alertmanager", "grafana"}
+    assert set(services) == {*REPLICAS, "fallback", *GUARDS, "redis", "lb", "prometheus", "alertmanager",
+                             "grafana"}
     for name, service in services.items():
         assert service["healthcheck"]["test"][0] == "CMD", name
         for dependency, condition in service.get("depends_on", {}).items():
             assert dependency in services, f"{name} depends on unknown {dependency}"
             assert condition["condition"] in ("service_healthy", "service_started"), name
-    assert all(services["guard"]["depends_on"][name]["condition"] == "service_healthy" for name in REPLICAS)
+    for guard in GUARDS:
+        assert all(services[guard]["depends_on"][name]["condition"] == "service_healthy"
+                   for name in (*REPLICAS, "redis")), guard
+    assert all(services["lb"]["depends_on"][guard]["condition"] == "service_healthy" for guard in GUARDS)
     assert services["grafana"]["depends_on"]["prometheus"]["condition"] == "service_healthy"
 
 
@@ -91,7 +96,9 @@ def test_bind_mounts_exist_and_the_services_run_the_repository_configs(compose: 
     assert "./alerts:/etc/kvguard/alerts:ro" in prometheus["volumes"]
     alertmanager = compose["services"]["alertmanager"]
     assert "--config.file=/etc/kvguard/alerts/alertmanager.yml" in alertmanager["command"]
-    assert "./guard.example.yaml:/etc/kvguard/guard.yaml:ro" in compose["services"]["guard"]["volumes"]
+    for guard in GUARDS:
+        assert f"./deploy/{guard}.yaml:/etc/kvguard/guard.yaml:ro" in compose["services"][guard]["volumes"]
+    assert "./deploy/haproxy.cfg:/usr/local/etc/haproxy/haproxy.cfg:ro" in compose["services"]["lb"]["volumes"]
 
 
 def test_grafana_is_provisioned_with_the_generated_dashboards(compose: dict) -> None:
@@ -171,3 +178,27 @@ def test_make_stack_runs_what_compose_runs(compose: dict, monkeypatch: pytest.Mo
         assert config.replace("/etc/kvguard/alerts/", f"{ROOT / 'alerts'}/") in native[service]
         listen = next(a for a in in_compose if a.startswith("--web.listen-address="))
         assert listen in native[service]
+
+
+def test_the_guard_replicas_run_the_example_config_sharing_state_behind_the_load_balancer(compose: dict) -> None:
+    """Each replica's config is guard.example.yaml but for its ports and shared_state (the compose Redis),
+    it is checked healthy on its own port, and the load balancer on the example's port sends to both."""
+    example = yaml.safe_load((ROOT / "guard.example.yaml").read_text())
+    redis = compose["services"]["redis"]["command"]
+    redis_url = f"redis://127.0.0.1:{redis[redis.index('--port') + 1]}/0"
+    admins = set()
+    for guard, port in GUARDS.items():
+        config = yaml.safe_load((ROOT / "deploy" / f"{guard}.yaml").read_text())
+        assert config.pop("listen") == {"host": "127.0.0.1", "port": port}, guard
+        assert config.pop("shared_state") == {"redis_url": redis_url}, guard
+        admins.add(config.pop("admin")["port"])
+        assert config == {k: v for k, v in example.items() if k not in ("listen", "admin")}, guard
+        assert f"127.0.0.1:{port}/health" in compose["services"][guard]["healthcheck"]["test"][-1], guard
+    assert len(admins) == len(GUARDS), "each replica's console on a port of its own"
+    haproxy = (ROOT / "deploy" / "haproxy.cfg").read_text()
+    assert f"bind 127.0.0.1:{example['listen']['port']}" in haproxy
+    servers = re.findall(r"^\s*server (\S+) (\S+) check", haproxy, re.MULTILINE)
+    assert servers == [(guard, f"127.0.0.1:{port}") for guard, port in GUARDS.items()]
+    prometheus = yaml.safe_load((ROOT / "alerts" / "prometheus.yml").read_text())
+    [job] = [job for job in prometheus["scrape_configs"] if job["job_name"] == "guard-replicas"]
+    assert [t for config in job["static_configs"] for t in config["targets"]] == [a for _, a in servers]

@@ -114,7 +114,9 @@ async def metrics_endpoint(request: web.Request) -> web.Response:
     return web.Response(body=generate_latest(m.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def create_app(config: GuardConfig) -> web.Application:
+def create_app(config: GuardConfig, *, console: bool = True) -> web.Application:
+    """The guard's application; ``console`` False leaves out the admin listener even when ``admin`` is
+    configured (every worker but the first of ``--workers N``)."""
     guard_tenants = {t.name for t in config.tenants}
     routing = config.routing
 
@@ -151,7 +153,7 @@ def create_app(config: GuardConfig) -> web.Application:
     app.on_startup.append(_start)
     app.on_shutdown.append(_shutdown)
     app.on_cleanup.append(_cleanup)
-    if config.admin is not None:
+    if config.admin is not None and console:
         install_console(app, config.admin)  # the admin listener starts and stops with the guard
     return app
 

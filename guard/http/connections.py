@@ -338,13 +338,16 @@ class GuardRunner(web.AppRunner):
         return None if server is None else functools.partial(self.app[CONNECTIONS].accept, server)
 
 
-def serve(app: web.Application, host: str, port: int, *, shutdown_timeout: float) -> None:
+def serve(app: web.Application, host: str, port: int, *, shutdown_timeout: float,
+          reuse_port: bool = False) -> None:
     """Serve ``app`` (from ``create_app``) on ``host:port`` until SIGINT or SIGTERM, then shut down
     gracefully: ``web.run_app``, which cannot be given a runner, with a ``GuardRunner``. As there, only the
-    serving task is cancelled at first, so that its clean-up gives running requests ``shutdown_timeout``."""
+    serving task is cancelled at first, so that its clean-up gives running requests ``shutdown_timeout``.
+    ``reuse_port``: bind with ``SO_REUSEPORT``, so that the workers of ``--workers N`` (guard/__main__.py)
+    share the port and the kernel spreads new connections among them."""
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
-    main = loop.create_task(_serve(app, host, port, shutdown_timeout))
+    main = loop.create_task(_serve(app, host, port, shutdown_timeout, reuse_port))
     try:
         loop.run_until_complete(main)
     except (web.GracefulExit, KeyboardInterrupt):
@@ -362,12 +365,12 @@ def serve(app: web.Application, host: str, port: int, *, shutdown_timeout: float
         loop.close()
 
 
-async def _serve(app: web.Application, host: str, port: int, shutdown_timeout: float) -> None:
+async def _serve(app: web.Application, host: str, port: int, shutdown_timeout: float, reuse_port: bool) -> None:
     runner = GuardRunner(app, handle_signals=True, handler_cancellation=True,
                          shutdown_timeout=shutdown_timeout)
     await runner.setup()
     try:
-        await web.TCPSite(runner, host, port).start()
+        await web.TCPSite(runner, host, port, reuse_port=reuse_port or None).start()
         await asyncio.Event().wait()  # until a signal raises GracefulExit
     finally:
         await runner.cleanup()

@@ -1,0 +1,130 @@
+"""``python -m guard --workers N``: N guard processes on one port (SO_REUSEPORT) sharing state through a real
+Redis, in front of a real tiny engine; each worker's own metrics on its private port; refused without
+``shared_state``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import sys
+from pathlib import Path
+
+import aiohttp
+from support import ROOT
+from support.guard_server import guard_config
+from support.net import free_port, request
+from support.processes import Processes, run_command
+from support.redis_server import RedisServer
+from support.wait import wait_for
+
+STREAMS = 40
+
+
+def series(url: str, name: str) -> dict[str, float]:
+    """Every sample of ``name`` in the Prometheus text at ``url``, by its label string."""
+    status, body = request(url, timeout=5)
+    assert status == 200, body
+    found = {}
+    for line in body.decode().splitlines():
+        if match := re.match(rf"^{name}(\{{[^}}]*\}})? (\S+)$", line):
+            found[match[1] or ""] = float(match[2])
+    return found
+
+
+def link(url: str) -> tuple[float | None, float | None]:
+    """A worker's ``guard_shared_state_up`` and ``guard_shared_state_guards`` (None before it listens)."""
+    try:
+        return series(url, "guard_shared_state_up").get(""), series(url, "guard_shared_state_guards").get("")
+    except OSError:
+        return None, None
+
+
+def completed(url: str) -> float:
+    return sum(v for labels, v in series(url, "guard_requests_total").items() if 'outcome="completed"' in labels)
+
+
+async def stream(session: aiohttp.ClientSession, url: str, i: int) -> list[bytes]:
+    """One streamed completion on a connection of its own, read to its end: its SSE data lines."""
+    async with session.post(url + "/v1/completions", headers={"Authorization": "Bearer sk-acme"}, json={
+            "model": "tiny", "prompt": f"stream {i}", "max_tokens": 12, "ignore_eos": True,
+            "stream": True}) as answer:
+        assert answer.status == 200, await answer.text()
+        return [line.strip() async for line in answer.content if line.startswith(b"data: ")]
+
+
+async def many_streams(url: str) -> list[list[bytes]]:
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)  # one connection per stream
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as session:
+        return await asyncio.gather(*(stream(session, url, i) for i in range(STREAMS)))
+
+
+def test_two_workers_share_the_port_and_serve_every_stream(tmp_path: Path, processes: Processes) -> None:
+    redis = processes.add(RedisServer(tmp_path))
+    engine = processes.engine("--num-blocks", "512")
+    metrics = free_port()
+    admin = free_port()
+    guard_config(engine.url, tmp_path, listen={"host": "127.0.0.1", "port": free_port()},
+                 shared_state={"redis_url": redis.url}, admin={"host": "127.0.0.1", "port": admin})
+    guard = processes.guard(tmp_path / "guard.yaml", "--workers", "2", "--metrics-port", str(metrics))
+    workers = [f"http://127.0.0.1:{metrics + i}/metrics" for i in range(2)]
+    for url in workers:  # each worker up, its link to Redis up, and each sees both
+        wait_for(lambda u=url: link(u), lambda seen: seen == (1.0, 2.0), 20, message=lambda: guard.log_tail())
+
+    answers = asyncio.run(many_streams(guard.url))
+    assert all(lines[-1] == b"data: [DONE]" and len(lines) > 2 for lines in answers), answers
+    served = [completed(url) for url in workers]
+    assert sum(served) == STREAMS and all(served), f"completed per worker: {served}"
+    for url in workers:  # every admission went through the shared ledger
+        admits = series(url, "guard_shared_state_round_trip_seconds_count")
+        assert admits.get('{op="admit"}', 0) > 0, admits
+    assert request(f"http://127.0.0.1:{admin}/state")[0] == 200, "worker 0 runs the console"
+    assert guard.log_text().count("guard.console: operator console on") == 1, guard.log_tail()
+
+    guard.send_signal(signal.SIGHUP)  # forwarded: each worker re-reads the file (unchanged: accepted)
+    for url in workers:
+        wait_for(lambda u=url: series(u, "guard_config_reloads_total").get('{result="ok"}'), bool, 10)
+    assert len({tuple(series(url, "guard_config_info")) for url in workers}) == 1, "one config hash"
+    assert guard.stop() == 0, guard.log_tail()
+    assert "exited" not in guard.log_text() and "killed" not in guard.log_text(), guard.log_tail()
+
+
+def test_a_worker_that_dies_is_reported_and_the_others_stopped(tmp_path: Path, processes: Processes) -> None:
+    redis = processes.add(RedisServer(tmp_path))
+    metrics = free_port()
+    guard_config("http://127.0.0.1:9", tmp_path, listen={"host": "127.0.0.1", "port": free_port()},
+                 shared_state={"redis_url": redis.url})
+    guard = processes.guard(tmp_path / "guard.yaml", "--workers", "2", "--metrics-port", str(metrics))
+    said = wait_for(lambda: re.findall(r"guard worker 1 \(pid (\d+)\)", guard.log_text()), bool, 20,
+                    message=lambda: guard.log_tail())
+    worker = int(said[0])
+    os.kill(worker, signal.SIGKILL)
+    assert guard.wait(20) == 1, guard.log_tail()
+    assert f"worker 1 (pid {worker}) was killed by SIGKILL; stopping the other workers" in guard.log_text()
+
+
+def test_several_workers_need_shared_state(tmp_path: Path) -> None:
+    guard_config("http://127.0.0.1:9", tmp_path, listen={"host": "127.0.0.1", "port": free_port()})
+    done = run_command(sys.executable, "-m", "guard", "--config", tmp_path / "guard.yaml", "--workers", "2",
+                       timeout=30)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "--workers 2: several workers need shared_state" in done.stderr
+
+
+def test_guard_scale_benchmark_quick(tmp_path: Path) -> None:
+    """bench/guard_scale.py --quick (about 15 s) still measures every target and the Redis round trips; no
+    figure is asserted (a shared machine's figures say nothing about the code)."""
+    result_file = tmp_path / "result.json"
+    done = run_command(sys.executable, ROOT / "bench" / "guard_scale.py", "--quick", "--json", result_file,
+                       timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "QUICK RUN" in done.stdout
+    report = json.loads(result_file.read_text())
+    assert set(report["summary"]) == {"direct", "alone", "redis1", "redis2"}
+    for name, row in report["summary"].items():
+        assert row["requests_per_s"] > 0 and row["errors"] == 0, (name, row)
+        assert ("redis" in row) == (name in ("redis1", "redis2")), name
+    assert report["summary"]["redis1"]["redis"]["calls_per_request"] >= 1, "one ADMIT per request at least"
+    assert set(report["verdicts"]) >= {"shared_state_cost", "two_workers_over_one"}
