@@ -42,6 +42,8 @@ def test_fill_squeeze_quick(tmp_path: Path) -> None:
         else:
             assert None not in states
         assert len(run["victim_requests"]) == sum(run["victims"][p]["sent"] for p in ("baseline", "attack"))
+    assert set(report["control"]["victims"]) == {"baseline", "attack"}  # the same victims, no attacker
+    assert set(report["runs"]["guarded"]["ttft_vs_control"]) == {"mean", "p50", "p99"}
     assert report["runs"]["unguarded"]["detection"] is None
     assert set(report["runs"]["guarded"]["detection"]) == {"suspect_after_fill_s", "confirmed_after_fill_s",
                                                            "confirmed_at_s", "victims_flagged"}

@@ -56,6 +56,30 @@ class AttackRequest:
     outcome: Outcome
 
 
+@dataclass(slots=True)
+class AttackRecord:
+    """What an attack did, as the harness reports it (picklable: it comes back from the attacker's process)."""
+
+    requests: list[AttackRequest]
+    fill_start: float | None
+    squeeze_start: float | None
+    limits: tuple[float, float] | None
+
+
+def attack(plan: AttackPlan, target: Target, tenants: list[str], seed: int, until: float) -> AttackRecord:
+    """Run an attack to ``until`` (``time.monotonic()``, the same clock in every process) in this process,
+    with its own event loop and connections: the harness runs it in a process of its own, so that the
+    attacker's client work (hundreds of requests, most of them refused at once) never delays the victims'
+    clients, whose TTFT would be charged with it."""
+    async def run() -> AttackRecord:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            attacker = Attacker(plan, session, target, tenants, seed)
+            await attacker.run(until)
+            return attacker.record()
+
+    return asyncio.run(run())
+
+
 class Attacker:
     def __init__(self, plan: AttackPlan, session: aiohttp.ClientSession, target: Target, tenants: list[str],
                  seed: int) -> None:
@@ -137,6 +161,9 @@ class Attacker:
         if latest is None or latest.ttft is None:
             return False  # refused, or nothing answered yet
         return latest.ttft <= ttft_limit and (latest.itl is None or latest.itl <= itl_limit)
+
+    def record(self) -> AttackRecord:
+        return AttackRecord(self.requests, self.fill_start, self.squeeze_start, self.limits)
 
     def _in_flight(self, kind: str) -> int:
         return sum(1 for r in self.requests if r.kind == kind and r.outcome.finished is None)

@@ -18,7 +18,8 @@ the second only. Each run has two phases over time:
 
 The victims (bench/attacks/victims.py) send the same seeded Poisson arrivals in both runs. While a run goes
 on, the engine's ``/telemetry`` and the guard's ``/metrics`` are read every 0.25 s (timeline.py). The report
-(report.py, plots.py) gives the victims' TTFT mean and p99 in the attack phase over the baseline phase, the
+(report.py, plots.py) gives the victims' TTFT mean and p99 in the attack phase over the baseline phase (and,
+for the guarded run, over the same phase of a third run through the guard with no attacker: the control), the
 engine preemptions in each phase (``preemptions_total`` deltas; the attack's include the drain), the time
 from the attacker's first long request to the first scrape showing
 ``guard_fill_squeeze_state{tenant="attacker"} 2``, and plots of victim TTFT, engine free blocks and the
@@ -35,12 +36,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
 import os
 import shlex
 import sys
 import tempfile
 import time
 from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
@@ -48,7 +51,7 @@ import aiohttp
 import torch
 
 from bench.attacks import report as figures
-from bench.attacks.attacker import KINDS, Attacker, AttackPlan
+from bench.attacks.attacker import KINDS, AttackPlan, AttackRecord, attack
 from bench.attacks.client import Outcome, Target, engine_target, guard_target, stream_completion
 from bench.attacks.plots import write_plots
 from bench.attacks.timeline import Sample, sample_until, table, telemetry
@@ -99,17 +102,17 @@ async def wait_idle(session: aiohttp.ClientSession, engine_url: str, timeout: fl
         await asyncio.sleep(0.1)
 
 
-async def run_scenario(target: Target, engine_url: str, guard_url: str | None,
-                       args: argparse.Namespace) -> dict:
-    """Baseline, then attack, against ``target``; the run's record, its times in seconds since it began."""
+async def run_scenario(target: Target, engine_url: str, guard_url: str | None, args: argparse.Namespace,
+                       attacker_process: ProcessPoolExecutor | None) -> dict:
+    """Baseline, then attack, against ``target``; the run's record, its times in seconds since it began.
+    Without ``attacker_process``, the control: the same victims and phases, and no attacker."""
     samples: list[Sample] = []
     victims: list[VictimRequest] = []
     stop = asyncio.Event()
     sampler = asyncio.create_task(sample_until(stop, engine_url, guard_url, attackers(args), samples))
     # No connection cap on the clients' side: it would be a queue of its own, in front of the one under test.
     async with aiohttp.ClientSession() as control, \
-            aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as victim_session, \
-            aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as attacker_session:
+            aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as victim_session:
         origin = time.monotonic() + 0.1
         attack_start, end = origin + args.baseline, origin + args.baseline + args.attack
         at_origin = await telemetry(control, engine_url)
@@ -118,8 +121,12 @@ async def run_scenario(target: Target, engine_url: str, guard_url: str | None,
             victim_traffic(victim_session, target, load, args.seed, origin, end, victims))
         await asyncio.sleep(max(0.0, attack_start - time.monotonic()))
         at_attack = await telemetry(control, engine_url)
-        attacker = Attacker(attack_plan(args), attacker_session, target, attackers(args), args.seed)
-        await attacker.run(end)  # and hangs up on its own requests when the attack phase ends
+        if attacker_process is None:
+            attacker = AttackRecord([], None, None, None)
+            await asyncio.sleep(max(0.0, end - time.monotonic()))
+        else:  # in its own process (bench/attacks/attacker.py, attack); it hangs up on its requests at the end
+            attacker = await asyncio.get_running_loop().run_in_executor(
+                attacker_process, attack, attack_plan(args), target, attackers(args), args.seed, end)
         tasks = await schedule
         if pending := [task for task in tasks if not task.done()]:
             await asyncio.wait(pending, timeout=args.drain)
@@ -181,23 +188,29 @@ def command() -> str:
 async def run(args: argparse.Namespace, workdir: Path) -> dict:
     engine_flags = ["--model", "tiny", "--device", "cpu", "--num-blocks", str(args.num_blocks)]
     engine = start_engine(workdir, engine_flags)
+    # One process for the attacker, started (and its imports done) before any run: see attacker.attack.
+    attacker_process = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    attacker_process.submit(int).result()
     try:
         direct = engine_target(engine.url, [*VICTIMS, *attackers(args)])
         await warm_up(direct, engine.url)
-        unguarded = await run_scenario(direct, engine.url, None, args)
+        unguarded = await run_scenario(direct, engine.url, None, args, attacker_process)
         config = guard_config(engine.url, args)
         guard = start_guard(workdir, config)
         try:
             via_guard = guard_target(guard.url, api_keys(args))
             await warm_up(via_guard, engine.url)
-            guarded = await run_scenario(via_guard, engine.url, guard.url, args)
+            guarded = await run_scenario(via_guard, engine.url, guard.url, args, attacker_process)
+            control = await run_scenario(via_guard, engine.url, guard.url, args, None)
         finally:
             guard.stop()
         guarded["detector_log"] = detector_log(guard)
     finally:
         engine.stop()
-    for result in (unguarded, guarded):
+        attacker_process.shutdown()
+    for result in (unguarded, guarded, control):
         result["ttft_ratios"] = figures.ttft_ratios(result)
+    guarded["ttft_vs_control"] = figures.ttft_ratios(guarded, control)
     return {
         "benchmark": "fill_squeeze",
         "quick": args.quick,
@@ -212,6 +225,11 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict:
         "phases_s": {"baseline": args.baseline, "attack": args.attack, "drain": args.drain},
         "targets": figures.TARGETS,
         "runs": {"unguarded": unguarded, "guarded": guarded},
+        # The same victims through the guard with no attacker: the p99 verdict's baseline, so that the two
+        # are compared over the same arrivals (a burst the seeded schedule puts in the attack phase is in
+        # both) rather than over two different phases.
+        "control": {key: control[key] for key in ("victims", "engine_preemptions", "longest_sampling_gap_s",
+                                                  "ttft_ratios")},
         "verdicts": figures.verdicts(unguarded, guarded),
     }
 

@@ -54,9 +54,11 @@ def detection(samples: list[Sample], fill_start: float | None, origin: float) ->
             "victims_flagged": any(s.victims_state for s in samples)}
 
 
-def ttft_ratios(run: dict) -> dict[str, float | None]:
-    """The attack phase's victim TTFT over the same run's baseline phase: mean, p50, p99."""
-    base, attack = run["victims"]["baseline"]["ttft"], run["victims"]["attack"]["ttft"]
+def ttft_ratios(run: dict, baseline: dict | None = None) -> dict[str, float | None]:
+    """The attack phase's victim TTFT over a baseline (mean, p50, p99): the same run's baseline phase, or,
+    given ``baseline`` (the control run), the same phase of a run with the same arrivals and no attacker."""
+    attack = run["victims"]["attack"]["ttft"]
+    base = (baseline or run)["victims"]["attack" if baseline is not None else "baseline"]["ttft"]
     return {f: attack[f"{f}_ms"] / base[f"{f}_ms"] if attack[f"{f}_ms"] is not None and base[f"{f}_ms"]
             else None for f in ("mean", "p50", "p99")}
 
@@ -68,7 +70,7 @@ def verdicts(unguarded: dict, guarded: dict) -> dict[str, bool]:
         "unguarded_mean_ttft_ratio": _at_least(unguarded["ttft_ratios"]["mean"],
                                                TARGETS["unguarded_mean_ttft_ratio_min"]),
         "unguarded_preemptions_climb": preempted["attack"] > preempted["baseline"],
-        "guarded_p99_ttft_ratio": _at_most(guarded["ttft_ratios"]["p99"],
+        "guarded_p99_ttft_ratio": _at_most(guarded["ttft_vs_control"]["p99"],
                                            TARGETS["guarded_p99_ttft_ratio_max"]),
         "guarded_preemptions_share": share <= TARGETS["guarded_preemptions_share_max"],
         "confirmed_within_10_s": _at_most(guarded["detection"]["confirmed_after_fill_s"],
@@ -91,7 +93,7 @@ def table(report: dict) -> str:
     head = (f"{'run':10} {'phase':9} {'victims':>7} {'ok':>4} {'TTFT mean':>9} {'p50':>7} {'p99':>7} "
             f"{'max':>7} {'preempt':>7} {'stall s':>7}")
     rows = [head, "-" * len(head)]
-    for name, run in report["runs"].items():
+    for name, run in {**report["runs"], "control": report["control"]}.items():
         for phase in ("baseline", "attack"):
             victims, ttft = run["victims"][phase], run["victims"][phase]["ttft"]
             rows.append(f"{name:10} {phase:9} {victims['sent']:>7} {victims['statuses'].get('200', 0):>4} "
@@ -110,8 +112,8 @@ def verdict_lines(report: dict) -> list[str]:
          f"{unguarded['engine_preemptions']['baseline']} in the baseline, "
          f"{unguarded['engine_preemptions']['attack']} in the attack "
          f"{_mark(ok['unguarded_preemptions_climb'])}"),
-        (f"guarded: victim p99 TTFT {_x(guarded['ttft_ratios']['p99'])} its baseline (target <= 2x, goal "
-         f"<= 1.5x) "
+        (f"guarded: victim p99 TTFT {_x(guarded['ttft_vs_control']['p99'])} the same arrivals' without the "
+         f"attack (target <= 2x, goal <= 1.5x; {_x(guarded['ttft_ratios']['p99'])} the baseline phase's) "
          f"{_mark(ok['guarded_p99_ttft_ratio'])}; engine preemptions "
          f"{guarded['engine_preemptions']['attack']} vs "
          f"{unguarded['engine_preemptions']['attack']} unguarded (target <= 10%) "
