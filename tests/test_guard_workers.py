@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import aiohttp
+import pytest
 from support import ROOT
 from support.guard_server import guard_config
 from support.net import free_port, request
@@ -113,6 +114,7 @@ def test_several_workers_need_shared_state(tmp_path: Path) -> None:
     assert "--workers 2: several workers need shared_state" in done.stderr
 
 
+@pytest.mark.slow  # 16 s of a suite that must stay under 15 minutes; make test-slow runs it
 def test_guard_scale_benchmark_quick(tmp_path: Path) -> None:
     """bench/guard_scale.py --quick (about 15 s) still measures every target and the Redis round trips; no
     figure is asserted (a shared machine's figures say nothing about the code)."""
