@@ -138,17 +138,20 @@ def measure(kind: str, url: str, load: Workload, args: argparse.Namespace, workd
 
 
 def side_by_side(kind: str, loads: list[Workload], args: argparse.Namespace, workdir: Path,
-                 proxies: dict[str, Service], upstream: Service, load_cpus: str | None) -> dict[str, list[float]]:
-    """CPU per request of the guard with tracing over the guard without, both loaded at the same time."""
+                 proxies: dict[str, Service], upstream: Service, load_cpus: str | None,
+                 pair: tuple[str, str] = ("guard", "traced")) -> dict[str, list[float]]:
+    """CPU per request of proxy ``pair[1]`` over proxy ``pair[0]`` (by default the guard with tracing over the
+    guard without), both loaded at the same time: whatever slows the machine slows both alike."""
+    base, other = pair
     ratios: dict[str, list[float]] = {load.name: [] for load in loads}
     for index in range(args.rounds):
         for load in loads:
             with concurrent.futures.ThreadPoolExecutor(2) as pool:
                 runs = {name: pool.submit(measure, kind, proxies[name].url, load, args, workdir, proxies[name],
-                                          upstream, load_cpus) for name in ("guard", "traced")}
-            off, on = (runs[name].result()["proxy_cpu_us_per_request"] for name in ("guard", "traced"))
+                                          upstream, load_cpus) for name in pair}
+            off, on = (runs[name].result()["proxy_cpu_us_per_request"] for name in pair)
             ratios[load.name].append(on / off)
-            print(f"  side by side {index + 1} {load.name:8} guard {off:7,.0f} us/req, traced {on:7,.0f} us/req: "
+            print(f"  side by side {index + 1} {load.name:8} {base} {off:7,.0f} us/req, {other} {on:7,.0f} us/req: "
                   f"{on / off:.3f}x", flush=True)
     return ratios
 

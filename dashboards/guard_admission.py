@@ -102,6 +102,13 @@ def build() -> dict:
                            "share. Guards that disagree for long have lost one another.", "short",
                            Target(f"max by (instance) ({sel('guard_shared_state_guards')})", "{{instance}}"),
                            min=0),
+                timeseries("Redis round trips (p99)", "How long the guards wait on Redis: a batch is one round "
+                           "trip carrying every op a guard queued meanwhile; admit is an admission's wait for "
+                           "its answer (the batch before it, and its own). Near shared_state.timeout_s the "
+                           "guards start to count Redis as down.", "s",
+                           Target(quantile(0.99, "guard_shared_state_round_trip_seconds", ("op",),
+                                           'op=~"batch|admit|renew"'), "{{op}}"),
+                           min=0),
             ]),
             Row("Mode and backends", [
                 state_timeline("Guard mode", "normal: everything to the engine; pressure: sheddable lanes "

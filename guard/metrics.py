@@ -43,8 +43,10 @@ class GuardMetrics:
                                "while this guard admits alone, to its share of each engine.", registry=r)
         self.shared_guards = Gauge("guard_shared_state_guards", "Guards sharing state, as last seen in Redis.",
                                    registry=r)
-        self.shared_round_trip = Histogram("guard_shared_state_round_trip_seconds", "One shared-state decision "
-                                           "(a Lua script in Redis), from call to answer.", ["op"],
+        self.shared_round_trip = Histogram("guard_shared_state_round_trip_seconds", "Shared state in Redis, by "
+                                           "op: a round trip (batch, renew, resync, verdicts), or one op a "
+                                           "request sent in a batch (admit, release, backlog, rate_charge, "
+                                           "rate_settle), from queued to answered.", ["op"],
                                            buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05,
                                                     0.1, 0.25, 0.5), registry=r)
         self.budget_blocks = Gauge("guard_admission_budget_blocks", "KV blocks the guard may commit "

@@ -55,7 +55,7 @@ async def linked(links: list[SharedState], timeout: float = 10.0) -> None:
 
 @contextlib.asynccontextmanager
 async def two_guards(url: str) -> AsyncIterator[list[SharedRateLimiter]]:
-    """Two guards' limiters, each on its own link to Redis, with the link's outbox delivered."""
+    """Two guards' limiters, each on its own link to Redis, with the link's wire delivered."""
     links = []
     for _ in range(2):
         metrics = GuardMetrics()

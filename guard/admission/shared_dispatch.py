@@ -2,7 +2,7 @@
 
 The fair queue, the tickets and their states are the ``Dispatcher``'s (guard/admission/dispatch.py); what
 changes is who decides that a ticket may take blocks on a replica. Here it is the shared ledger in Redis
-(guard/state/scripts.py ``ADMIT``), one atomic round trip that checks, over every live guard:
+(guard/state/scripts.py ``admit``), one atomic step that checks, over every live guard:
 
 - fairness: the ticket's tenant has the lowest virtual counter among the tenants queued at any guard (up to
   ``SLACK_TOKENS`` of service), so a tenant flooding one guard and another flooding a second are served in
@@ -16,7 +16,7 @@ the next local tenant; a head that finds no room stops the round (unless it borr
 again when something here ends or after ``RETRY_S``, since other guards' releases send no word. Counters are
 charged at admission for the input and the reserved output, and settled when the request ends (output not
 generated is refunded), so nothing accumulates error. Queued tickets are counted in Redis per tenant and
-guard (the global backlog VTC needs), in order, through the link's outbox.
+guard (the global backlog VTC needs), in order, on the link's wire with everything else.
 
 While the link is down (``SharedState.up`` False) everything is the ``Dispatcher``'s own, each gate scaled
 to this guard's share of its engine; tickets admitted then are in the holdings the link writes back when
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 
 from guard.admission.dispatch import Dispatcher, Ticket, TicketState
 from guard.admission.fairness import INPUT_COST, OUTPUT_COST, TenantQueue
@@ -65,26 +66,24 @@ class SharedDispatcher(Dispatcher):
     async def _place_now(self, queue: TenantQueue[Ticket], ticket: Ticket) -> bool:
         if not self.shared.up:
             return self._place(queue, ticket)
-        placing = asyncio.ensure_future(self._place_shared(queue, ticket))
-        try:
-            return await asyncio.shield(placing) == "admitted"
-        except asyncio.CancelledError:  # the client left while the ledger decided: undo what it granted
-            placing.add_done_callback(lambda done: done.cancelled() or done.exception() is not None
-                                      or done.result() != "admitted" or self._release(ticket))
-            raise
+        return await self._place_shared(queue, ticket) == "admitted"
 
     async def _place_shared(self, queue: TenantQueue[Ticket], ticket: Ticket) -> str:
         """Reserve through the ledger on the first replica, in the picker's order, with room: "admitted",
         "fair" (another tenant's turn, on every replica alike), "full", or "local" (Redis is down: the gates
-        decided alone)."""
+        decided alone). Cancelled while the ledger decides (the client left), nothing stays reserved."""
         ticket.borrowed = borrowed = self._borrowed(ticket.tenant, ticket.blocks)
         charge = (INPUT_COST * ticket.prompt_tokens + OUTPUT_COST * ticket.max_tokens) / ticket.tenant.weight
         for replica, hit_blocks in self.picker.rank(self.pool.replicas, ticket.blocks, ticket.hashes):
             gate = replica.gate
             threshold_room, pool_room = gate.rooms()
-            answer = await self.shared.call("ADMIT", self.shared.config.lease_ttl_s, replica.name, queue.name,
-                                            ticket.blocks, borrowed, threshold_room, pool_room, charge,
-                                            SLACK_TOKENS / ticket.tenant.weight)
+            deciding = self.shared.ask("ADMIT", replica.name, queue.name, ticket.blocks, borrowed, threshold_room,
+                                       pool_room, charge, SLACK_TOKENS / ticket.tenant.weight)
+            try:
+                answer = await asyncio.shield(deciding)
+            except asyncio.CancelledError:
+                deciding.add_done_callback(functools.partial(self._undo, replica.name, ticket))
+                raise
             if answer is None:
                 return "admitted" if self._place(queue, ticket) else "local"
             if answer[0] == 1:
@@ -92,9 +91,17 @@ class SharedDispatcher(Dispatcher):
                 ticket.replica, ticket.hit_blocks = replica, hit_blocks
                 replica.in_flight += 1
                 return "admitted"
-            if answer[1] == b"fair":
+            if answer[1] == "fair":
                 return "fair"
         return "full"
+
+    def _undo(self, engine: str, ticket: Ticket, deciding: asyncio.Future) -> None:
+        """Give back what the ledger granted ``ticket`` on ``engine`` after its client left, output charge
+        included (it will generate nothing)."""
+        answer = None if deciding.cancelled() else deciding.result()
+        if answer is not None and answer[0] == 1:
+            refund = -OUTPUT_COST * ticket.max_tokens / ticket.tenant.weight
+            self.shared.send("RELEASE", engine, ticket.blocks, ticket.borrowed, ticket.tenant.name, refund)
 
     def pump(self) -> None:
         if self.shared.up:

@@ -181,7 +181,7 @@ async def _start(app: web.Application) -> None:
     if (shared := state.shared) is not None:
         await shared.resync()  # join the other guards before the first request (alone if Redis is down)
         assert isinstance(state.dispatcher, SharedDispatcher)
-        for work, name in ((shared.run(), "shared state lease"), (shared.deliver(), "shared state outbox"),
+        for work, name in ((shared.run(), "shared state lease"), (shared.deliver(), "shared state wire"),
                            (state.dispatcher.run(), "shared admission"),
                            (share_verdicts(shared, state.escalation), "shared verdicts")):
             clients.tasks.append(asyncio.create_task(work, name=name))

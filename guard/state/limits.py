@@ -3,11 +3,11 @@
 Same semantics as one guard's limits (that module's docstring: a whole-second sliding minute, a request
 charged at admission with its prompt and reserved output, settled once to what it used, the 429 with
 ``Retry-After`` 1..60 and the "request too large" case, ``x-ratelimit-*`` on every answer to a limited
-tenant), with the windows in Redis and on Redis's clock (guard/state/scripts.py ``RATE_CHARGE``,
-``RATE_SETTLE``), so a tenant served by several guards gets its limit once, not once per guard:
+tenant), with the windows in Redis and on Redis's clock (guard/state/scripts.py ``rate_charge``,
+``rate_settle``), so a tenant served by several guards gets its limit once, not once per guard:
 
-- a charge is one atomic round trip: every window of the tenant is checked and charged together, or none is;
-- a settle is one fire-and-forget script through the link's outbox (``SharedState.send``): nobody waits on it,
+- a charge is one atomic step (``SharedState.ask``): every window of the tenant is checked and charged together, or none is;
+- a settle is one fire-and-forget op on the link's wire (``SharedState.send``): nobody waits on it,
   and it runs after the charge it settles (that one was awaited);
 - every charge Redis admits is also recorded, unchecked, on this guard's own windows and settled there, so
   that they hold what this guard admitted in the last minute when Redis goes away;
@@ -15,7 +15,7 @@ tenant), with the windows in Redis and on Redis's clock (guard/state/scripts.py 
   settle it); a settle sent while the link is down is dropped, leaving the whole charge in Redis until it
   slides out (too much counted, never too little).
 
-Redis down (``SharedState.call`` answers None, at once while the link is down): the guard decides alone on
+Redis down (``SharedState.ask`` answers None, at once while the link is down): the guard decides alone on
 its own windows, each limit divided by ``live_guards`` (the number of guards last seen, rounded down: a
 limit smaller than the number of guards admits nothing meanwhile), so the guards together stay within it; ``Retry-After``, the message and the headers say what this guard's
 share allows (guard/admission/limits.py ``charge_here``). When the link is up again, charging is shared
@@ -101,7 +101,7 @@ class SharedRateLimiter(RateLimiter):
                      if name in self.limited and kind in self.limited[name].windows}
 
     async def charge(self, tenant: Tenant, tokens: int) -> Charge | None:
-        """``RateLimiter.charge`` in one ``RATE_CHARGE`` round trip; on this guard's windows and share of each
+        """``RateLimiter.charge`` in one ``RATE_CHARGE`` decision; on this guard's windows and share of each
         limit while Redis does not answer."""
         limited = self.limited.get(tenant.name)
         if limited is None:
@@ -113,7 +113,7 @@ class SharedRateLimiter(RateLimiter):
         args: list[str | int] = [WINDOW_S]
         for kind in kinds:
             args += [rate_key(tenant.name, kind), limited.windows[kind].limit, need[kind]]
-        charging = asyncio.ensure_future(self.shared.call("RATE_CHARGE", *args))
+        charging = self.shared.ask("RATE_CHARGE", *args)
         try:
             answer = await asyncio.shield(charging)
         except asyncio.CancelledError:  # the client left while Redis decided: give back what it granted

@@ -1,4 +1,9 @@
-"""The guards' shared decisions as Lua scripts: each runs atomically in Redis, one round trip per decision.
+"""The guards' shared decisions as Lua scripts, each run atomically in Redis.
+
+What a request sends (admit, release, backlog counts, rate charges and settles) are Lua functions that one
+script, ``BATCH``, runs in sequence: a guard sends everything it queued while its previous round trip was on
+its way in the next one (guard/state/shared.py), so each decision is still one atomic step and a busy guard
+pays one round trip for many. The lease and resync scripts run on their own.
 
 Keys (all under ``PREFIX``):
 
@@ -56,76 +61,86 @@ local function backlogged_min(except)
 end
 """
 
-# ARGV: guard, lease_ttl_s, engine, tenant, blocks, borrowed, threshold room (safe_utilization * num_blocks
-# minus blocks held outside the guards), pool room (num_blocks minus the same), service charged to the
-# tenant's counter (already divided by its weight), slack (how far above the lowest backlogged counter the
-# tenant may be and still go first). Returns {1} admitted, {0, 'fair'} not its turn, {0, 'full'} no room.
-ADMIT = _PROLOGUE + """
-local guard, engine, tenant = ARGV[1], ARGV[3], ARGV[4]
-local blocks, borrowed = tonumber(ARGV[5]), tonumber(ARGV[6])
-local threshold, pool = tonumber(ARGV[7]), tonumber(ARGV[8])
-redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), guard)
-local low = backlogged_min(tenant)
-local mine = tonumber(redis.call('HGET', KEYS[3], tenant) or '0')
-if low ~= nil and mine > low + tonumber(ARGV[10]) then return {0, 'fair'} end
-local reserved, lent = 0, 0
-local fields = redis.call('HGETALL', KEYS[2])
-local suffix_r, suffix_b = '|' .. engine .. '|r', '|' .. engine .. '|b'
-for i = 1, #fields, 2 do
-  local f = fields[i]
-  if string.sub(f, -#suffix_r) == suffix_r then reserved = reserved + tonumber(fields[i + 1])
-  elseif string.sub(f, -#suffix_b) == suffix_b then lent = lent + tonumber(fields[i + 1]) end
-end
-local fits
-if borrowed > 0 then
-  fits = reserved + blocks <= threshold
-else
-  fits = reserved - lent + blocks <= threshold and reserved + blocks <= pool
-end
-if not fits then return {0, 'full'} end
-redis.call('HINCRBY', KEYS[2], guard .. suffix_r, blocks)
-if borrowed > 0 then redis.call('HINCRBY', KEYS[2], guard .. suffix_b, borrowed) end
-redis.call('HINCRBYFLOAT', KEYS[3], tenant, ARGV[9])
-return {1}
-"""
+# The decisions and updates a request sends, as Lua functions of (guard, a): ``a`` holds the op's arguments
+# (1-based, after the guard). ``BATCH`` runs any sequence of them in one script, so one round trip carries
+# everything a busy guard queued while the previous one was on its way.
 
-# ARGV: guard, engine, blocks, borrowed, tenant, service correction (may be negative: output reserved for
-# but not generated). Never takes a field below 0 (a field Redis lost, before the guard's resync).
-RELEASE = _PROLOGUE + """
-local guard, engine, tenant = ARGV[1], ARGV[2], ARGV[5]
-for _, part in ipairs({{'|r', tonumber(ARGV[3])}, {'|b', tonumber(ARGV[4])}}) do
-  if part[2] > 0 then
-    local field = guard .. '|' .. engine .. part[1]
-    if redis.call('HINCRBY', KEYS[2], field, -part[2]) <= 0 then redis.call('HDEL', KEYS[2], field) end
-  end
-end
-local delta = tonumber(ARGV[6])
-if delta ~= 0 then
-  local c = tonumber(redis.call('HGET', KEYS[3], tenant) or '0')
-  redis.call('HSET', KEYS[3], tenant, tostring(math.max(0, c + delta)))
-end
-return 1
-"""
-
-# ARGV: guard, tenant, delta (+1 queued, -1 left the queue). A tenant that was queued nowhere is lifted to
-# the lowest counter of those queued (VTC: idling banks no credit), over every guard.
-BACKLOG = _PROLOGUE + """
-local guard, tenant, delta = ARGV[1], ARGV[2], tonumber(ARGV[3])
-local field = guard .. '|' .. tenant
-if delta > 0 then
-  local anywhere = false
-  local fields = redis.call('HGETALL', KEYS[4])
+# a: engine, tenant, blocks, borrowed, threshold room (safe_utilization * num_blocks minus blocks held outside
+# the guards), pool room (num_blocks minus the same), service charged to the tenant's counter (already
+# divided by its weight), slack (how far above the lowest backlogged counter the tenant may be and still go
+# first). Returns {1} admitted, {0, 'fair'} not its turn, {0, 'full'} no room. It does not renew the lease:
+# only ``RENEW`` does, so a guard whose lease lapsed (its fields removed) learns it there and resyncs.
+_ADMIT = """
+local function admit(guard, a)
+  local engine, tenant = a[1], a[2]
+  local blocks, borrowed = tonumber(a[3]), tonumber(a[4])
+  local threshold, pool = tonumber(a[5]), tonumber(a[6])
+  local low = backlogged_min(tenant)
+  local mine = tonumber(redis.call('HGET', KEYS[3], tenant) or '0')
+  if low ~= nil and mine > low + tonumber(a[8]) then return {0, 'fair'} end
+  local reserved, lent = 0, 0
+  local fields = redis.call('HGETALL', KEYS[2])
+  local suffix_r, suffix_b = '|' .. engine .. '|r', '|' .. engine .. '|b'
   for i = 1, #fields, 2 do
-    if string.match(fields[i], '|(.*)$') == tenant and tonumber(fields[i + 1]) > 0 then anywhere = true end
+    local f = fields[i]
+    if string.sub(f, -#suffix_r) == suffix_r then reserved = reserved + tonumber(fields[i + 1])
+    elseif string.sub(f, -#suffix_b) == suffix_b then lent = lent + tonumber(fields[i + 1]) end
   end
-  if not anywhere then
-    local low = backlogged_min(tenant)
-    local mine = tonumber(redis.call('HGET', KEYS[3], tenant) or '0')
-    if low ~= nil and low > mine then redis.call('HSET', KEYS[3], tenant, tostring(low)) end
+  local fits
+  if borrowed > 0 then
+    fits = reserved + blocks <= threshold
+  else
+    fits = reserved - lent + blocks <= threshold and reserved + blocks <= pool
   end
+  if not fits then return {0, 'full'} end
+  redis.call('HINCRBY', KEYS[2], guard .. suffix_r, blocks)
+  if borrowed > 0 then redis.call('HINCRBY', KEYS[2], guard .. suffix_b, borrowed) end
+  redis.call('HINCRBYFLOAT', KEYS[3], tenant, a[7])
+  return {1}
 end
-if redis.call('HINCRBY', KEYS[4], field, delta) <= 0 then redis.call('HDEL', KEYS[4], field) end
-return 1
+"""
+
+# a: engine, blocks, borrowed, tenant, service correction (may be negative: output reserved for but not
+# generated). Never takes a field below 0 (a field Redis lost, before the guard's resync).
+_RELEASE = """
+local function release(guard, a)
+  local engine, tenant = a[1], a[4]
+  for _, part in ipairs({{'|r', tonumber(a[2])}, {'|b', tonumber(a[3])}}) do
+    if part[2] > 0 then
+      local field = guard .. '|' .. engine .. part[1]
+      if redis.call('HINCRBY', KEYS[2], field, -part[2]) <= 0 then redis.call('HDEL', KEYS[2], field) end
+    end
+  end
+  local delta = tonumber(a[5])
+  if delta ~= 0 then
+    local c = tonumber(redis.call('HGET', KEYS[3], tenant) or '0')
+    redis.call('HSET', KEYS[3], tenant, tostring(math.max(0, c + delta)))
+  end
+  return 1
+end
+"""
+
+# a: tenant, delta (+1 queued, -1 left the queue). A tenant that was queued nowhere is lifted to the lowest
+# counter of those queued (VTC: idling banks no credit), over every guard.
+_BACKLOG = """
+local function backlog(guard, a)
+  local tenant, delta = a[1], tonumber(a[2])
+  local field = guard .. '|' .. tenant
+  if delta > 0 then
+    local anywhere = false
+    local fields = redis.call('HGETALL', KEYS[4])
+    for i = 1, #fields, 2 do
+      if string.match(fields[i], '|(.*)$') == tenant and tonumber(fields[i + 1]) > 0 then anywhere = true end
+    end
+    if not anywhere then
+      local low = backlogged_min(tenant)
+      local mine = tonumber(redis.call('HGET', KEYS[3], tenant) or '0')
+      if low ~= nil and low > mine then redis.call('HSET', KEYS[3], tenant, tostring(low)) end
+    end
+  end
+  if redis.call('HINCRBY', KEYS[4], field, delta) <= 0 then redis.call('HDEL', KEYS[4], field) end
+  return 1
+end
 """
 
 # ARGV: guard, lease_ttl_s, then (kind, field, value) triples: the guard's ledger and backlog as it knows them, which
@@ -169,10 +184,10 @@ return standing
 # -- rate limits (guard/state/limits.py) ---------------------------------------------------------------------
 # One hash per tenant and limit, ``kvguard:ratelimit:{kind}:{tenant}``: Redis server second -> what was charged
 # in it (never negative): the sliding minute of guard/admission/limits.py, on the server's clock for every
-# guard. An entry counts through the ``window`` whole seconds after its own (ARGV[2], limits.WINDOW_S); every
-# write renews the key's expiry past its newest entry's, so an idle tenant leaves nothing behind. These scripts
-# use neither KEYS nor the prologue: the windows are per tenant, not per guard, and a dead guard's charges
-# were admitted requests, which count until they slide out.
+# guard. An entry counts through the ``window`` whole seconds after its own (limits.WINDOW_S); every write
+# renews the key's expiry past its newest entry's, so an idle tenant leaves nothing behind. The windows are per
+# tenant, not per guard (their keys are not in ``KEYS``), and a dead guard's charges stay: they were admitted
+# requests, which count until they slide out.
 
 
 def rate_key(tenant: str, kind: str) -> str:
@@ -180,75 +195,91 @@ def rate_key(tenant: str, kind: str) -> str:
     return f"{PREFIX}ratelimit:{kind}:{tenant}"
 
 
-# ARGV: guard, window, then (key, limit, need) per window of the tenant. Either every window has room for its
-# need and each is charged, or none is. Returns {admitted (1|0), the server time (second charged, and its
+# a: window, then (key, limit, need) per window of the tenant. Either every window has room for its need and
+# each is charged, or none is. Returns {admitted (1|0), the server time (second charged, and its
 # microseconds), the window that refused (1-based; 0 when admitted), its wait (s; 'inf': it never fits), then
 # per window: used (after the charge when admitted), seconds until it is empty}. Floats travel as strings
 # (Redis truncates Lua numbers to integers).
-RATE_CHARGE = """
-local t = redis.call('TIME')
-local second, micros = tonumber(t[1]), tonumber(t[2])
-local now = second + micros / 1000000
-local window = tonumber(ARGV[2])
-local windows, refused, longest = {}, 0, 0
-for i = 3, #ARGV, 3 do
-  local key, limit, need = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
-  local entries, used = {}, 0
-  local fields = redis.call('HGETALL', key)
-  for j = 1, #fields, 2 do
-    local s, amount = tonumber(fields[j]), tonumber(fields[j + 1])
-    if s < second - window then redis.call('HDEL', key, fields[j])
-    else
-      entries[#entries + 1] = {s, amount}
-      used = used + amount
+_RATE_CHARGE = """
+local function rate_charge(guard, a)
+  local second, micros = tonumber(t[1]), tonumber(t[2])
+  local window = tonumber(a[1])
+  local windows, refused, longest = {}, 0, 0
+  for i = 2, #a, 3 do
+    local key, limit, need = a[i], tonumber(a[i + 1]), tonumber(a[i + 2])
+    local entries, used = {}, 0
+    local fields = redis.call('HGETALL', key)
+    for j = 1, #fields, 2 do
+      local s, amount = tonumber(fields[j]), tonumber(fields[j + 1])
+      if s < second - window then redis.call('HDEL', key, fields[j])
+      else
+        entries[#entries + 1] = {s, amount}
+        used = used + amount
+      end
     end
-  end
-  table.sort(entries, function(a, b) return a[1] < b[1] end)
-  local wait, excess = 0, used + need - limit
-  if excess > 0 and need > limit then wait = math.huge
-  elseif excess > 0 then
-    -- used > limit - need >= 0: the oldest entries that make up the excess must leave first
-    for _, e in ipairs(entries) do
-      excess = excess - e[2]
-      if excess <= 0 then wait = e[1] + window + 1 - now; break end
+    table.sort(entries, function(x, y) return x[1] < y[1] end)
+    local wait, excess = 0, used + need - limit
+    if excess > 0 and need > limit then wait = math.huge
+    elseif excess > 0 then
+      -- used > limit - need >= 0: the oldest entries that make up the excess must leave first
+      for _, e in ipairs(entries) do
+        excess = excess - e[2]
+        if excess <= 0 then wait = e[1] + window + 1 - now; break end
+      end
     end
+    if wait > longest then refused, longest = #windows + 1, wait end  -- the limit that holds it longest
+    windows[#windows + 1] = {key = key, need = need, used = used, entries = entries}
   end
-  if wait > longest then refused, longest = #windows + 1, wait end  -- the limit that holds it longest
-  windows[#windows + 1] = {key = key, need = need, used = used, entries = entries}
-end
-local out = {refused == 0 and 1 or 0, second, micros, refused, tostring(longest)}
-for _, w in ipairs(windows) do
-  if refused == 0 and w.need > 0 then
-    redis.call('HINCRBY', w.key, second, w.need)
-    redis.call('EXPIRE', w.key, window + 2)
-    w.used = w.used + w.need
-    w.entries[#w.entries + 1] = {second, w.need}
+  local out = {refused == 0 and 1 or 0, second, micros, refused, tostring(longest)}
+  for _, w in ipairs(windows) do
+    if refused == 0 and w.need > 0 then
+      redis.call('HINCRBY', w.key, second, w.need)
+      redis.call('EXPIRE', w.key, window + 2)
+      w.used = w.used + w.need
+      w.entries[#w.entries + 1] = {second, w.need}
+    end
+    local newest = nil
+    for _, e in ipairs(w.entries) do if e[2] > 0 then newest = e[1] end end
+    out[#out + 1] = w.used
+    out[#out + 1] = tostring(newest == nil and 0 or math.max(0, newest + window + 1 - now))
   end
-  local newest = nil
-  for _, e in ipairs(w.entries) do if e[2] > 0 then newest = e[1] end end
-  out[#out + 1] = w.used
-  out[#out + 1] = tostring(newest == nil and 0 or math.max(0, newest + window + 1 - now))
+  return out
 end
-return out
 """
 
-# ARGV: guard, window, the server second a charge was made in, then (key, delta) per window: what the request
-# used minus what it was charged. While that second is in the window the delta moves its entry (a refund
-# returns at once, a surplus counts from the charge's second); after, a refund has nothing left to give back
-# and a surplus is charged now. An entry that would go below 0 (Redis lost the charge) is removed instead.
-RATE_SETTLE = """
-local second = tonumber(redis.call('TIME')[1])
-local window, charged = tonumber(ARGV[2]), ARGV[3]
-local in_window = tonumber(charged) >= second - window
-for i = 4, #ARGV, 2 do
-  local key, delta = ARGV[i], tonumber(ARGV[i + 1])
-  if in_window and delta ~= 0 then
-    if redis.call('HINCRBY', key, charged, delta) <= 0 then redis.call('HDEL', key, charged) end
-    redis.call('EXPIRE', key, window + 2)
-  elseif delta > 0 then
-    redis.call('HINCRBY', key, second, delta)
-    redis.call('EXPIRE', key, window + 2)
+# a: window, the server second a charge was made in, then (key, delta) per window: what the request used minus
+# what it was charged. While that second is in the window the delta moves its entry (a refund returns at
+# once, a surplus counts from the charge's second); after, a refund has nothing left to give back and a
+# surplus is charged now. An entry that would go below 0 (Redis lost the charge) is removed instead.
+_RATE_SETTLE = """
+local function rate_settle(guard, a)
+  local second = tonumber(t[1])
+  local window, charged = tonumber(a[1]), a[2]
+  local in_window = tonumber(charged) >= second - window
+  for i = 3, #a, 2 do
+    local key, delta = a[i], tonumber(a[i + 1])
+    if in_window and delta ~= 0 then
+      if redis.call('HINCRBY', key, charged, delta) <= 0 then redis.call('HDEL', key, charged) end
+      redis.call('EXPIRE', key, window + 2)
+    elseif delta > 0 then
+      redis.call('HINCRBY', key, second, delta)
+      redis.call('EXPIRE', key, window + 2)
+    end
   end
+  return 1
 end
-return 1
+"""
+
+# The ops a request sends (``SharedState.ask`` and ``send``), by the name the guard gives them.
+OPS = ("ADMIT", "RELEASE", "BACKLOG", "RATE_CHARGE", "RATE_SETTLE")
+
+# ARGV: guard, then the ops as JSON: [[name (one of ``OPS``), [its arguments]], ...]. Runs them in order, as
+# one atomic step; returns each op's answer, in order, as JSON. One argument each way, whatever the batch's
+# size: the caller packs and unpacks it in one C call instead of a Python step per argument.
+BATCH = _PROLOGUE + _ADMIT + _RELEASE + _BACKLOG + _RATE_CHARGE + _RATE_SETTLE + """
+local ops = {ADMIT = admit, RELEASE = release, BACKLOG = backlog, RATE_CHARGE = rate_charge,
+             RATE_SETTLE = rate_settle}
+local out = {}
+for i, op in ipairs(cjson.decode(ARGV[2])) do out[i] = ops[op[1]](ARGV[1], op[2]) end
+return cjson.encode(out)
 """

@@ -1,7 +1,10 @@
 """One guard's link to the state it shares with the other guards (``shared_state: {redis_url}``).
 
 Each decision is one atomic Lua script in Redis (guard/state/scripts.py), run through redis-py's asyncio
-client. The link keeps the guard's lease: a background task renews it every ``lease_ttl_s / 5``; a guard
+client. What requests send (``ask`` a decision and wait for it, ``send`` an update and go on) goes out in
+order on one wire: a single task sends everything queued while its previous round trip was on its way as one
+``BATCH`` script, so under load a round trip carries many requests' ops and its cost is shared between them
+(one op per trip when idle: nothing waits to fill a batch). The link keeps the guard's lease: a background task renews it every ``lease_ttl_s / 5``; a guard
 whose lease lapses (it died, or lost Redis for longer than the TTL) is dead to the others, and the first
 script that meets it removes what it held, so its reservations are gone within the TTL and nothing it
 reserved drifts forever.
@@ -17,11 +20,12 @@ A guard that starts does the same, so a restarted guard rejoins without anyone's
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -32,7 +36,17 @@ from guard.state import scripts
 
 log = logging.getLogger("guard.state.shared")
 
-OUTBOX_BATCH = 256  # sends per pipelined round trip at most
+WIRE_BATCH = 256  # ops per round trip at most
+
+
+class _Op(NamedTuple):
+    """One op on the wire: ``answer`` is None for an update nobody waits for."""
+
+    name: str
+    args: tuple[Any, ...]
+    answer: asyncio.Future[Any] | None
+    queued_at: float  # perf_counter
+
 
 # What the guard holds, as it knows it: ({engine: (reserved, borrowed)}, {tenant: queued}).
 Holdings = tuple[dict[str, tuple[int, int]], dict[str, int]]
@@ -45,23 +59,26 @@ class SharedState:
         self.guard_id = uuid.uuid4().hex[:12]
         self.client = aioredis.Redis.from_url(config.redis_url, socket_timeout=config.timeout_s,
                                               socket_connect_timeout=config.timeout_s)
-        self._scripts = {name: self.client.register_script(getattr(scripts, name)) for name in (
-            "ADMIT", "RELEASE", "BACKLOG", "RESYNC", "RENEW", "VERDICTS", "RATE_CHARGE", "RATE_SETTLE")}
+        self._scripts = {name: self.client.register_script(getattr(scripts, name))
+                         for name in ("BATCH", "RESYNC", "RENEW", "VERDICTS")}
         self.up = False
         self.live_guards = 1  # the last number seen: each guard's share while Redis is down
         self.holdings: Callable[[], Holdings] = lambda: ({}, {})  # set by the dispatcher
         self.on_change: Callable[[bool], None] = lambda up: None  # told when the link goes up or down
-        # Updates nobody waits for (releases, backlog changes), sent in order by one task: a tenant's -1
-        # must never overtake its +1. Dropped while Redis is down: the resync that follows covers them.
-        self._outbox: asyncio.Queue[tuple[str, tuple[Any, ...]] | None] = asyncio.Queue()  # None: stop
+        # The ops requests send, in order: a tenant's backlog -1 must never overtake its +1, and a release
+        # sent before an admission frees its blocks first. Dropped while Redis is down (a decision's answer
+        # is then None): the resync that follows covers the updates.
+        self._wire: asyncio.Queue[_Op | None] = asyncio.Queue()  # None: stop
+        self._timers = {name: metrics.shared_round_trip.labels(name.lower()) for name in scripts.OPS}
         # Set by ``stop``: every loop of the link ends at its next turn. Cancelling them alone is not enough:
         # a cancellation that arrives inside a Redis call may be absorbed there (seen with redis-py 8: the
-        # outbox task went back to waiting and the guard's clean-up waited for it forever).
+        # sending task went back to waiting and the guard's clean-up waited for it forever).
         self.stopping = False
         metrics.shared_up.set(0)
 
     async def call(self, name: str, *args: Any) -> Any | None:
-        """Run script ``name`` with ``args``; None when Redis did not answer (the link is then down)."""
+        """Run script ``name`` (the lease's and the verdicts') with ``args`` in a round trip of its own; None
+        when Redis did not answer (the link is then down)."""
         if not self.up:
             return None
         started = time.perf_counter()
@@ -73,38 +90,54 @@ class SharedState:
         self.metrics.shared_round_trip.labels(name.lower()).observe(time.perf_counter() - started)
         return result
 
-    def send(self, name: str, *args: Any) -> None:
-        """Run script ``name`` later, in order with the other sends, without waiting for it."""
+    def ask(self, name: str, *args: Any) -> asyncio.Future[Any]:
+        """Decision ``name`` (one of ``scripts.OPS``) on the wire; the future's result is its answer, or None
+        when Redis did not answer (at once while the link is down). Cancelling the future does not take the
+        op back: a caller that may leave shields it and undoes what the answer granted."""
+        answer = asyncio.get_running_loop().create_future()
         if self.up:
-            self._outbox.put_nowait((name, args))
+            self._wire.put_nowait(_Op(name, args, answer, time.perf_counter()))
+        else:
+            answer.set_result(None)
+        return answer
+
+    def send(self, name: str, *args: Any) -> None:
+        """Update ``name`` (one of ``scripts.OPS``) on the wire, in order with the others; nobody waits."""
+        if self.up:
+            self._wire.put_nowait(_Op(name, args, None, time.perf_counter()))
 
     async def deliver(self) -> None:
-        """The outbox's one sender (runs for the guard's lifetime): what queued while the last batch was on
-        its way goes in one pipelined round trip, in order, so a busy guard pays one trip for many sends."""
+        """The wire's one sender (runs for the guard's lifetime): what queued while the last round trip was on
+        its way goes in the next, in order."""
         stopping = False
-        while not stopping and (item := await self._outbox.get()) is not None:
-            batch = [item]
-            while not self._outbox.empty() and len(batch) < OUTBOX_BATCH:
-                if (more := self._outbox.get_nowait()) is None:
+        while not stopping and (op := await self._wire.get()) is not None:
+            await asyncio.sleep(0)  # one turn of the loop: what the requests ready now ask goes in this trip
+            batch = [op]
+            while not self._wire.empty() and len(batch) < WIRE_BATCH:
+                if (more := self._wire.get_nowait()) is None:
                     stopping = True
                     break
                 batch.append(more)
-            if len(batch) == 1:
-                await self.call(batch[0][0], *batch[0][1])
-            elif self.up:
-                await self._pipelined(batch)
+            await self._trip(batch)
 
-    async def _pipelined(self, batch: list[tuple[str, tuple[Any, ...]]]) -> None:
-        started = time.perf_counter()
-        try:
-            async with self.client.pipeline(transaction=False) as pipe:
-                for name, args in batch:
-                    await self._scripts[name](keys=scripts.KEYS, args=[self.guard_id, *args], client=pipe)
-                await pipe.execute()
-        except (RedisError, OSError, TimeoutError) as exc:
-            self._set_up(False, exc)
-            return
-        self.metrics.shared_round_trip.labels("batch").observe(time.perf_counter() - started)
+    async def _trip(self, batch: list[_Op]) -> None:
+        """One ``BATCH`` round trip; every op's answer goes to its future (None for all when it failed)."""
+        ops = json.dumps([(op.name, op.args) for op in batch], separators=(",", ":"))
+        answers: list[Any] = [None] * len(batch)
+        if self.up:
+            started = time.perf_counter()
+            try:
+                answers = json.loads(await self._scripts["BATCH"](keys=scripts.KEYS, args=[self.guard_id, ops]))
+            except (RedisError, OSError, TimeoutError) as exc:
+                self._set_up(False, exc)
+            else:
+                done = time.perf_counter()
+                self.metrics.shared_round_trip.labels("batch").observe(done - started)
+                for op in batch:
+                    self._timers[op.name].observe(done - op.queued_at)
+        for op, answer in zip(batch, answers, strict=True):
+            if op.answer is not None and not op.answer.done():
+                op.answer.set_result(answer)
 
     async def run(self) -> None:
         """Keep the lease (and so everything this guard holds) alive; bring the link back after a failure."""
@@ -125,8 +158,7 @@ class SharedState:
 
         The holdings are read and sent with no await between, so no decision of this guard falls between
         them; admissions made while the call is in flight are local (the link is not up yet)."""
-        while not self._outbox.empty():  # what they would send, the holdings below already say
-            self._outbox.get_nowait()
+        self._drop_wire()  # what it holds, the holdings below already say (decisions: answered None)
         ledger, backlog = self.holdings()
         args: list[Any] = [self.config.lease_ttl_s]
         for engine, (reserved, borrowed) in ledger.items():
@@ -153,8 +185,7 @@ class SharedState:
             return
         self.up = up
         if not up:
-            while not self._outbox.empty():
-                self._outbox.get_nowait()
+            self._drop_wire()
         self.metrics.shared_up.set(1 if up else 0)
         if up:
             log.warning("shared state: Redis is back; guard %s resynchronised (%d guards live)", self.guard_id,
@@ -164,10 +195,18 @@ class SharedState:
                       type(exc).__name__, exc, self.live_guards)
         self.on_change(up)
 
+    def _drop_wire(self) -> None:
+        while not self._wire.empty():
+            if (op := self._wire.get_nowait()) is None:
+                self._wire.put_nowait(None)  # stopping: keep the sender's cue
+                return
+            if op.answer is not None and not op.answer.done():
+                op.answer.set_result(None)
+
     def stop(self) -> None:
         """End the link's loops (the guard is shutting down); ``close`` once they have ended."""
         self.stopping = True
-        self._outbox.put_nowait(None)
+        self._wire.put_nowait(None)
 
     async def close(self) -> None:
         await self.client.aclose()
