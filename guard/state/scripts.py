@@ -44,26 +44,60 @@ if #dead > 0 then
   end
   redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 end
-local function backlogged_min(except)
-  -- the lowest counter among tenants queued at any guard, ``except`` left out (nil: nobody is)
-  local queued = {}
-  local fields = redis.call('HGETALL', KEYS[4])
-  for i = 1, #fields, 2 do
-    local tenant = string.match(fields[i], '|(.*)$')
-    if tenant ~= except and tonumber(fields[i + 1]) > 0 then queued[tenant] = true end
-  end
-  local low = nil
-  for tenant, _ in pairs(queued) do
-    local c = tonumber(redis.call('HGET', KEYS[3], tenant) or '0')
-    if low == nil or c < low then low = c end
-  end
-  return low
-end
 """
 
 # The decisions and updates a request sends, as Lua functions of (guard, a): ``a`` holds the op's arguments
 # (1-based, after the guard). ``BATCH`` runs any sequence of them in one script, so one round trip carries
 # everything a busy guard queued while the previous one was on its way.
+
+# What the ops read, read once per script and kept up to date by its own writes (nothing else writes while
+# a script runs), so that a batch of dozens of ops reads each hash once instead of once per op.
+_READS = """
+local sums = {}  -- engine -> {reserved, of which borrowed}, over every live guard
+local counters = {}  -- tenant -> its virtual counter
+local queued = nil  -- tenant -> requests queued at any guard
+local function ledger_sums(engine)
+  if sums[engine] == nil then
+    local reserved, lent = 0, 0
+    local suffix_r, suffix_b = '|' .. engine .. '|r', '|' .. engine .. '|b'
+    local fields = redis.call('HGETALL', KEYS[2])
+    for i = 1, #fields, 2 do
+      local f = fields[i]
+      if string.sub(f, -#suffix_r) == suffix_r then reserved = reserved + tonumber(fields[i + 1])
+      elseif string.sub(f, -#suffix_b) == suffix_b then lent = lent + tonumber(fields[i + 1]) end
+    end
+    sums[engine] = {reserved, lent}
+  end
+  return sums[engine]
+end
+local function counter(tenant)
+  if counters[tenant] == nil then counters[tenant] = tonumber(redis.call('HGET', KEYS[3], tenant) or '0') end
+  return counters[tenant]
+end
+local function set_counter(tenant, c)
+  redis.call('HSET', KEYS[3], tenant, tostring(c))
+  counters[tenant] = c
+end
+local function queue_counts()
+  if queued == nil then
+    queued = {}
+    local fields = redis.call('HGETALL', KEYS[4])
+    for i = 1, #fields, 2 do
+      local tenant = string.match(fields[i], '|(.*)$')
+      queued[tenant] = (queued[tenant] or 0) + tonumber(fields[i + 1])
+    end
+  end
+  return queued
+end
+local function backlogged_min(except)
+  -- the lowest counter among tenants queued at any guard, ``except`` left out (nil: nobody is)
+  local low = nil
+  for tenant, n in pairs(queue_counts()) do
+    if tenant ~= except and n > 0 and (low == nil or counter(tenant) < low) then low = counter(tenant) end
+  end
+  return low
+end
+"""
 
 # a: engine, tenant, blocks, borrowed, threshold room (safe_utilization * num_blocks minus blocks held outside
 # the guards), pool room (num_blocks minus the same), service charged to the tenant's counter (already
@@ -76,26 +110,20 @@ local function admit(guard, a)
   local blocks, borrowed = tonumber(a[3]), tonumber(a[4])
   local threshold, pool = tonumber(a[5]), tonumber(a[6])
   local low = backlogged_min(tenant)
-  local mine = tonumber(redis.call('HGET', KEYS[3], tenant) or '0')
-  if low ~= nil and mine > low + tonumber(a[8]) then return {0, 'fair'} end
-  local reserved, lent = 0, 0
-  local fields = redis.call('HGETALL', KEYS[2])
-  local suffix_r, suffix_b = '|' .. engine .. '|r', '|' .. engine .. '|b'
-  for i = 1, #fields, 2 do
-    local f = fields[i]
-    if string.sub(f, -#suffix_r) == suffix_r then reserved = reserved + tonumber(fields[i + 1])
-    elseif string.sub(f, -#suffix_b) == suffix_b then lent = lent + tonumber(fields[i + 1]) end
-  end
+  if low ~= nil and counter(tenant) > low + tonumber(a[8]) then return {0, 'fair'} end
+  local sum = ledger_sums(engine)
   local fits
   if borrowed > 0 then
-    fits = reserved + blocks <= threshold
+    fits = sum[1] + blocks <= threshold
   else
-    fits = reserved - lent + blocks <= threshold and reserved + blocks <= pool
+    fits = sum[1] - sum[2] + blocks <= threshold and sum[1] + blocks <= pool
   end
   if not fits then return {0, 'full'} end
-  redis.call('HINCRBY', KEYS[2], guard .. suffix_r, blocks)
-  if borrowed > 0 then redis.call('HINCRBY', KEYS[2], guard .. suffix_b, borrowed) end
-  redis.call('HINCRBYFLOAT', KEYS[3], tenant, a[7])
+  local field = guard .. '|' .. engine
+  redis.call('HINCRBY', KEYS[2], field .. '|r', blocks)
+  if borrowed > 0 then redis.call('HINCRBY', KEYS[2], field .. '|b', borrowed) end
+  sum[1], sum[2] = sum[1] + blocks, sum[2] + borrowed
+  counters[tenant] = tonumber(redis.call('HINCRBYFLOAT', KEYS[3], tenant, a[7]))
   return {1}
 end
 """
@@ -105,17 +133,17 @@ end
 _RELEASE = """
 local function release(guard, a)
   local engine, tenant = a[1], a[4]
-  for _, part in ipairs({{'|r', tonumber(a[2])}, {'|b', tonumber(a[3])}}) do
+  local sum = sums[engine]
+  for slot, part in ipairs({{'|r', tonumber(a[2])}, {'|b', tonumber(a[3])}}) do
     if part[2] > 0 then
       local field = guard .. '|' .. engine .. part[1]
-      if redis.call('HINCRBY', KEYS[2], field, -part[2]) <= 0 then redis.call('HDEL', KEYS[2], field) end
+      local left = redis.call('HINCRBY', KEYS[2], field, -part[2])
+      if left <= 0 then redis.call('HDEL', KEYS[2], field) end
+      if sum ~= nil then sum[slot] = sum[slot] - part[2] - math.min(left, 0) end  -- what the field held, at most
     end
   end
   local delta = tonumber(a[5])
-  if delta ~= 0 then
-    local c = tonumber(redis.call('HGET', KEYS[3], tenant) or '0')
-    redis.call('HSET', KEYS[3], tenant, tostring(math.max(0, c + delta)))
-  end
+  if delta ~= 0 then set_counter(tenant, math.max(0, counter(tenant) + delta)) end
   return 1
 end
 """
@@ -126,19 +154,14 @@ _BACKLOG = """
 local function backlog(guard, a)
   local tenant, delta = a[1], tonumber(a[2])
   local field = guard .. '|' .. tenant
-  if delta > 0 then
-    local anywhere = false
-    local fields = redis.call('HGETALL', KEYS[4])
-    for i = 1, #fields, 2 do
-      if string.match(fields[i], '|(.*)$') == tenant and tonumber(fields[i + 1]) > 0 then anywhere = true end
-    end
-    if not anywhere then
-      local low = backlogged_min(tenant)
-      local mine = tonumber(redis.call('HGET', KEYS[3], tenant) or '0')
-      if low ~= nil and low > mine then redis.call('HSET', KEYS[3], tenant, tostring(low)) end
-    end
+  local counts = queue_counts()
+  if delta > 0 and (counts[tenant] or 0) <= 0 then
+    local low = backlogged_min(tenant)
+    if low ~= nil and low > counter(tenant) then set_counter(tenant, low) end
   end
-  if redis.call('HINCRBY', KEYS[4], field, delta) <= 0 then redis.call('HDEL', KEYS[4], field) end
+  local left = redis.call('HINCRBY', KEYS[4], field, delta)
+  if left <= 0 then redis.call('HDEL', KEYS[4], field) end
+  counts[tenant] = (counts[tenant] or 0) + delta - math.min(left, 0)
   return 1
 end
 """
@@ -276,7 +299,7 @@ OPS = ("ADMIT", "RELEASE", "BACKLOG", "RATE_CHARGE", "RATE_SETTLE")
 # ARGV: guard, then the ops as JSON: [[name (one of ``OPS``), [its arguments]], ...]. Runs them in order, as
 # one atomic step; returns each op's answer, in order, as JSON. One argument each way, whatever the batch's
 # size: the caller packs and unpacks it in one C call instead of a Python step per argument.
-BATCH = _PROLOGUE + _ADMIT + _RELEASE + _BACKLOG + _RATE_CHARGE + _RATE_SETTLE + """
+BATCH = _PROLOGUE + _READS + _ADMIT + _RELEASE + _BACKLOG + _RATE_CHARGE + _RATE_SETTLE + """
 local ops = {ADMIT = admit, RELEASE = release, BACKLOG = backlog, RATE_CHARGE = rate_charge,
              RATE_SETTLE = rate_settle}
 local out = {}
