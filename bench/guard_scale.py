@@ -227,7 +227,8 @@ def verdicts(summary: dict[str, dict], results: dict[str, list[dict]], paired: l
     serve with a core each and the load elsewhere (2 x one's CPU per request / two's)."""
     alone, one = (summary[name]["requests_per_s"] for name in ("alone", "redis1"))
     cost = 1 - 1 / statistics.median(paired)
-    per_round = [two["requests_per_s"] / one["requests_per_s"] for one, two in zip(results["redis1"], results["redis2"])]
+    per_round = [two["requests_per_s"] / one["requests_per_s"]
+                 for one, two in zip(results["redis1"], results["redis2"], strict=True)]
     measured = statistics.median(per_round)
     cores_each = 2 * summary["redis1"]["proxy_cpu_us_per_request"] / summary["redis2"]["proxy_cpu_us_per_request"]
     return {"shared_state_cost": cost, "shared_state_cost_target": TARGET_SHARED_COST,

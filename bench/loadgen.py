@@ -16,6 +16,7 @@ import json
 import shutil
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 from stack import REPO, pinned
@@ -57,7 +58,9 @@ def run_load(kind: str, url: str, body: bytes, headers: dict[str, str], connecti
     """Run one load and return its result (see the module docstring); raises if the generator failed."""
     headers = {"Content-Type": "application/json", **headers}
     if kind == "wrk":
-        script = workdir / "load.lua"
+        # A file of its own: loads run side by side (bench/guard_overhead.py) would otherwise rewrite the
+        # script under each other (a wrk that read it half-written sent bare GETs and printed no RESULT).
+        script = workdir / f"load-{uuid.uuid4().hex[:8]}.lua"
         lines = "\n".join(f'wrk.headers["{name}"] = "{value}"' for name, value in headers.items())
         stagger_hook = WRK_STAGGER.format(connections=connections, stagger_ms=round(stagger * 1e3)) \
             if stagger else ""
@@ -65,7 +68,7 @@ def run_load(kind: str, url: str, body: bytes, headers: dict[str, str], connecti
         command = ["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(duration))}s", "--timeout", "30s",
                    "-s", str(script), url]
     else:
-        body_file = workdir / "body.json"
+        body_file = workdir / f"body-{uuid.uuid4().hex[:8]}.json"
         body_file.write_bytes(body)
         command = [sys.executable, str(REPO / "bench" / "http_load.py"), "--url", url, "--body-file",
                    str(body_file), "--connections", str(connections), "--duration", str(duration),

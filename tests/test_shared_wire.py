@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -23,6 +24,10 @@ from guard.state import scripts
 from guard.state.shared import SharedState
 
 
+# Keeps Redis busy (it runs one script at a time) for a few hundred milliseconds.
+BUSY_LUA = "local i = 0 while i < 20000000 do i = i + 1 end return i"
+
+
 @pytest.fixture
 def redis(tmp_path: Path) -> Iterator[RedisServer]:
     with RedisServer(tmp_path) as server:
@@ -30,9 +35,11 @@ def redis(tmp_path: Path) -> Iterator[RedisServer]:
 
 
 @contextlib.asynccontextmanager
-async def link(url: str, lease_ttl_s: float = 10.0, run: bool = False) -> AsyncIterator[SharedState]:
+async def link(url: str, lease_ttl_s: float = 10.0, timeout_s: float = 0.5,
+               run: bool = False) -> AsyncIterator[SharedState]:
     """One guard's link, up, with its wire delivered (and its lease kept, with ``run``)."""
-    shared = SharedState(SharedStateConfig(redis_url=url, lease_ttl_s=lease_ttl_s), GuardMetrics())
+    shared = SharedState(SharedStateConfig(redis_url=url, lease_ttl_s=lease_ttl_s, timeout_s=timeout_s),
+                         GuardMetrics())
     shared.on_change = lambda up: None
     tasks = [asyncio.create_task(shared.deliver())]
     assert await shared.resync()
@@ -51,8 +58,8 @@ def count(shared: SharedState, op: str) -> int:
     return int(value or 0)
 
 
-def admit(shared: SharedState, blocks: int, room: int) -> asyncio.Future:
-    return shared.ask("ADMIT", "e", "t", blocks, 0, room, room, 1.0, 64.0)
+def admit(shared: SharedState, blocks: int, room: int, on_answer: Callable[[Any], None] | None = None) -> asyncio.Future:
+    return shared.ask("ADMIT", "e", "t", blocks, 0, room, room, 1.0, 64.0, on_answer=on_answer)
 
 
 async def ledger(url: str) -> dict[str, int]:
@@ -86,6 +93,30 @@ async def test_a_lapsed_lease_is_found_by_the_renewal_not_renewed_by_an_admissio
         assert (await admit(shared, 2, 64))[0] == 1  # its prologue removed the 4 blocks of the lapsed guard
         await asyncio.sleep(1.0)  # the renewal runs every lease_ttl_s / 5
         assert await ledger(redis.url) == {f"{shared.guard_id}|e|r": 6}, "the resync rewrote the whole ledger"
+
+
+async def test_a_resync_while_decisions_are_on_their_way_writes_back_every_grant(redis: RedisServer) -> None:
+    """The renewal finds the guard unknown (Redis restarted empty) while a round trip of admissions is on its
+    way: the resync waits for it (its grants are recorded as they arrive), and decisions asked meanwhile go
+    after the resync, so Redis ends up holding exactly what the guard holds."""
+    async with link(redis.url, timeout_s=5.0) as shared:
+        held = [0]
+
+        def record(answer: Any) -> None:
+            held[0] += 2 if answer is not None and answer[0] == 1 else 0
+
+        shared.holdings = lambda: ({"e": (held[0], 0)}, {})
+        async with aioredis.Redis.from_url(redis.url) as client:
+            busy = asyncio.ensure_future(client.eval(BUSY_LUA, 0))  # Redis answers nobody for a while...
+            await asyncio.sleep(0.05)
+            first = [admit(shared, 2, 64, record) for _ in range(10)]
+            await asyncio.sleep(0.05)  # ...so these wait in Redis, on their way, when the resync starts
+            resyncing = asyncio.ensure_future(shared.resync())
+            later = [admit(shared, 2, 64, record) for _ in range(10)]
+            await busy
+        assert await resyncing
+        assert all(answer[0] == 1 for answer in await asyncio.gather(*first, *later))
+        assert held[0] == 40 and await ledger(redis.url) == {f"{shared.guard_id}|e|r": 40}
 
 
 def test_a_client_that_leaves_while_the_ledger_decides_holds_nothing(redis: RedisServer) -> None:

@@ -37,6 +37,7 @@ from guard.admission.fairness import INPUT_COST, OUTPUT_COST, TenantQueue
 from guard.config import GuardConfig
 from guard.pool.picker import Picker
 from guard.pool.pool import ReplicaPool
+from guard.pool.replica import Replica
 from guard.state.shared import Holdings, SharedState
 
 RETRY_S = 0.02  # how soon a blocked head is tried again: other guards' releases are not announced
@@ -75,33 +76,31 @@ class SharedDispatcher(Dispatcher):
         ticket.borrowed = borrowed = self._borrowed(ticket.tenant, ticket.blocks)
         charge = (INPUT_COST * ticket.prompt_tokens + OUTPUT_COST * ticket.max_tokens) / ticket.tenant.weight
         for replica, hit_blocks in self.picker.rank(self.pool.replicas, ticket.blocks, ticket.hashes):
-            gate = replica.gate
-            threshold_room, pool_room = gate.rooms()
+            threshold_room, pool_room = replica.gate.rooms()
             deciding = self.shared.ask("ADMIT", replica.name, queue.name, ticket.blocks, borrowed, threshold_room,
-                                       pool_room, charge, SLACK_TOKENS / ticket.tenant.weight)
+                                       pool_room, charge, SLACK_TOKENS / ticket.tenant.weight,
+                                       on_answer=functools.partial(self._granted, queue, ticket, replica, hit_blocks))
             try:
                 answer = await asyncio.shield(deciding)
-            except asyncio.CancelledError:
-                deciding.add_done_callback(functools.partial(self._undo, replica.name, ticket))
+            except asyncio.CancelledError:  # what the ledger grants is given back as soon as it answers
+                deciding.add_done_callback(lambda _: ticket.replica is not None and self._release(ticket))
                 raise
             if answer is None:
                 return "admitted" if self._place(queue, ticket) else "local"
             if answer[0] == 1:
-                gate.record(ticket.request_id, queue.name, ticket.blocks, borrowed)
-                ticket.replica, ticket.hit_blocks = replica, hit_blocks
-                replica.in_flight += 1
                 return "admitted"
             if answer[1] == "fair":
                 return "fair"
         return "full"
 
-    def _undo(self, engine: str, ticket: Ticket, deciding: asyncio.Future) -> None:
-        """Give back what the ledger granted ``ticket`` on ``engine`` after its client left, output charge
-        included (it will generate nothing)."""
-        answer = None if deciding.cancelled() else deciding.result()
+    def _granted(self, queue: TenantQueue[Ticket], ticket: Ticket, replica: Replica, hit_blocks: int,
+                 answer: list | None) -> None:
+        """The ledger's answer, the moment it arrives: a grant is recorded on the replica's gate at once, so
+        that no resync can write back holdings without it."""
         if answer is not None and answer[0] == 1:
-            refund = -OUTPUT_COST * ticket.max_tokens / ticket.tenant.weight
-            self.shared.send("RELEASE", engine, ticket.blocks, ticket.borrowed, ticket.tenant.name, refund)
+            replica.gate.record(ticket.request_id, queue.name, ticket.blocks, ticket.borrowed)
+            ticket.replica, ticket.hit_blocks = replica, hit_blocks
+            replica.in_flight += 1
 
     def pump(self) -> None:
         if self.shared.up:

@@ -6,7 +6,8 @@ charged at admission with its prompt and reserved output, settled once to what i
 tenant), with the windows in Redis and on Redis's clock (guard/state/scripts.py ``rate_charge``,
 ``rate_settle``), so a tenant served by several guards gets its limit once, not once per guard:
 
-- a charge is one atomic step (``SharedState.ask``): every window of the tenant is checked and charged together, or none is;
+- a charge is one atomic step (``SharedState.ask``): every window of the tenant is checked and charged
+  together, or none is;
 - a settle is one fire-and-forget op on the link's wire (``SharedState.send``): nobody waits on it,
   and it runs after the charge it settles (that one was awaited);
 - every charge Redis admits is also recorded, unchecked, on this guard's own windows and settled there, so
@@ -17,8 +18,8 @@ tenant), with the windows in Redis and on Redis's clock (guard/state/scripts.py 
 
 Redis down (``SharedState.ask`` answers None, at once while the link is down): the guard decides alone on
 its own windows, each limit divided by ``live_guards`` (the number of guards last seen, rounded down: a
-limit smaller than the number of guards admits nothing meanwhile), so the guards together stay within it; ``Retry-After``, the message and the headers say what this guard's
-share allows (guard/admission/limits.py ``charge_here``). When the link is up again, charging is shared
+limit smaller than the number of guards admits nothing meanwhile), so the guards together stay within it;
+``Retry-After``, the message and the headers say what this guard's share allows (guard/admission/limits.py ``charge_here``). When the link is up again, charging is shared
 again. Redis does not learn what guards admitted alone, and one restarted empty forgets its minute, so in
 the minute around a change a tenant may be admitted up to about twice its limit; never more, since each
 side of the change keeps within the limit on its own.

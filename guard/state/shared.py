@@ -4,10 +4,10 @@ Each decision is one atomic Lua script in Redis (guard/state/scripts.py), run th
 client. What requests send (``ask`` a decision and wait for it, ``send`` an update and go on) goes out in
 order on one wire: a single task sends everything queued while its previous round trip was on its way as one
 ``BATCH`` script, so under load a round trip carries many requests' ops and its cost is shared between them
-(one op per trip when idle: nothing waits to fill a batch). The link keeps the guard's lease: a background task renews it every ``lease_ttl_s / 5``; a guard
-whose lease lapses (it died, or lost Redis for longer than the TTL) is dead to the others, and the first
-script that meets it removes what it held, so its reservations are gone within the TTL and nothing it
-reserved drifts forever.
+(one op per trip when idle: nothing waits to fill a batch). The link keeps the guard's lease: a background
+task renews it every ``lease_ttl_s / 5``; a guard whose lease lapses (it died, or lost Redis for longer than
+the TTL) is dead to the others, and the first script that meets it removes what it held, so its reservations
+are gone within the TTL and nothing it reserved drifts forever.
 
 Redis down: a call that fails or takes longer than ``timeout_s`` marks the link down (``up`` False,
 ``guard_shared_state_up`` 0) and the caller decides alone, conservatively: ``live_guards`` keeps the number
@@ -45,7 +45,11 @@ class _Op(NamedTuple):
     name: str
     args: tuple[Any, ...]
     answer: asyncio.Future[Any] | None
+    on_answer: Callable[[Any], None] | None  # called with the answer as it arrives, before anyone awaits it
     queued_at: float  # perf_counter
+
+
+HELD = ("RELEASE", "BACKLOG")  # the updates whose effect a guard's holdings carry (and a resync rewrites)
 
 
 # What the guard holds, as it knows it: ({engine: (reserved, borrowed)}, {tenant: queued}).
@@ -69,6 +73,7 @@ class SharedState:
         # sent before an admission frees its blocks first. Dropped while Redis is down (a decision's answer
         # is then None): the resync that follows covers the updates.
         self._wire: asyncio.Queue[_Op | None] = asyncio.Queue()  # None: stop
+        self._sending = asyncio.Lock()  # held by a round trip of the wire, and by a resync: never both at once
         self._timers = {name: metrics.shared_round_trip.labels(name.lower()) for name in scripts.OPS}
         # Set by ``stop``: every loop of the link ends at its next turn. Cancelling them alone is not enough:
         # a cancellation that arrives inside a Redis call may be absorbed there (seen with redis-py 8: the
@@ -90,13 +95,14 @@ class SharedState:
         self.metrics.shared_round_trip.labels(name.lower()).observe(time.perf_counter() - started)
         return result
 
-    def ask(self, name: str, *args: Any) -> asyncio.Future[Any]:
+    def ask(self, name: str, *args: Any, on_answer: Callable[[Any], None] | None = None) -> asyncio.Future[Any]:
         """Decision ``name`` (one of ``scripts.OPS``) on the wire; the future's result is its answer, or None
-        when Redis did not answer (at once while the link is down). Cancelling the future does not take the
-        op back: a caller that may leave shields it and undoes what the answer granted."""
+        when Redis did not answer (at once while the link is down). ``on_answer`` gets the answer the moment
+        it arrives: what it records there is in the holdings of any resync that follows. Cancelling the
+        future does not take the op back: a caller that may leave shields it and undoes what was granted."""
         answer = asyncio.get_running_loop().create_future()
         if self.up:
-            self._wire.put_nowait(_Op(name, args, answer, time.perf_counter()))
+            self._wire.put_nowait(_Op(name, args, answer, on_answer, time.perf_counter()))
         else:
             answer.set_result(None)
         return answer
@@ -104,7 +110,7 @@ class SharedState:
     def send(self, name: str, *args: Any) -> None:
         """Update ``name`` (one of ``scripts.OPS``) on the wire, in order with the others; nobody waits."""
         if self.up:
-            self._wire.put_nowait(_Op(name, args, None, time.perf_counter()))
+            self._wire.put_nowait(_Op(name, args, None, None, time.perf_counter()))
 
     async def deliver(self) -> None:
         """The wire's one sender (runs for the guard's lifetime): what queued while the last round trip was on
@@ -124,20 +130,21 @@ class SharedState:
         """One ``BATCH`` round trip; every op's answer goes to its future (None for all when it failed)."""
         ops = json.dumps([(op.name, op.args) for op in batch], separators=(",", ":"))
         answers: list[Any] = [None] * len(batch)
-        if self.up:
-            started = time.perf_counter()
-            try:
-                answers = json.loads(await self._scripts["BATCH"](keys=scripts.KEYS, args=[self.guard_id, ops]))
-            except (RedisError, OSError, TimeoutError) as exc:
-                self._set_up(False, exc)
-            else:
-                done = time.perf_counter()
-                self.metrics.shared_round_trip.labels("batch").observe(done - started)
-                for op in batch:
-                    self._timers[op.name].observe(done - op.queued_at)
-        for op, answer in zip(batch, answers, strict=True):
-            if op.answer is not None and not op.answer.done():
-                op.answer.set_result(answer)
+        async with self._sending:
+            if self.up:
+                started = time.perf_counter()
+                try:
+                    answers = json.loads(await self._scripts["BATCH"](keys=scripts.KEYS,
+                                                                      args=[self.guard_id, ops]))
+                except (RedisError, OSError, TimeoutError) as exc:
+                    self._set_up(False, exc)
+                else:
+                    done = time.perf_counter()
+                    self.metrics.shared_round_trip.labels("batch").observe(done - started)
+                    for op in batch:
+                        self._timers[op.name].observe(done - op.queued_at)
+            for op, answer in zip(batch, answers, strict=True):
+                self._answer(op, answer)
 
     async def run(self) -> None:
         """Keep the lease (and so everything this guard holds) alive; bring the link back after a failure."""
@@ -156,9 +163,15 @@ class SharedState:
     async def resync(self) -> bool:
         """Write this guard's own ledger and backlog into Redis, replacing what it holds there; up on success.
 
-        The holdings are read and sent with no await between, so no decision of this guard falls between
-        them; admissions made while the call is in flight are local (the link is not up yet)."""
-        self._drop_wire()  # what it holds, the holdings below already say (decisions: answered None)
+        No round trip of the wire is on its way meanwhile, and every answer of the last one was recorded as it
+        arrived (``on_answer``), so the holdings hold every grant Redis made this guard; decisions asked
+        meanwhile wait on the wire and go after. Down, admissions made while the call is in flight are local
+        (the link is not up yet)."""
+        async with self._sending:
+            return await self._resync()
+
+    async def _resync(self) -> bool:
+        self._drop_wire(held_only=True)  # what they would change, the holdings below already say
         ledger, backlog = self.holdings()
         args: list[Any] = [self.config.lease_ttl_s]
         for engine, (reserved, borrowed) in ledger.items():
@@ -185,7 +198,7 @@ class SharedState:
             return
         self.up = up
         if not up:
-            self._drop_wire()
+            self._drop_wire(held_only=False)
         self.metrics.shared_up.set(1 if up else 0)
         if up:
             log.warning("shared state: Redis is back; guard %s resynchronised (%d guards live)", self.guard_id,
@@ -195,13 +208,25 @@ class SharedState:
                       type(exc).__name__, exc, self.live_guards)
         self.on_change(up)
 
-    def _drop_wire(self) -> None:
+    def _drop_wire(self, held_only: bool) -> None:
+        """Take the ops waiting on the wire off it (decisions answered None); with ``held_only``, only the
+        updates the holdings carry: the rest stay, in order."""
+        kept: list[_Op | None] = []
         while not self._wire.empty():
-            if (op := self._wire.get_nowait()) is None:
-                self._wire.put_nowait(None)  # stopping: keep the sender's cue
-                return
-            if op.answer is not None and not op.answer.done():
-                op.answer.set_result(None)
+            op = self._wire.get_nowait()
+            if op is None or (held_only and op.name not in HELD):
+                kept.append(op)  # None: stopping, the sender's cue
+            else:
+                self._answer(op, None)
+        for op in kept:
+            self._wire.put_nowait(op)
+
+    @staticmethod
+    def _answer(op: _Op, answer: Any) -> None:
+        if op.on_answer is not None:
+            op.on_answer(answer)
+        if op.answer is not None and not op.answer.done():
+            op.answer.set_result(answer)
 
     def stop(self) -> None:
         """End the link's loops (the guard is shutting down); ``close`` once they have ended."""
