@@ -1,10 +1,21 @@
-"""Guard admission & fairness: what happened to each tenant's requests, how long they queued, how much of the
-KV budget the guard has committed, whether service follows the weights, whether the guards share their state
-(Redis), and which mode the guard is in."""
+"""Guard admission & fairness: what happened to each tenant's requests, how much of its rate limits each
+tenant uses, how long they queued, how much of the KV budget the guard has committed (and how much of it is
+borrowed beyond the tenants' guaranteed shares), whether service follows the weights, whether the guards
+share their state (Redis), which mode the guard is in, and the guard process itself: client connections and
+config reloads."""
 
 from __future__ import annotations
 
-from dashboards.grafana import Row, Target, dashboard, scope_variables, stat, state_timeline, timeseries
+from dashboards.grafana import (
+    Row,
+    Target,
+    dashboard,
+    scope_variables,
+    stat,
+    state_timeline,
+    table,
+    timeseries,
+)
 from dashboards.queries import increase, quantile, rate, ratio, sel, zero_filled
 
 UID = "kvguard-guard"
@@ -15,6 +26,9 @@ UP_DOWN = {0: ("unhealthy", "red"), 1: ("healthy", "green")}
 PRESSURE, DEGRADED = 'mode="pressure"', 'mode="degraded"'
 # guard_shared_state_up + (guard_shared_state_guards > 0): a guard without shared_state exports 0 for both.
 SHARED = {0: ("alone (no shared_state)", "blue"), 1: ("Redis down: admitting alone", "red"), 2: ("shared", "green")}
+REFUSALS = "guard_ratelimit_rejections_total"
+RATE_LIMITED = 0.5  # TenantRateLimited's line (alerts/rules/guard.yml)
+CONNECTIONS_HIGH = 0.9  # GuardConnectionsNearLimit's line (alerts/rules/guard_process.yml)
 
 
 def build() -> dict:
@@ -24,12 +38,23 @@ def build() -> dict:
     retries = f"sum by (tenant) ({rate(sel('guard_client_retries_total', tenant=True))})"
     service = rate(sel("guard_service_tokens_total", tenant=True))
     transitions = increase(sel("guard_mode_transitions_total"), "$__rate_interval")
+    reloads = increase(sel("guard_config_reloads_total"), "$__rate_interval")
     reserved = sel("guard_reserved_blocks")
     budget = f"max by (instance) ({sel('guard_admission_budget_blocks')})"
+    refused = f"sum by (tenant) ({rate(sel(REFUSALS, tenant=True))})"
+    # Each guard reads a tenant's guarantee against its own reservations (guard/admission/shared_dispatch.py).
+    guaranteed = ratio(f"sum by (instance, tenant) ({sel('guard_reserved_blocks', tenant=True)})",
+                       f"sum by (instance, tenant) ({sel('guard_guaranteed_blocks', tenant=True)})")
+    limit_left = ratio(sel("guard_ratelimit_remaining", tenant=True),
+                       sel("guard_ratelimit_limit", tenant=True))
+    connections = ratio(f"max by (instance) ({sel('guard_connections_open')})",
+                        f"max by (instance) ({sel('guard_connections_limit')})")
+    cuts = f"sum by (reason) ({rate(sel('guard_connections_cut_total'))})"
     return dashboard(
         UID, "kvguard / Guard admission & fairness",
-        "Outcomes per tenant, the guard's queues, KV blocks reserved against the admission budget, weighted "
-        "service and Jain's index, the guard's mode and its backends.",
+        "Outcomes per tenant, rate limits, the guard's queues, KV blocks reserved against the admission "
+        "budget and the tenants' guaranteed shares, weighted service and Jain's index, shared state, the "
+        "guard's mode and its backends, client connections and config reloads.",
         scope_variables(TENANTS),
         [
             Row("Outcomes", [
@@ -43,6 +68,30 @@ def build() -> dict:
                            "over all requests of the tenant.", "percentunit",
                            Target(ratio(zero_filled(rejected, requests), requests), "{{tenant}}"),
                            min=0, max=1),
+            ]),
+            Row("Rate limits", [
+                timeseries("Rate limit used per tenant",
+                           "How much of each tenant's per-minute limit the sliding minute has charged: "
+                           "kind requests is rpm, tokens is tpm (prompt plus the output its reservation "
+                           "covers). At 100 % the tenant's next request gets 429 with Retry-After until the "
+                           "minute slides on. Tenants without rpm/tpm have no line. A tenant that lives at "
+                           "100 % needs a higher limit, or a client that paces itself.", "percentunit",
+                           Target(f"max by (tenant, kind) (1 - {limit_left})", "{{tenant}} {{kind}}"),
+                           width=8, min=0, max=1, thresholds=[(0.8, "orange"), (0.95, "red")]),
+                timeseries("Rate-limit refusals per tenant",
+                           "Requests refused with 429 by the tenant's own rpm (requests) or tpm (tokens) "
+                           "limit, by the limit that refused them. They are the tenant's rejected_quota "
+                           "outcome and spend no error budget: the service did what the tenant's plan says.",
+                           "reqps",
+                           Target(f"sum by (tenant, kind) ({rate(sel(REFUSALS, tenant=True))})",
+                                  "{{tenant}} {{kind}}"), width=8),
+                timeseries("Rate-limited share per tenant",
+                           "Requests refused by a rate limit over all the tenant's requests. A client that "
+                           "honours Retry-After keeps this low even at its limit; above "
+                           f"{RATE_LIMITED:.0%} for 30 minutes is TenantRateLimited: a client retrying into "
+                           "its limit, or a limit too small for the tenant's real load.", "percentunit",
+                           Target(ratio(refused, requests), "{{tenant}}"),
+                           width=8, min=0, max=1, thresholds=[(RATE_LIMITED, "red")]),
             ]),
             Row("Queue", [
                 timeseries("Queue depth per tenant",
@@ -72,6 +121,29 @@ def build() -> dict:
                            Target(f"max by (instance, backend) ({sel('guard_telemetry_age_seconds')})",
                                   "{{instance}} {{backend}}"),
                            width=6, thresholds=[(2, "orange"), (5, "red")]),
+                timeseries("Reserved over guaranteed share",
+                           "Each tenant's reserved blocks over its guaranteed blocks (weight / total "
+                           "weight x the budget), per guard. Up to 100 % the tenant runs within its "
+                           "guarantee and is admitted even where others have borrowed the budget full; above "
+                           "100 % it borrows idle capacity, fine while the others are idle. A tenant "
+                           "below 100 % whose requests queue is not getting its guarantee: look at the "
+                           "engines' KV use and the guard's mode.", "percentunit",
+                           Target(guaranteed, "{{tenant}} {{instance}}"), width=8, min=0),
+                timeseries("Borrowed blocks per tenant",
+                           "Reserved blocks beyond each tenant's guaranteed share, lent out of idle "
+                           "capacity. Borrowers run at a lower engine priority (the engine preempts them "
+                           "first if it runs short) and do not count towards the saturation that sends the "
+                           "guard into pressure mode; their blocks come back as their requests end.", "short",
+                           Target(f"sum by (tenant) ({sel('guard_borrowed_blocks', tenant=True)})",
+                                  "{{tenant}}"), width=8, stacked=True),
+                timeseries("Reservation growths",
+                           "Requests without max_tokens reserve the output their tenant's requests usually "
+                           "produce; one that outgrows it asks for more. Denied: no room, the request runs "
+                           "on beyond its reservation and asks again a block later, and the engine may have "
+                           "to preempt. Steady denials: clients should send max_tokens, or the KV budget "
+                           "has no headroom left (lower safe_utilization or add replicas).", "ops",
+                           Target(f"sum by (result) ({rate(sel('guard_reservation_growths_total'))})",
+                                  "{{result}}"), width=8),
             ]),
             Row("Fairness", [
                 timeseries("Weighted service per tenant",
@@ -131,6 +203,32 @@ def build() -> dict:
                            "requests. Target: below 1 %; a climb is a retry storm feeding on itself.",
                            "percentunit",
                            Target(ratio(zero_filled(retries, requests), requests), "{{tenant}}"), min=0),
+            ]),
+            Row("Connections and config", [
+                timeseries("Client connections in use",
+                           "Open client connections over the guard's limit (connections.max_connections, by "
+                           "default what its descriptor limit affords). At 100 % new connections get 503 at "
+                           f"once; above {CONNECTIONS_HIGH:.0%} for 5 minutes is GuardConnectionsNearLimit.",
+                           "percentunit", Target(connections, "{{instance}}"),
+                           width=8, min=0, max=1, thresholds=[(0.8, "orange"), (CONNECTIONS_HIGH, "red")]),
+                timeseries("Connections closed by the guard",
+                           "Connections the guard cut: header_timeout and body_timeout (a client too slow to "
+                           "send its request: a slow link, or a slowloris), idle (keep-alive past its "
+                           "timeout: normal), over_capacity (refused with 503 at the limit).", "cps",
+                           Target(cuts, "{{reason}}"), width=8),
+                timeseries("Config reloads", "SIGHUP reloads of the config file per interval: ok, or "
+                           "invalid (refused: the guard runs on with the config it had, and the log says "
+                           "why; GuardConfigReloadFailed).", "short",
+                           Target(f"sum by (result) ({reloads})", "{{result}}"), width=8),
+                table("Running config per guard", "The hash of the configuration each guard runs (the "
+                      "first 12 hex digits of the SHA-256 of its normalized form, as the guard logs it). "
+                      "After a reload every guard shows the new hash; guards of one deployment that differ "
+                      "run different tenants, keys or limits.",
+                      Target(f"max by (instance, hash) ({sel('guard_config_info')})"), width=18, height=5),
+                stat("Configs running", "How many different configurations the selected guards run. 1 when "
+                     "they agree; more while a reload has reached only some of them, or failed on some.",
+                     "none", Target(f"count (count by (hash) ({sel('guard_config_info')}))"),
+                     thresholds=[(2, "orange")]),
             ]),
         ],
     )

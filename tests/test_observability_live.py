@@ -32,8 +32,11 @@ from dashboards.promql import metric_uses
 
 # Series that exist only once their event has happened, which this test does not cause. A panel reading
 # one may come back empty, but only while Prometheus has no series of it at all.
-EVENT_ONLY = {"guard_detections_total": "the Fill-and-Squeeze detector's transitions: no tenant attacks here",
-              "guard_shared_state_round_trip_seconds_bucket": "Redis round trips: the stack's guard has no shared_state"}
+EVENT_ONLY = {
+    "guard_detections_total": "the Fill-and-Squeeze detector's transitions: no tenant attacks here",
+    "guard_shared_state_round_trip_seconds_bucket": "Redis round trips: the stack's guard has no shared_state",
+    "guard_ratelimit_rejections_total": "rate-limit refusals: the stack's one limited tenant stays far below",
+}
 STEP_S = 1
 # Grafana's $__rate_interval: max($__interval + scrape interval, 4 x scrape interval).
 RATE_INTERVAL = f"{max(STEP_S + SCRAPE_INTERVAL_S, 4 * SCRAPE_INTERVAL_S)}s"

@@ -23,7 +23,6 @@ from guard.metrics import GuardMetrics
 from guard.state import scripts
 from guard.state.shared import SharedState
 
-
 # Keeps Redis busy (it runs one script at a time) for a few hundred milliseconds.
 BUSY_LUA = "local i = 0 while i < 20000000 do i = i + 1 end return i"
 

@@ -96,6 +96,7 @@ def write_configs(root: Path, ports: Ports) -> dict[str, Path]:
     paths = {"guard": root / "guard.yaml", "prometheus": root / "prometheus.yml",
              "alertmanager": root / "alertmanager.yml"}
     tenants = [{"name": n, "api_keys": [k], "weight": w, "lane": lane} for n, k, w, lane in TENANTS]
+    tenants[-1] |= {"rpm": 100_000, "tpm": 10_000_000}  # rate-limit series to show, far above what it sends
     # A list of URLs is a pool of replicas named e0, e1, ... (writes root / "guard.yaml").
     guard_config([f"http://127.0.0.1:{port}" for port in ports.engines.values()], root,
                  listen={"host": "127.0.0.1", "port": ports.guard}, secret="live-test-secret",
