@@ -12,7 +12,8 @@ times in rotating order; medians are reported, added latency against the direct 
 
 The upstream is bench/fast_upstream.py behind nginx, which answers the completions itself, from memory
 (bench/nginx_proxy.py ``answers``; without nginx, fast_upstream.py answers them): the guard's side of the
-machine is measured, not the upstream's Python.
+machine is measured, not the upstream's Python. Debian: ``apt-get install wrk nginx-light redis-server``
+(without wrk, bench/http_load.py generates the load, at a much higher cost to the load side's core).
 
 Targets: shared state costs < 15% of one guard's requests/s, and ``redis2`` serves >= 1.6x ``redis1``. A
 guard that is CPU-bound serves 1/(CPU per request), so the cost is read from ``alone``'s and ``redis1``'s
