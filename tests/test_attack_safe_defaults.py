@@ -122,3 +122,21 @@ def test_a_confirmed_attackers_running_streams_end_with_its_error_and_give_their
         snap = wait_for(lambda: json.loads(request(engine.url + "/telemetry")[1]),
                         lambda s: s["num_running"] == 0, 5)
         assert not snap["tenants"].get("globex", {}).get("blocks"), "the engine aborted them: their blocks are free"
+
+
+def test_a_confirmed_attacker_is_refused_before_its_prompt_is_counted() -> None:
+    """Its prompt is never tokenized: a prompt past the context window, which another tenant gets a 400 for,
+    is a 429 for the confirmed tenant, whose arrival the detector still records."""
+    with ServerThread(num_blocks=64) as engine, GuardThread(guard_config(engine.url)) as guard:
+        wait_for(lambda: guard.call(lambda: guard.state.pool.any_usable()), bool, 5)
+        guard.call(lambda: guard.state.escalation.adopt(["globex"]))  # as another guard's verdict arrives
+        assert guard.call(lambda: guard.state.detector.state("globex")) == "confirmed"
+        too_long = {"model": "tiny", "prompt": "x" * 100_000, "max_tokens": 4}
+        status, body = request(guard.url + "/v1/completions", json.dumps(too_long).encode(),
+                               headers={"Authorization": "Bearer sk-acme", "Content-Type": "application/json"})
+        assert status == 400 and json.loads(body)["error"]["code"] == "context_length_exceeded", body
+        sent_at = time.monotonic()
+        status, body = request(guard.url + "/v1/completions", json.dumps(too_long).encode(),
+                               headers={"Authorization": "Bearer sk-globex", "Content-Type": "application/json"})
+        assert status == 429 and json.loads(body)["error"]["code"] == "abuse_suspected", body
+        assert guard.call(lambda: guard.state.detector.tenants["globex"].probes[-1]) >= sent_at, "seen as a probe"

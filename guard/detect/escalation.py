@@ -12,6 +12,7 @@ state): the one place where a verdict becomes a consequence.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import NoReturn
 
 from guard.admission.dispatch import Dispatcher
 from guard.config import Lane, Tenant
@@ -56,6 +57,15 @@ class Escalation:
         self.detector.reconfigure(weights)
         self.last_lane = after_every(lanes)
         self._publish()
+
+    def confirmed(self, tenant: str) -> bool:
+        return self.detector.state(tenant) == "confirmed"
+
+    def refuse(self, tenant: Tenant, max_tokens: int) -> NoReturn:
+        """The 429 of a confirmed tenant's request, refused before anything else is spent on it; the
+        detector still sees it arrive (a confirmed tenant stays so while it keeps up the pattern)."""
+        self.detector.on_request(tenant.name, max_tokens)
+        raise abuse_refusal()
 
     def shape(self, tenant: Tenant, lane: Lane, max_tokens: int) -> tuple[int | None, Lane]:
         """A request as the tenant's state allows it: a cap on its output (None: none) and its lane; raises

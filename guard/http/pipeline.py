@@ -19,6 +19,7 @@ stages store their timestamps in it; without, ``ex.trace`` is None and each stag
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from dataclasses import dataclass
 
@@ -153,6 +154,10 @@ async def serve_pool(ex: Exchange) -> web.StreamResponse:
     await pool.wait_while_starting()  # a guard that just started may not have heard from its engines yet
     if (trace := ex.trace) is not None:
         trace.admission = time.monotonic()
+    if state.escalation.confirmed(tenant.name):  # refused before its prompt costs a tokenization
+        declared = parsed.max_tokens
+        state.escalation.refuse(tenant, declared if declared is not None else
+                                state.predictor.predict(tenant.name, tenant.lane, sys.maxsize))
     try:
         limits = await ex.clients.counter.count(parsed)
     except GuardError as exc:
