@@ -105,6 +105,21 @@ def test_kvguard_spreads_new_conversations() -> None:
     assert sorted(chosen) == ["e0", "e0", "e1", "e1", "e2", "e2"]
 
 
+def test_kvguard_spreads_new_conversations_that_arrive_while_the_pool_is_idle() -> None:
+    """Short requests, each finished before the next arrives: every new conversation finds an idle pool (an
+    exact tie), and goes to the replica admitted to longest ago, whatever requests went between."""
+    pool, picker = pool_of([100, 100, 100]), Picker("kvguard")
+    chosen = []
+    for tenant in range(3):
+        replica = picker.rank(pool.replicas, 4, [hashes(64, salt=f"t{tenant}")])[0][0]
+        chosen.append(replica.name)
+        for _ in range(tenant + 2):  # its conversation's turns before the next tenant arrives (the rotation
+            replica.admitted()  # would have moved on as many places)
+            replica.finished()
+            picker.rank(pool.replicas, 4, [hashes(64, salt=f"t{tenant}")])
+    assert sorted(chosen) == ["e0", "e1", "e2"]
+
+
 async def test_one_fair_queue_feeds_whichever_replica_frees_first() -> None:
     pool = pool_of([100, 100], num_blocks=100)
     dispatcher = Dispatcher(CONFIG, pool, Picker("kvguard"))

@@ -187,7 +187,7 @@ class Dispatcher:
         for replica, hit_blocks in self.picker.rank(self.pool.replicas, ticket.blocks, ticket.hashes):
             if replica.gate.try_reserve(ticket.request_id, queue.name, ticket.blocks, ticket.borrowed):
                 ticket.replica, ticket.hit_blocks = replica, hit_blocks
-                replica.in_flight += 1
+                replica.admitted()
                 return True
         return False
 
@@ -241,7 +241,7 @@ class Dispatcher:
         elif ticket.state is TicketState.ADMITTED:
             assert ticket.replica is not None  # set with the reservation
             ticket.replica.gate.release(ticket.request_id)
-            ticket.replica.in_flight -= 1
+            ticket.replica.finished()
             running = self.running[ticket.tenant.name]
             running.discard(ticket)
             if not running:

@@ -100,7 +100,7 @@ class SharedDispatcher(Dispatcher):
         if answer is not None and answer[0] == 1:
             replica.gate.record(ticket.request_id, queue.name, ticket.blocks, ticket.borrowed)
             ticket.replica, ticket.hit_blocks = replica, hit_blocks
-            replica.in_flight += 1
+            replica.admitted()
 
     def pump(self) -> None:
         if self.shared.up:
@@ -164,4 +164,4 @@ class SharedDispatcher(Dispatcher):
                          refund)
         if ticket.state is not TicketState.ADMITTED:  # admitted by the ledger after it left: undo it here too
             ticket.replica.gate.release(ticket.request_id)
-            ticket.replica.in_flight -= 1
+            ticket.replica.finished()

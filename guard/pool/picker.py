@@ -22,8 +22,9 @@ a replica. Only usable replicas are ranked (circuit closed, current telemetry). 
   running (fail open). An overload filter does the same for a replica with ``OVERLOAD_ABS`` more requests in
   flight than the least loaded candidate and ``OVERLOAD_REL`` times as many (SGLang's cache-aware router
   balances the same way): cached system prompts would otherwise pull every conversation of the tenants
-  that started on one replica there, long before its blocks run short. Ties keep a rotating order, so new
-  conversations (no hits anywhere) spread.
+  that started on one replica there, long before its blocks run short. Ties (an idle pool, a prompt cached
+  nowhere) go to the replica admitted to longest ago, so new conversations, and with them new tenants'
+  cached system prompts, spread over the pool instead of meeting on one replica by chance.
 """
 
 from __future__ import annotations
@@ -75,8 +76,9 @@ class Picker:
                 hit = hits[r] / prompt_blocks if prompt_blocks else 0.0
                 return HIT_WEIGHT * hit + FREE_WEIGHT * _free(r, blocks) + IDLE_WEIGHT * (1 - r.in_flight / busiest)
 
-            # sorted() is stable: equal scores keep the rotated order.
-            order = sorted(candidates, key=lambda r: (held_back(r), -score(r)))
+            # Equal scores (an idle pool, a prompt cached nowhere) go to the replica admitted to longest ago,
+            # so that new conversations spread; sorted() is stable, so the rotated order decides the rest.
+            order = sorted(candidates, key=lambda r: (held_back(r), -score(r), r.last_admitted))
         return [(r, hits[r]) for r in order]
 
 

@@ -27,6 +27,7 @@ class Replica:
     breaker: CircuitBreaker
     index: PrefixIndex = field(default_factory=PrefixIndex)
     in_flight: int = 0  # the guard's requests admitted here and not finished: the picker's load signal
+    last_admitted: float = 0.0  # when (monotonic) the guard last admitted a request here: the picker's tie-break
     started_at: float = field(default_factory=time.monotonic)  # reset when the guard starts serving
     # Set by the replica's first snapshot, or by the first failure to reach its telemetry stream.
     heard: asyncio.Event = field(default_factory=asyncio.Event)
@@ -42,6 +43,14 @@ class Replica:
     @property
     def url(self) -> str:
         return self.backend.url.rstrip("/")
+
+    def admitted(self) -> None:
+        """A request of the guard's was admitted here (``finished`` when it ends)."""
+        self.in_flight += 1
+        self.last_admitted = time.monotonic()
+
+    def finished(self) -> None:
+        self.in_flight -= 1
 
     def start_left(self) -> float:
         """Seconds left of the replica's start (0 once heard from, or once ``telemetry_stale_s`` is over)."""
