@@ -110,6 +110,10 @@ class GuardMetrics:
                                             "tpm).", ["tenant", "kind"], registry=r)
         self.config_reloads = Counter("guard_config_reloads_total", "SIGHUP reloads of the config file, by result "
                                       "(ok; invalid: refused, the running config kept).", ["result"], registry=r)
+        self.config_reload_ok = Gauge("guard_config_last_reload_successful", "1 unless the last SIGHUP reload "
+                                      "was refused (then 0 until one is applied): the file on disk is not the "
+                                      "running config.", registry=r)
+        self.config_reload_ok.set(1)
         self.config_info = Gauge("guard_config_info", "1, labelled with the running config's hash (guard/config.py "
                                  "config_hash).", ["hash"], registry=r)
         # (metric, label values) -> its child; label values come from the configuration and fixed sets only

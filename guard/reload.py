@@ -66,12 +66,14 @@ def reload_file(state: GuardState, path: Path) -> bool:
                               f"only {' and '.join(sorted(RELOADABLE))}); nothing was applied")
     except ConfigError as exc:
         state.metrics.config_reloads.labels("invalid").inc()
+        state.metrics.config_reload_ok.set(0)
         log.error("config reload refused, the running configuration (hash %s) stays: %s",
                   config_hash(state.config), exc)
         state.events.record("reload", result="refused")  # not the message: a YAML error quotes the file
         return False
     apply(state, config)
     state.metrics.config_reloads.labels("ok").inc()
+    state.metrics.config_reload_ok.set(1)
     state.events.record("reload", result="ok", hash=config_hash(config), tenants=[t.name for t in config.tenants])
     log.info("config reloaded from %s (hash %s): tenants %s", path, config_hash(config),
              ", ".join(t.name for t in config.tenants))

@@ -129,11 +129,16 @@ async def test_a_broken_file_on_sighup_keeps_the_guard_serving_with_the_old_conf
         series = await until(lambda: scrape(guard.url), lambda s, n=count: s[reloads("invalid")] == n, 10,
                              message=guard.log_tail)
         assert series[reloads("ok")] == 0 and series[hash_label] == 1, name
+        assert series["guard_config_last_reload_successful"] == 0, name
         await until(guard.log_text, lambda log, p=problem: p in log, 5, message=guard.log_tail)
         assert "config reload refused" in guard.log_text(), name
         answer = await client.call(SHORT, key="sk-acme")
         assert (answer.status, answer.headers["X-Guard-Tenant"]) == (200, "acme"), (name, answer.body[:300])
         assert_openai_error(await client.call(SHORT, key="sk-new"), 401, "invalid_api_key")
+    path.write_text(yaml.safe_dump(raw))  # fixed: applied, and the last reload worked again
+    guard.send_signal(signal.SIGHUP)
+    series = await until(lambda: scrape(guard.url), lambda s: s[reloads("ok")] == 1, 10, message=guard.log_tail)
+    assert series["guard_config_last_reload_successful"] == 1
     assert guard.poll() is None
 
 
