@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 from support import ROOT
 from support.guard_server import guard_config
-from support.net import free_port, request
+from support.net import free_port, free_ports_in_a_row, request
 from support.processes import Processes, run_command
 from support.redis_server import RedisServer
 from support.wait import wait_for
@@ -65,14 +65,15 @@ async def many_streams(url: str) -> list[list[bytes]]:
 def test_two_workers_share_the_port_and_serve_every_stream(tmp_path: Path, processes: Processes) -> None:
     redis = processes.add(RedisServer(tmp_path))
     engine = processes.engine("--num-blocks", "512")
-    metrics = free_port()
-    admin = free_port()
+    metrics = free_ports_in_a_row(3)  # worker 0's and worker 1's metrics, then the console: none can collide
+    admin = metrics + 2
     guard_config(engine.url, tmp_path, listen={"host": "127.0.0.1", "port": free_port()},
                  shared_state={"redis_url": redis.url}, admin={"host": "127.0.0.1", "port": admin})
     guard = processes.guard(tmp_path / "guard.yaml", "--workers", "2", "--metrics-port", str(metrics))
     workers = [f"http://127.0.0.1:{metrics + i}/metrics" for i in range(2)]
     for url in workers:  # each worker up, its link to Redis up, and each sees both
-        wait_for(lambda u=url: link(u), lambda seen: seen == (1.0, 2.0), 20, message=lambda: guard.log_tail())
+        wait_for(lambda u=url: link(u), lambda seen: seen == (1.0, 2.0), 30,
+                 message=lambda u=url: f"{u}: {link(u)}\n{guard.log_tail()}")
 
     answers = asyncio.run(many_streams(guard.url))
     assert all(lines[-1] == b"data: [DONE]" and len(lines) > 2 for lines in answers), answers
@@ -94,7 +95,7 @@ def test_two_workers_share_the_port_and_serve_every_stream(tmp_path: Path, proce
 
 def test_a_worker_that_dies_is_reported_and_the_others_stopped(tmp_path: Path, processes: Processes) -> None:
     redis = processes.add(RedisServer(tmp_path))
-    metrics = free_port()
+    metrics = free_ports_in_a_row(2)
     guard_config("http://127.0.0.1:9", tmp_path, listen={"host": "127.0.0.1", "port": free_port()},
                  shared_state={"redis_url": redis.url})
     guard = processes.guard(tmp_path / "guard.yaml", "--workers", "2", "--metrics-port", str(metrics))

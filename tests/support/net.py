@@ -14,6 +14,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports_in_a_row(count: int) -> int:
+    """The first of ``count`` consecutive ports nothing listens on right now (``--metrics-port`` gives worker
+    i the first + i): a lone free port's neighbour may be taken."""
+    while True:
+        base = free_port()
+        sockets = [socket.socket() for _ in range(count)]
+        try:
+            for offset, s in enumerate(sockets):
+                s.bind(("127.0.0.1", base + offset))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in sockets:
+                s.close()
+
+
 def request(url: str, body: bytes | None = None, headers: dict[str, str] | None = None,
             timeout: float = 60) -> tuple[int, bytes]:
     """GET (or POST ``body``) and return status and body, errors included."""
