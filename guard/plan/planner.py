@@ -52,13 +52,14 @@ def make_plan(workload: Workload, base: Path, engine_url: str | None = None) -> 
                             f"({engine.kv_bytes} bytes): GiB figures are scaled by {shape.kv_bytes}/{engine.kv_bytes}")
         pool_bytes = engine.tokens * shape.bytes_per_token
         sizing = size(workload.mix, workload.streams, workload.margin, pool_bytes, shape.bytes_per_token,
-                      engine.block_size)
+                      engine.block_size, shape.context_window)
     elif workload.gpu is None:
         raise PlanError("gpu: required (memory_gb, runtime_reserve_bytes) unless the pool comes from "
                         "--from-engine URL")
     else:
         pool_bytes = gpu_pool_bytes(workload.gpu.memory_gb, shape.weight_bytes, workload.gpu.runtime_reserve_bytes)
-        sizing = size(workload.mix, workload.streams, workload.margin, pool_bytes, shape.bytes_per_token)
+        sizing = size(workload.mix, workload.streams, workload.margin, pool_bytes, shape.bytes_per_token,
+                      context_window=shape.context_window)
     queueing = None
     if workload.arrivals is not None:
         if sizing.slots_per_replica is None or sizing.gpus_needed is None:

@@ -29,7 +29,8 @@ def to_json(plan: Plan) -> dict[str, Any]:
         "mean_sequence_bytes": s.mean_sequence_bytes,
         "model": {"layers": shape.layers, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim,
                   "kv_bytes": shape.kv_bytes, "weight_bytes": shape.weight_bytes,
-                  "bytes_per_token": shape.bytes_per_token, "source": shape.source},
+                  "bytes_per_token": shape.bytes_per_token, "context_window": shape.context_window,
+                  "source": shape.source},
         "pool_source": "engine" if plan.engine else "gpu",
         "classes": [{"name": c.name, "share": c.share, "context_tokens": c.context_tokens,
                      "sequence_bytes": c.sequence_bytes, "sequence_gib": c.quoted_gib, "streams": c.streams,
@@ -55,8 +56,10 @@ def to_json(plan: Plan) -> dict[str, Any]:
 
 def to_text(plan: Plan) -> str:
     s, shape, w = plan.sizing, plan.shape, plan.workload
+    window = f", a context window of {shape.context_window:,} tokens" if shape.context_window else ""
     lines = [(f"model: {shape.layers} layers x {shape.kv_heads} KV heads x {shape.head_dim} dims x "
-             f"{shape.kv_bytes} B x 2 (K, V) = {shape.bytes_per_token:,} B of KV per token ({shape.source})")]
+             f"{shape.kv_bytes} B x 2 (K, V) = {shape.bytes_per_token:,} B of KV per token{window} "
+             f"({shape.source})")]
     if plan.engine is not None:
         e = plan.engine
         lines.append(f"KV pool: engine {e.url} ({e.model}, {e.dtype or 'dtype unknown'}): {e.num_blocks} blocks "

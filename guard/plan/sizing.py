@@ -15,7 +15,8 @@ blocks of it when the pool is an engine's (the engine allocates, and the guard r
 
 GPUs needed counts replicas, each with the whole model and its own pool (no tensor parallelism): streams
 spread over them, so ``ceil(demand / safe envelope)``, provided one p95 sequence of every class fits one
-replica's envelope (else no number of replicas helps: ``blocker`` says why). The streams are treated as a
+replica's envelope and fits the model's context window (else no number of replicas helps: ``blocker`` says
+why). The streams are treated as a
 fluid: a replica's share of the mix is assumed to pack into its envelope.
 
 A replica's stream slots (queueing.py's servers) are its envelope over the mean p95 sequence of the mix.
@@ -105,8 +106,9 @@ def gpu_pool_bytes(memory_gb: float, weight_bytes: int, runtime_reserve_bytes: i
 
 
 def size(mix: list[MixEntry], streams: int, margin: float, pool_bytes: int, bytes_per_token: int,
-         block_size: int | None = None) -> Sizing:
-    """The memory plan of ``streams`` peak streams of ``mix`` on replicas of ``pool_bytes`` KV each."""
+         block_size: int | None = None, context_window: int | None = None) -> Sizing:
+    """The memory plan of ``streams`` peak streams of ``mix`` on replicas of ``pool_bytes`` KV each, for a
+    model that holds ``context_window`` tokens per request (None: not checked)."""
     classes = tuple(
         ClassDemand(e.name, e.share, tokens, tokens * bytes_per_token, e.share * streams)
         for e in mix
@@ -114,7 +116,13 @@ def size(mix: list[MixEntry], streams: int, margin: float, pool_bytes: int, byte
     )
     probe = Sizing(pool_bytes, margin, streams, classes, None, None, None)
     largest = max(classes, key=lambda c: c.sequence_bytes)
-    if pool_bytes <= 0:
+    too_long = [e for e in mix if context_window is not None and e.context_tokens > context_window]
+    if too_long:
+        blocker = "; ".join(f"a p95 {e.name!r} request holds {e.context_tokens:,} tokens (input + output)"
+                            for e in too_long)
+        blocker += (f", past the model's context window of {context_window:,} tokens: the engine refuses such "
+                    "requests whatever the fleet; shorten them, or choose a model with a longer window")
+    elif pool_bytes <= 0:
         blocker = (f"no room for KV: weights and runtime reserve exceed the memory by {-pool_bytes / GIB:.2f} GiB "
                    "(more memory per GPU, or tensor parallelism, which this planner does not model)")
     elif largest.sequence_bytes > probe.safe_bytes + RATIO_SLACK:

@@ -37,6 +37,7 @@ class ExplicitModel(Strict):
     head_dim: int = Field(gt=0)
     kv_bytes: int = Field(gt=0)  # bytes per cached element: 1 for FP8, 2 for BF16/FP16
     weight_bytes: int = Field(ge=0)
+    context_window: int | None = Field(None, gt=0)  # tokens (input + output) one request may hold; None: unchecked
 
 
 class NamedModel(Strict):
