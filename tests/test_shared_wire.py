@@ -57,7 +57,8 @@ def count(shared: SharedState, op: str) -> int:
     return int(value or 0)
 
 
-def admit(shared: SharedState, blocks: int, room: int, on_answer: Callable[[Any], None] | None = None) -> asyncio.Future:
+def admit(shared: SharedState, blocks: int, room: int,
+          on_answer: Callable[[Any], None] | None = None) -> asyncio.Future:
     return shared.ask("ADMIT", "e", "t", blocks, 0, room, room, 1.0, 64.0, on_answer=on_answer)
 
 

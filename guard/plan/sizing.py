@@ -16,8 +16,7 @@ blocks of it when the pool is an engine's (the engine allocates, and the guard r
 GPUs needed counts replicas, each with the whole model and its own pool (no tensor parallelism): streams
 spread over them, so ``ceil(demand / safe envelope)``, provided one p95 sequence of every class fits one
 replica's envelope and fits the model's context window (else no number of replicas helps: ``blocker`` says
-why). The streams are treated as a
-fluid: a replica's share of the mix is assumed to pack into its envelope.
+why). The streams are treated as a fluid: a replica's share of the mix is assumed to pack into its envelope.
 
 A replica's stream slots (queueing.py's servers) are its envelope over the mean p95 sequence of the mix.
 

@@ -19,10 +19,11 @@ tenant), with the windows in Redis and on Redis's clock (guard/state/scripts.py 
 Redis down (``SharedState.ask`` answers None, at once while the link is down): the guard decides alone on
 its own windows, each limit divided by ``live_guards`` (the number of guards last seen, rounded down: a
 limit smaller than the number of guards admits nothing meanwhile), so the guards together stay within it;
-``Retry-After``, the message and the headers say what this guard's share allows (guard/admission/limits.py ``charge_here``). When the link is up again, charging is shared
-again. Redis does not learn what guards admitted alone, and one restarted empty forgets its minute, so in
-the minute around a change a tenant may be admitted up to about twice its limit; never more, since each
-side of the change keeps within the limit on its own.
+``Retry-After``, the message and the headers say what this guard's share allows (guard/admission/limits.py
+``charge_here``). When the link is up again, charging is shared again. Redis does not learn what guards
+admitted alone, and one restarted empty forgets its minute, so in the minute around a change a tenant may
+be admitted up to about twice its limit; never more, since each side of the change keeps within the limit
+on its own.
 
 Headers and metrics make no round trip of their own: they read ``Seen``, what Redis last answered this
 guard about each window (with this guard's own settles applied since), and count a window whole once the
