@@ -205,7 +205,7 @@ async def serve_pool(ex: Exchange) -> web.StreamResponse:
 
     ttft, itl = metrics.child(metrics.ttft, tenant.name), metrics.child(metrics.itl, tenant.name)
     observer = StreamObserver(on_first_token=lambda now: ttft.observe(now - ex.arrived),
-                              on_gap=itl.observe if declared else on_gap)
+                              on_gap=itl.observe if declared else on_gap, strip_usage=parsed.adds_usage)
     # Limits come before the fair queue and the KV budget: charged what the reservation covers, now.
     ex.charge = charge = await state.limiter.charge(tenant, limits.prompt_tokens + reserve * sequences)
     try:
@@ -267,7 +267,8 @@ async def serve_elsewhere(ex: Exchange, route: Route) -> web.StreamResponse:
     model = state.fallback_models.get(route.name, parsed.model.model)
     body = parsed.upstream_body(cache_salt=state.keys.cache_salt(tenant), max_tokens=parsed.max_tokens,
                                 priority=ex.lane.priority, model=model)
-    observer = StreamObserver(on_first_token=lambda now: None, on_gap=lambda gap: None)
+    observer = StreamObserver(on_first_token=lambda now: None, on_gap=lambda gap: None,
+                              strip_usage=parsed.adds_usage)
     try:
         response, outcome = await forward(ex, route.backend.url, route.name, body, observer, route=route.name)
     except UpstreamUnavailable:

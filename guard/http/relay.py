@@ -1,10 +1,11 @@
 """Relays one admitted request to a backend and its answer, byte for byte, to the client.
 
-Streams are copied chunk by chunk as they arrive (never buffered whole); reading the upstream waits for
-each write to the client, so a slow reader holds at most one chunk plus the socket buffers, and one that
-takes nothing for ``client_stall_timeout`` is reset (its stream ends, its blocks go back). Time limits:
-the first byte of a stream must come within ``first_token_timeout`` (else 504), each later read within
-``idle_timeout``; there is no total timeout, so a legitimate long stream is never cut. A non-streamed answer
+Streams are copied chunk by chunk as they arrive (never buffered whole), less only the usage event that the
+guard asked for and the client did not (``StreamObserver``); reading the upstream waits for each write to
+the client, so a slow reader holds at most one chunk plus the socket buffers, and one that takes nothing
+for ``client_stall_timeout`` is reset (its stream ends, its blocks go back). Time limits: the first byte
+of a stream must come within ``first_token_timeout`` (else 504), each later read within ``idle_timeout``;
+there is no total timeout, so a legitimate long stream is never cut. A non-streamed answer
 comes whole when its generation ends, so ``unary_timeout`` bounds it instead. A stream that fails
 after its first byte ends with an SSE ``error`` event and no ``[DONE]``; a client that leaves closes the
 upstream connection at once (the engine then aborts the request and frees its blocks). Once ``closing`` is
@@ -46,44 +47,88 @@ class UpstreamUnavailable(Exception):
 
 @dataclass(slots=True)
 class StreamObserver:
-    """Watches the relayed SSE without altering it: token events, first-token time and gaps between tokens."""
+    """Reads an SSE answer as it is relayed: its token events, first-token time, the gaps between tokens and
+    the usage figure, and decides which bytes the client gets.
+
+    ``output_tokens`` is the engine's ``usage.completion_tokens`` whenever the stream carried usage, which a
+    kvguard engine always does, since the guard asks for it on every stream (guard/http/validate.py); one
+    per token event is only the fallback for a backend that sends none (a fallback that ignores
+    ``stream_options``), and undercounts where an event carries several tokens (a forced tool call, sent
+    whole; tokens that decode to no text).
+
+    Without ``strip_usage`` each chunk goes to the client as it came. With it (the guard asked for usage the
+    client did not), the client gets the upstream bytes less the usage-only event (its ``data:`` line, whose
+    ``choices`` is empty, and the blank line that ends it): exactly what it would have got without the guard.
+    Lines are then relayed whole: a complete line goes out with the chunk that completes it, a trailing
+    line without its newline is held back until that comes, and ``flush`` hands back what is still held
+    when the stream ends. Only a line that carries ``"usage":{`` is ever parsed as JSON.
+    """
 
     on_first_token: Callable[[float], None]
     on_gap: Callable[[float], None]
+    strip_usage: bool = False  # drop the usage-only event: the client did not ask for it
     events: int = 0
     finished: bool = False  # ``[DONE]`` went to the client: whatever happens next, it got its answer
     failed: bool = False  # the stream ended with an error event instead of its natural end
     client_gone: bool = False  # the client left or was dropped before the end: nobody got the rest
-    completion_tokens: int | None = None  # from a usage chunk, when the client asked for one
+    completion_tokens: int | None = None  # from a usage chunk (or a non-streamed answer's usage)
     first_at: float = 0.0  # time.monotonic() of the first token event (0.0: none yet)
-    _partial: bytes = b""
+    _partial: bytes = b""  # the last line so far, its newline not yet come
+    _dropped: bool = False  # the previous line was a dropped usage line: a blank line after it goes too
     _last: float = field(default=0.0)
 
-    def feed(self, chunk: bytes) -> None:
-        lines = (self._partial + chunk).split(b"\n")
+    def feed(self, chunk: bytes) -> bytes:
+        """Observe ``chunk``; returns what the client gets of it now."""
+        data = self._partial + chunk
+        lines = data.split(b"\n")
         self._partial = lines.pop()
-        for line in lines:
-            if not line.startswith(b"data:"):
-                continue
-            if line[5:].strip() == b"[DONE]":
-                self.finished = True
-                continue
-            now = time.monotonic()
-            if b'"usage":{' in line.replace(b" ", b""):
-                try:
-                    usage = json.loads(line[5:]).get("usage") or {}
-                    self.completion_tokens = usage.get("completion_tokens", self.completion_tokens)
-                except ValueError:
-                    pass
-                if b'"choices":[]' in line.replace(b" ", b""):
-                    continue  # the usage-only chunk carries no token
-            if self.events == 0:
-                self.first_at = now
-                self.on_first_token(now)
+        kept: list[bytes] | None = None  # the lines relayed, once one was dropped (None: all of them)
+        for i, line in enumerate(lines):
+            if self._dropped and not line.strip():  # the blank line that ends the dropped usage event
+                drop, self._dropped = True, False
             else:
-                self.on_gap(now - self._last)
-            self._last = now
-            self.events += 1
+                drop = self._dropped = self._observe(line)
+            if drop and kept is None:
+                kept = lines[:i]
+            elif not drop and kept is not None:
+                kept.append(line)
+        if not self.strip_usage:
+            return chunk
+        if kept is None:
+            return data[:len(data) - len(self._partial)]
+        return b"".join(line + b"\n" for line in kept)
+
+    def flush(self) -> bytes:
+        """The stream ended: what is still held back, as it came. A last line without its newline is no SSE
+        event (a client drops an event its stream ends in), so it is relayed but not observed."""
+        held, self._partial = self._partial, b""
+        return held if self.strip_usage else b""
+
+    def _observe(self, line: bytes) -> bool:
+        """Take one complete line into account; True when it is the usage-only line to drop."""
+        if not line.startswith(b"data:"):
+            return False
+        if line[5:].strip() == b"[DONE]":
+            self.finished = True
+            return False
+        now = time.monotonic()
+        if b'"usage":{' in line.replace(b" ", b""):
+            try:
+                chunk = json.loads(line[5:])
+            except ValueError:
+                chunk = None
+            if isinstance(chunk, dict) and isinstance(usage := chunk.get("usage"), dict):
+                self.completion_tokens = usage.get("completion_tokens", self.completion_tokens)
+                if chunk.get("choices") == []:  # the usage-only chunk carries no token
+                    return self.strip_usage
+        if self.events == 0:
+            self.first_at = now
+            self.on_first_token(now)
+        else:
+            self.on_gap(now - self._last)
+        self._last = now
+        self.events += 1
+        return False
 
     @property
     def output_tokens(self) -> int:
@@ -164,7 +209,9 @@ class Relay:
         self, client: web.Request, upstream: aiohttp.ClientResponse, headers: dict[str, str],
         observer: StreamObserver,
     ) -> web.StreamResponse:
-        """Copy an SSE answer to the client. Returns the prepared response; never raises for upstream faults."""
+        """Copy an SSE answer to the client as ``observer`` passes it on (whatever it held back is written
+        before the stream ends, its error event included). Returns the prepared response; never raises for
+        upstream faults."""
         completed = False
         try:
             if upstream.status != 200 or not upstream.content_type.startswith("text/event-stream"):
@@ -192,21 +239,24 @@ class Relay:
             chunk = first
             try:
                 while chunk:
-                    observer.feed(chunk)
-                    await self._write(client, response, chunk)
+                    if relayed := observer.feed(chunk):  # nothing when the chunk only began a line
+                        await self._write(client, response, relayed)
                     chunk = await upstream.content.readany()
                 completed = upstream.content.is_eof()
+                if completed and (held := observer.flush()):
+                    await self._write(client, response, held)
             except ClientGone:
                 observer.client_gone = True
                 return response
             except (aiohttp.ClientError, TimeoutError) as exc:  # the engine failed or went quiet mid-stream
                 observer.failed = True
-                await _try_write(response, self.failure_event(f"the engine stream failed: {type(exc).__name__}",
-                                                              upstream))
+                await _try_write(response, observer.flush() + self.failure_event(
+                    f"the engine stream failed: {type(exc).__name__}", upstream))
                 return response
             if not completed:
                 observer.failed = True
-                await _try_write(response, self.failure_event("the engine stream ended early", upstream))
+                await _try_write(response, observer.flush() + self.failure_event("the engine stream ended early",
+                                                                                 upstream))
                 return response
             try:
                 await response.write_eof()

@@ -4,7 +4,9 @@ The body is read with a hard size cap (413), must be JSON of the right content t
 own pydantic request models (400 with ``param`` naming the field: ``Content-Type`` or ``body`` when the
 fault is not in one field, so that every 400 points somewhere); guard/http/tokens.py then counts the prompt
 and checks it against the context window. Client-sent ``cache_salt``, ``priority`` and tenant hints are
-dropped: the guard sets them from the tenant.
+dropped: the guard sets them from the tenant. Every stream asks its engine for usage, so that the guard
+charges what was generated, not the events it saw (guard/http/relay.py strips the usage chunk again from the
+answer of a client that did not ask for it).
 """
 
 from __future__ import annotations
@@ -44,11 +46,19 @@ class ParsedRequest:
     def max_tokens(self) -> int | None:
         return self.model.max_output_tokens
 
+    @property
+    def adds_usage(self) -> bool:
+        """A stream whose client did not ask for usage: the guard asks for it upstream (``upstream_body``)
+        and removes the usage chunk from what the client gets (``StreamObserver.strip_usage``)."""
+        return self.model.stream and not self.model.include_usage
+
     def upstream_body(self, cache_salt: str, max_tokens: int | None, priority: int, model: str | None = None) -> bytes:
         """The body sent to an engine: the client's, with the guard's salt, priority and token bound (and the
-        fallback engine's model name when it serves a different one)."""
+        fallback engine's model name when it serves a different one). A stream always asks for usage."""
         body = {k: v for k, v in self.body.items() if k not in GUARD_OWNED and k != "max_completion_tokens"}
         body.update(cache_salt=cache_salt, priority=priority)
+        if self.adds_usage:  # the client's other stream options stay as it sent them
+            body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
         if max_tokens is not None:
             body["max_tokens"] = max_tokens
         if model is not None:

@@ -1,0 +1,199 @@
+"""Streamed usage through the guard (guard/http/relay.py ``StreamObserver``, guard/http/validate.py
+``upstream_body``): the guard asks the engine for usage on every stream and charges what it says, and a
+client that did not ask for usage gets the stream less the usage event, as if there were no guard.
+
+First the observer alone, on the engine's own SSE framing cut into chunks at every byte position (and at
+any set of them): what it relays is the input less the usage event, every complete line as soon as its
+chunk arrives. Then the real guard in front of the real tiny engine: a forced tool call streamed, whose
+calls come whole in one event, so that counting events (two) would undercharge its tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from itertools import pairwise
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from support.engine_server import ServerThread
+from support.guard_server import GuardThread, guard_config
+from support.net import request
+from support.wait import wait_for
+
+from engine.protocol import (
+    SSE_DONE,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatDelta,
+    ErrorResponse,
+    PromptTokensDetails,
+    Usage,
+    sse_comment,
+    sse_data,
+    sse_error,
+)
+from guard.admission.fairness import INPUT_COST, OUTPUT_COST
+from guard.http.relay import StreamObserver
+
+# -- the observer on byte chunks ----------------------------------------------------------------------------
+
+
+def chunk(content: str | None, usage: Usage | None = None, finish: bool = False) -> bytes:
+    choices = [] if content is None else [ChatChunkChoice(index=0, delta=ChatDelta(content=content),
+                                                          finish_reason="stop" if finish else None)]
+    return sse_data(ChatCompletionChunk(id="chatcmpl-1", created=0, model="tiny", choices=choices,
+                                        usage=usage).model_dump_json())
+
+
+USAGE = Usage(prompt_tokens=5, completion_tokens=9, total_tokens=14, prompt_tokens_details=PromptTokensDetails())
+USAGE_EVENT = chunk(None, USAGE)
+TOKENS = [chunk("Hello"), sse_comment("heartbeat"), chunk(' "usage":{"x": 1} is text'), chunk("é", finish=True)]
+STREAM = b"".join(TOKENS) + USAGE_EVENT + SSE_DONE
+# A stream that ends with an error event instead of [DONE]: the error event passes like any other.
+FAILED = b"".join(TOKENS) + USAGE_EVENT + sse_error(ErrorResponse.of(502, "gone", code="upstream_stream_error"))
+
+
+def pieces(stream: bytes, cuts: list[int]) -> list[bytes]:
+    """``stream`` cut at ``cuts``, as the upstream's reads might give it (no empty chunk)."""
+    return [stream[start:end] for start, end in pairwise([0, *sorted(cuts), len(stream)]) if end > start]
+
+
+def relay(stream: bytes, cuts: list[int], strip_usage: bool) -> tuple[list[bytes], StreamObserver]:
+    """``stream`` fed in the chunks ``cuts`` makes; what went out after each, then ``flush``."""
+    observer = StreamObserver(on_first_token=lambda now: None, on_gap=lambda gap: None, strip_usage=strip_usage)
+    return [*map(observer.feed, pieces(stream, cuts)), observer.flush()], observer
+
+
+def without_usage(stream: bytes) -> bytes:
+    """What a client that did not ask for usage gets of ``stream``'s complete lines."""
+    complete = stream[:stream.rfind(b"\n") + 1].replace(USAGE_EVENT, b"")
+    usage_line = USAGE_EVENT[:-1]  # the data line has come, the blank line that ends its event not yet
+    return complete.removesuffix(usage_line)
+
+
+def check_stripped(stream: bytes, cuts: list[int]) -> StreamObserver:
+    out, observer = relay(stream, cuts, strip_usage=True)
+    assert b"".join(out) == stream.replace(USAGE_EVENT, b""), cuts
+    # Every complete line went out with the chunk that completed it: only a line's start was held back.
+    bounds = sorted({*cuts, len(stream)} - {0})
+    for end, sent in zip(bounds, (b"".join(out[:i + 1]) for i in range(len(bounds))), strict=True):
+        assert sent == without_usage(stream[:end]), (cuts, end)
+    assert observer.completion_tokens == USAGE.completion_tokens and observer.output_tokens == 9
+    return observer
+
+
+@pytest.mark.parametrize("stream", [STREAM, FAILED], ids=["done", "error"])
+def test_every_single_cut_relays_the_stream_less_its_usage_event(stream: bytes) -> None:
+    for cut in range(len(stream) + 1):
+        check_stripped(stream, [cut])
+    observer = check_stripped(stream, list(range(1, len(stream))))  # a byte at a time
+    assert observer.finished == (stream is STREAM)
+    if stream is STREAM:
+        assert observer.events == 3, "the heartbeat, the usage event and [DONE] are no token events"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sets(st.integers(1, len(STREAM) - 1), max_size=12))
+def test_any_cuts_relay_the_stream_less_its_usage_event(cuts: set[int]) -> None:
+    check_stripped(STREAM, list(cuts))
+
+
+@given(st.sets(st.integers(1, len(STREAM) - 1), max_size=12))
+def test_a_client_that_asked_for_usage_gets_every_chunk_as_it_came(cuts: set[int]) -> None:
+    out, observer = relay(STREAM, list(cuts), strip_usage=False)
+    assert out == [*pieces(STREAM, list(cuts)), b""]
+    assert observer.output_tokens == 9 and observer.finished
+
+
+def test_a_last_line_without_its_newline_still_reaches_the_client() -> None:
+    unterminated = b"".join(TOKENS) + USAGE_EVENT + SSE_DONE.rstrip(b"\n")
+    for cut in range(len(unterminated) + 1):
+        out, _ = relay(unterminated, [cut], strip_usage=True)
+        assert b"".join(out) == unterminated.replace(USAGE_EVENT, b""), cut
+
+
+def test_without_usage_the_events_are_counted() -> None:
+    """A backend that ignores ``stream_options`` (a fallback): one token per event is all there is."""
+    stream = b"".join(TOKENS) + SSE_DONE
+    _, observer = relay(stream, [7, len(stream) // 2], strip_usage=True)
+    assert observer.completion_tokens is None and observer.output_tokens == observer.events == 3
+
+
+# -- the real guard in front of the real engine -------------------------------------------------------------
+
+# Bounded in every part, so that the random weights of the built-in model finish the call in a few tokens.
+PICK = {"type": "function", "function": {"name": "pick", "parameters": {
+    "type": "object", "properties": {"kind": {"enum": ["x", "yy", "zzz"]}, "flag": {"type": "boolean"}},
+    "required": ["kind", "flag"], "additionalProperties": False}}}
+TOOL_CALL = {"model": "tiny", "messages": [{"role": "user", "content": "pick one"}], "tools": [PICK],
+             "tool_choice": {"type": "function", "function": {"name": "pick"}}, "temperature": 0,
+             "max_tokens": 64, "stream": True}
+# What differs between two answers to the same request: their ids and creation times.
+UNIQUE = re.compile(rb'"id":"[^"]*"|"created":\d+')
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[ServerThread]:
+    with ServerThread(num_blocks=256) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def guard(engine: ServerThread) -> Iterator[GuardThread]:
+    with GuardThread(guard_config(engine.url)) as g:
+        wait_for(lambda: g.call(lambda: g.state.pool.any_usable()), bool, 5)
+        yield g
+
+
+def events(raw: bytes) -> list[bytes]:
+    """A complete stream's events (each without the blank line that ends it)."""
+    assert raw.endswith(b"\n\n"), raw[-200:]
+    return raw.split(b"\n\n")[:-1]
+
+
+def same_answer(raw: bytes) -> list[bytes]:
+    """A stream's events, less what differs between two answers to the same request."""
+    return [UNIQUE.sub(b"", event) for event in events(raw)]
+
+
+def service(guard: GuardThread) -> float:
+    """The service the fair queue has charged tenant acme so far (``guard_service_tokens_total``)."""
+    return guard.call(lambda: guard.state.dispatcher.fair.tenants["acme"].service)
+
+
+@pytest.mark.parametrize("include_usage", [False, True], ids=["usage_not_asked", "usage_asked"])
+def test_a_streamed_tool_call_is_charged_its_tokens_and_relayed_as_asked(
+        guard: GuardThread, engine: ServerThread, include_usage: bool) -> None:
+    status, direct = request(engine.url + "/v1/chat/completions",
+                             json.dumps({**TOOL_CALL, "stream_options": {"include_usage": True}}).encode())
+    assert status == 200, direct
+    *answer, usage_event, done = events(direct)
+    usage = json.loads(usage_event.removeprefix(b"data: "))["usage"]
+    assert done == b"data: [DONE]" and len(answer) == 2 < usage["completion_tokens"], \
+        "the call comes whole in one event, after the one that opens it"
+
+    before = service(guard)
+    body = {**TOOL_CALL, "stream_options": {"include_usage": True}} if include_usage else TOOL_CALL
+    status, raw = request(guard.url + "/v1/chat/completions", json.dumps(body).encode(),
+                          headers={"Authorization": "Bearer sk-acme"})
+    assert status == 200, raw
+    # As the engine answers the client's own request: its usage event unchanged if it asked, else none.
+    expected = [*answer, usage_event, done] if include_usage else [*answer, done]
+    assert same_answer(raw) == [UNIQUE.sub(b"", event) for event in expected]
+    # Settlement, the fairness charge and the predictor all take the same count; the charge shows it.
+    charged = INPUT_COST * usage["prompt_tokens"] + OUTPUT_COST * usage["completion_tokens"]
+    wait_for(lambda: service(guard) - before, lambda got: got == charged, 5)
+
+
+def test_a_completion_stream_without_usage_gets_none(guard: GuardThread) -> None:
+    """The guard's ``stream_options`` is valid on /v1/completions too, and stripped from its answer."""
+    body = {"model": "tiny", "prompt": "usage", "max_tokens": 6, "ignore_eos": True, "stream": True,
+            "stream_options": {}}
+    status, raw = request(guard.url + "/v1/completions", json.dumps(body).encode(),
+                          headers={"Authorization": "Bearer sk-acme"})
+    assert status == 200, raw
+    *answer, done = events(raw)
+    assert done == b"data: [DONE]" and answer and all(json.loads(e[6:])["choices"] for e in answer), answer
