@@ -47,7 +47,6 @@ from engine.output_processor import OutputProcessor
 from engine.sched.scheduler import Scheduler
 from engine.worker import sampler
 from engine.worker.batch import HostBatch
-from engine.worker.runner import ModelRunner
 
 BLOCK_SIZE = 16
 # The parts of an engine step the profile reports, by the functions that do them. Indented parts are inside
@@ -59,7 +58,7 @@ PARTS: list[tuple[str, list[Callable[..., object]]]] = [
     ("LM head (logits of the sampled rows)", [LlamaForCausalLM.compute_logits]),
     ("sampling", [sampler.sample]),
     ("step inputs (host batch, input tensors, attention metadata)",
-     [HostBatch.build, ModelRunner._device_inputs]),
+     [HostBatch.build, HostBatch.to_device]),
     ("scheduler (schedule, commit)", [Scheduler.schedule, Scheduler.update_from_output]),
     ("request outputs", [OutputProcessor.output]),
 ]

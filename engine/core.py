@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.config import EngineConfig
+from engine.gc_heap import freeze_startup_heap
 from engine.kernels import get_attention_backend
 from engine.kv.block_pool import BlockPool
 from engine.kv.manager import KVCacheManager
@@ -78,6 +79,7 @@ class EngineCore:
         # The latest step's schedule, for the server's tracing (engine/server/tracing.py): which sequences
         # ran what, and which were preempted. Read on the stepping thread, between steps.
         self.last_schedule: SchedulerOutput | None = None
+        freeze_startup_heap()  # last: everything built above lives as long as the engine
 
     @property
     def model_name(self) -> str:

@@ -1,4 +1,5 @@
-"""The GPU path: padded decode-graph batches, and the memory profile's scratch step.
+"""The GPU path: a step's inputs in one copy, padded decode-graph batches, and the memory profile's scratch
+step.
 
 On CUDA the real graphs are captured and replayed. Without a GPU the graph is a stand-in that replays the
 captured call eagerly (through the interpreted Triton kernels) into the same static buffers, so what is
@@ -19,6 +20,7 @@ pytest.importorskip("triton")  # before the imports below: the Triton backend im
 from engine.kernels import AttentionMetadata, TorchAttentionBackend
 from engine.kernels.triton_backend import TritonAttentionBackend
 from engine.model import load_model
+from engine.sched.output import ScheduledChunk
 from engine.worker.batch import HostBatch
 from engine.worker.cuda_graphs import CAPTURE_SIZES, DecodeGraphs
 from engine.worker.memory_profile import scratch_step
@@ -112,7 +114,7 @@ def test_padded_replays_match_eager_steps_and_padding_writes_nothing(model, monk
             eager_cache.copy_(fresh)
         batch = decode_batch(context_lens, seed)
         before = [c.clone() for c in graph_caches]
-        hidden = graphs.run(batch)
+        hidden = graphs.run(batch.to_device(DEVICE))
         expected = eager(model, eager_caches, batch)
         assert hidden.shape == expected.shape
         assert torch.allclose(hidden, expected, atol=1e-5)
@@ -127,6 +129,28 @@ def written_slots(before: torch.Tensor, after: torch.Tensor) -> list[int]:
     """Cache slots whose K or V changed, in the flat numbering of ``slot_mapping``."""
     changed = (before != after).flatten(3).any(-1).any(0)  # [blocks, block_size]
     return changed.flatten().nonzero().flatten().tolist()
+
+
+def test_step_inputs_are_the_host_lists_in_one_device_buffer() -> None:
+    # A prefill chunk that samples, one that does not, and a decode: tables of 2, 1 and 3 blocks.
+    chunks = [ScheduledChunk([7, 8, 9], 2, [4, 9], True), ScheduledChunk([1, 2], 0, [5], False),
+              ScheduledChunk([3], 10, [6, 2, 8], True)]
+    batch = HostBatch.build(chunks, BLOCK_SIZE)
+    inputs = batch.to_device(DEVICE)
+    expected = AttentionMetadata.from_host(batch.slot_mapping, batch.block_tables, batch.query_lens,
+                                           batch.seq_lens, DEVICE)
+    meta = inputs.meta
+    assert inputs.input_ids.tolist() == [7, 8, 9, 1, 2, 3] and inputs.positions.tolist() == [2, 3, 4, 0, 1, 10]
+    assert inputs.logits_indices.tolist() == [2, 5]
+    assert meta.slot_mapping.tolist() == [18, 19, 36, 20, 21, 34]
+    for name in ("slot_mapping", "block_tables", "query_start_loc", "seq_lens"):
+        ours, theirs = getattr(meta, name), getattr(expected, name)
+        assert ours.device.type == DEVICE.type and ours.dtype == theirs.dtype and torch.equal(ours, theirs), name
+    assert meta.block_tables.tolist() == [[4, 9, 0], [5, 0, 0], [6, 2, 8]]
+    assert (meta.query_lens_cpu, meta.seq_lens_cpu, meta.max_query_len, meta.max_seq_len) == (
+        [3, 2, 1], [5, 2, 11], 3, 11)
+    # One buffer: the token inputs are views of the same storage.
+    assert inputs.input_ids.untyped_storage().data_ptr() == inputs.positions.untyped_storage().data_ptr()
 
 
 def test_capture_sizes_cover_every_batch_up_to_the_limit() -> None:

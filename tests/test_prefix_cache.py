@@ -46,3 +46,15 @@ def test_disabled_prefix_cache_never_hits() -> None:
     llm.generate(PROMPT, GREEDY)
     second = llm.generate(PROMPT, GREEDY)[0]
     assert second.num_cached_tokens == 0 and llm.telemetry().cached_blocks == 0
+
+
+def test_blocks_filled_while_decoding_are_published(llm: LLM) -> None:
+    # 20 prompt tokens and 30 generated: 49 have KV (the last sampled token never ran), so blocks 0..2 are
+    # full, two of them filled one decode step at a time. A prompt that continues the completion hits them all.
+    prompt = [ord(c) for c in "published while decoding"[:20]]
+    first = llm.generate(prompt, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True),
+                         cache_salt="tenant-e")[0]
+    second = llm.generate(prompt + first.token_ids[:29], GREEDY, cache_salt="tenant-e")[0]
+    assert second.num_cached_tokens == 48
+    llm.core.kv.check()
+    assert_all_blocks_back(llm.core)

@@ -30,10 +30,17 @@ class KVCacheManager:
         self.swap = swap
         self.block_size = block_size
         self.tables: dict[int, list[KVBlock]] = {}  # seq_id -> device blocks, in token order
+        # seq_id -> the ids of its table's blocks, rebuilt only when the table changes (once per block_size
+        # decode steps), not for every step's chunk.
+        self._ids: dict[int, list[int]] = {}
         self.host_tables: dict[int, list[int]] = {}  # seq_id -> host block ids while swapped out
+        # seq_id -> leading entries of its device table already offered to the prefix cache, so that a
+        # commit costs the blocks filled since the last one, not the whole table, every step.
+        self._published: dict[int, int] = {}
 
     def block_ids(self, seq: KVSequence) -> list[int]:
-        return [b.block_id for b in self.tables.get(seq.seq_id, [])]
+        """The ids of ``seq``'s device blocks, in token order. Shared, never changed: read, do not modify."""
+        return self._ids.get(seq.seq_id, [])
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -63,6 +70,9 @@ class KVCacheManager:
         Returns False, changing nothing, when the pool cannot supply the blocks.
         """
         table = self.tables.get(seq.seq_id, [])
+        if not cached and table and seq.num_computed_tokens + num_new_tokens <= len(table) * self.block_size and (
+                seq.num_computed_tokens % self.block_size == 0 or table[-1].ref_count == 1):
+            return True  # room in blocks it alone holds (most decodes): what follows would change nothing
         computed = seq.num_computed_tokens + len(cached) * self.block_size
         needed = self.blocks_needed(computed + num_new_tokens) - len(table) - len(cached)
         cow = None
@@ -82,28 +92,30 @@ class KVCacheManager:
             table[-1] = fresh
         if needed > 0:
             table = table + self.pool.allocate(needed)
-        self.tables[seq.seq_id] = table
+        self._set_table(seq.seq_id, table)
         return True
 
     def commit(self, seq: KVSequence) -> None:
         """Publish the blocks that the computed tokens have filled to the prefix cache."""
-        if not self.pool.enable_prefix_caching:
+        full = seq.num_computed_tokens // self.block_size
+        published = self._published.get(seq.seq_id, 0)
+        if not self.pool.enable_prefix_caching or full <= published:
             return
         self._hash_full_blocks(seq)
         table = self.tables[seq.seq_id]
-        for i in range(seq.num_computed_tokens // self.block_size):
-            if table[i].block_hash is None:
-                self.pool.register(table[i], seq.block_hashes[i])
+        for i in range(published, full):
+            self.pool.register(table[i], seq.block_hashes[i])
+        self._published[seq.seq_id] = full
 
     def fork(self, parent: KVSequence, child: KVSequence) -> None:
         """Let ``child`` share every block of ``parent`` (copy-on-write on the partial last block)."""
         table = self.tables[parent.seq_id]
         self.pool.touch(table)
-        self.tables[child.seq_id] = list(table)
+        self._set_table(child.seq_id, list(table))
 
     def free(self, seq: KVSequence) -> None:
         """Release every block and host block of ``seq``; tail blocks first so they are evicted first."""
-        table = self.tables.pop(seq.seq_id, [])
+        table = self._drop_table(seq.seq_id)
         self.pool.free(reversed(table))
         host = self.host_tables.pop(seq.seq_id, None)
         if host is not None:
@@ -113,7 +125,7 @@ class KVCacheManager:
         return len(self.tables.get(seq.seq_id, [])) <= self.swap.num_free
 
     def swap_out(self, seq: KVSequence, copies: BlockCopies) -> None:
-        table = self.tables.pop(seq.seq_id)
+        table = self._drop_table(seq.seq_id)
         host = self.swap.allocate(len(table))
         copies.swap_out.extend(zip((b.block_id for b in table), host))
         self.host_tables[seq.seq_id] = host
@@ -128,7 +140,7 @@ class KVCacheManager:
         restored = self.pool.allocate(len(host))
         copies.swap_in.extend(zip(host, (b.block_id for b in restored)))
         self.swap.free(host)
-        self.tables[seq.seq_id] = restored
+        self._set_table(seq.seq_id, restored)
         if not self.allocate(seq, num_new_tokens, copies):
             raise AssertionError("can_swap_in was checked")
         self.commit(seq)
@@ -140,6 +152,19 @@ class KVCacheManager:
         self.swap.check([block_id for host in self.host_tables.values() for block_id in host])
         if both := self.tables.keys() & self.host_tables.keys():
             raise RuntimeError(f"sequences {sorted(both)} hold device and host blocks at once")
+        if stale := self._published.keys() - self.tables.keys():
+            raise RuntimeError(f"sequences {sorted(stale)} have published blocks but no device table")
+        if self._ids != {seq_id: [b.block_id for b in table] for seq_id, table in self.tables.items()}:
+            raise RuntimeError("the block id lists do not mirror the block tables")
+
+    def _set_table(self, seq_id: int, table: list[KVBlock]) -> None:
+        self.tables[seq_id] = table
+        self._ids[seq_id] = [b.block_id for b in table]
+
+    def _drop_table(self, seq_id: int) -> list[KVBlock]:
+        self._published.pop(seq_id, None)
+        self._ids.pop(seq_id, None)
+        return self.tables.pop(seq_id, [])
 
     def _hash_full_blocks(self, seq: KVSequence) -> None:
         extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, seq.cache_salt)

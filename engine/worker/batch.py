@@ -1,13 +1,27 @@
-"""One step's model inputs laid out on the host, from the scheduler's chunks.
+"""One step's model inputs laid out on the host, from the scheduler's chunks, and their trip to the device.
 
 Built once per step and shared by every layer (see ``AttentionMetadata`` for the layout). Token ``p`` of a
 sequence is stored in slot ``table[p // block_size] * block_size + p % block_size`` of the KV pool.
+
+``HostBatch.to_device`` packs every integer input into one int64 buffer, so a step costs one host-to-device
+copy (from pinned memory, without waiting) instead of one synchronous copy per tensor; the inputs are views
+of that one device buffer::
+
+    | input_ids (T) | positions (T) | slot_mapping (T) | logits_indices (L) | query_start_loc (S+1) |
+    | seq_lens (S) | block_tables (S * width, row-major) |
+
+The int32 inputs the kernels take (tables, lengths) are converted on the device.
 """
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
+from itertools import accumulate
 
+import torch
+
+from engine.kernels import AttentionMetadata
 from engine.sched.output import ScheduledChunk
 
 
@@ -54,3 +68,42 @@ class HostBatch:
         width = max(len(t) for t in tables)
         padded = [t + [0] * (width - len(t)) for t in tables]
         return cls(input_ids, positions, slots, padded, query_lens, seq_lens, logits_indices)
+
+    def to_device(self, device: torch.device) -> StepInputs:
+        """The step's tensors on ``device``, all views of one buffer copied there once (see the module)."""
+        num_tokens, num_seqs, num_logits = len(self.input_ids), self.num_seqs, len(self.logits_indices)
+        width = len(self.block_tables[0])
+        # array.extend runs in C: packing is a small part of what torch.tensor on nested lists would cost.
+        packed = array("q", self.input_ids)
+        for part in (self.positions, self.slot_mapping, self.logits_indices, accumulate(self.query_lens, initial=0),
+                     self.seq_lens, *self.block_tables):
+            packed.extend(part)
+        host = torch.frombuffer(packed, dtype=torch.int64)
+        if device.type == "cuda":
+            # Pinned, the copy need not wait for the host; the caching host allocator keeps the pinned block
+            # until the copy has run.
+            host = host.pin_memory().to(device, non_blocking=True)
+        (input_ids, positions, slot_mapping, logits_indices, query_start_loc, seq_lens,
+         tables) = host.split([num_tokens, num_tokens, num_tokens, num_logits, num_seqs + 1, num_seqs,
+                                num_seqs * width])
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping,
+            block_tables=tables.view(num_seqs, width).to(torch.int32),
+            query_start_loc=query_start_loc.to(torch.int32),
+            seq_lens=seq_lens.to(torch.int32),
+            query_lens_cpu=self.query_lens,
+            seq_lens_cpu=self.seq_lens,
+            max_query_len=self.max_query_len,
+            max_seq_len=max(self.seq_lens),
+        )
+        return StepInputs(input_ids, positions, logits_indices, meta)
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """One step's inputs on the device: the model's arguments and the rows whose logits are wanted."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    logits_indices: torch.Tensor  # [L] int64: the last token of each chunk that samples
+    meta: AttentionMetadata

@@ -28,7 +28,7 @@ import torch
 
 from engine.kernels import AttentionMetadata
 from engine.model.llama import LlamaForCausalLM
-from engine.worker.batch import HostBatch
+from engine.worker.batch import StepInputs
 
 MAX_CAPTURED_BATCH = 256
 # 1, 2, 4, 8, then every multiple of 16: padding wastes at most 15 rows of a batch above 16.
@@ -55,18 +55,18 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
-    def run(self, batch: HostBatch) -> torch.Tensor | None:
-        """Final hidden states ``[n, hidden]`` of a decode-only ``batch``, or None if it has no graph size."""
-        n = batch.num_seqs
+    def run(self, inputs: StepInputs) -> torch.Tensor | None:
+        """Final hidden states ``[n, hidden]`` of a decode-only step, or None if it has no graph size."""
+        n, width = inputs.meta.block_tables.shape
         if n > MAX_CAPTURED_BATCH:
             return None
         size = CAPTURE_SIZES[bisect.bisect_left(CAPTURE_SIZES, n)]
-        width = len(batch.block_tables[0])
-        self.input_ids[:n].copy_(torch.tensor(batch.input_ids))
-        self.positions[:n].copy_(torch.tensor(batch.positions))
-        self.slot_mapping[:n].copy_(torch.tensor(batch.slot_mapping))
-        self.seq_lens[:n].copy_(torch.tensor(batch.seq_lens, dtype=torch.int32))
-        self.block_tables[:n, :width].copy_(torch.tensor(batch.block_tables, dtype=torch.int32))
+        # Device-to-device copies into the static buffers: the step's inputs are already on the device.
+        self.input_ids[:n].copy_(inputs.input_ids)
+        self.positions[:n].copy_(inputs.positions)
+        self.slot_mapping[:n].copy_(inputs.meta.slot_mapping)
+        self.seq_lens[:n].copy_(inputs.meta.seq_lens)
+        self.block_tables[:n, :width].copy_(inputs.meta.block_tables)
         # Rows past n may hold an earlier, larger batch's values: a real slot would be overwritten and a long
         # context re-read for nothing.
         self.slot_mapping[n:size].fill_(-1)

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.kernels import AttentionMetadata
 from engine.kv.copies import BlockCopies
 from engine.model import LoadedModel
 from engine.sched.output import SchedulerOutput
@@ -70,16 +69,19 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, grammar: GrammarBitmask | None = None) -> StepResult:
         self._apply_copies(out.copies)
         batch = HostBatch.build(out.chunks, self.block_size)
+        inputs = batch.to_device(self.device)
         hidden = None
         if self.graphs is not None and batch.max_query_len == 1:
-            hidden = self.graphs.run(batch)
+            hidden = self.graphs.run(inputs)
         if hidden is None:
-            input_ids, positions, meta = self._device_inputs(batch)
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        logits_indices = torch.tensor(batch.logits_indices, dtype=torch.int64, device=self.device)
-        logits = self.model.compute_logits(hidden[logits_indices])
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
         sampling = out.sampling
-        sampled = sample(logits[sampling.rows], sampling.params, sampling.generators, grammar)
+        if len(sampling.rows) == sampling.num_rows and grammar is None:
+            draws = logits  # one draw per row, in row order: no copy (a grammar would mask it in place)
+        else:
+            draws = logits.index_select(0, torch.tensor(sampling.rows, dtype=torch.int64, device=self.device))
+        sampled = sample(draws, sampling.params, sampling.generators, grammar)
         num_tokens = len(batch.input_ids)
         kv_bytes = self.kv_bytes_per_token * (sum(batch.seq_lens) + num_tokens)
         return StepResult(logits, sampled, num_tokens, self.weight_bytes + kv_bytes)
@@ -93,13 +95,3 @@ class ModelRunner:
             dst = torch.tensor([d for _, d in copies.copy_on_write], device=self.device)
             for cache in self.kv_caches:
                 cache[:, dst] = cache[:, src]
-
-    def _device_inputs(self, batch: HostBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        dev = self.device
-        meta = AttentionMetadata.from_host(batch.slot_mapping, batch.block_tables, batch.query_lens, batch.seq_lens,
-                                           dev)
-        return (
-            torch.tensor(batch.input_ids, dtype=torch.int64, device=dev),
-            torch.tensor(batch.positions, dtype=torch.int64, device=dev),
-            meta,
-        )

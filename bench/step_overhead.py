@@ -1,0 +1,163 @@
+"""The engine's host work per decode step, phase by phase: what a GPU would wait on between its kernels.
+
+A decode step of a small model on an H100 takes about a millisecond of device time at batch 256
+(Qwen2.5-0.5B: 1 GB of weights and a few hundred MB of KV at ~3 TB/s), so every millisecond the host spends
+scheduling, building inputs and committing tokens is throughput lost: the step loop is synchronous, the
+device idles while the host works. This benchmark measures that host work with the ``tiny`` model on CPU,
+where the model itself costs little, so the bookkeeping shows.
+
+``batch`` sequences are prefilled with ``context``-token prompts, then ``steps`` decode-only steps are
+timed, each phase separately (wrapping the engine's own functions):
+
+- schedule: ``Scheduler.schedule`` (the running queue, block allocation, the step's chunks);
+- inputs: the host batch and the model's input tensors (on a GPU, the host-to-device copies);
+- model: the forward and the LM head (on a GPU, kernel launches or a CUDA graph replay);
+- sample: sampling and reading the tokens back (on a GPU, the step's one synchronisation);
+- commit: ``Scheduler.update_from_output`` (tokens appended, stops checked, prefix blocks published);
+- outputs: one ``RequestOutput`` per request that got a token;
+- rest: everything else in ``EngineCore.step`` (telemetry, the loop).
+
+Python's garbage collections run inside whichever phase allocates when they fall due; their count and time
+by generation are reported on their own, with the longest step (a full collection shows there).
+
+    .venv/bin/python bench/step_overhead.py                        # batches 64 and 256, context 512
+    .venv/bin/python bench/step_overhead.py --batch 256 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from run_info import command, describe
+
+import engine.worker.runner as runner_module
+from engine import SamplingParams
+from engine.config import EngineConfig
+from engine.core import EngineCore
+
+PHASES = ("schedule", "inputs", "model", "sample", "commit", "outputs", "rest")
+
+
+def build_core(batch: int, context: int, steps: int, device: str) -> EngineCore:
+    block_size = 16
+    blocks_per_seq = -(-(context + steps + 64) // block_size)
+    config = EngineConfig(model="tiny", device=device, max_num_seqs=batch, max_num_batched_tokens=8192,
+                          num_blocks=batch * blocks_per_seq + 16, block_size=block_size, max_model_len=None,
+                          cpu_threads=1)
+    core = EngineCore(config)
+    rng = random.Random(0)
+    for _ in range(batch):
+        prompt = [rng.randrange(256) for _ in range(context)]
+        core.add(core.make_request(prompt, SamplingParams(max_tokens=steps + 64, temperature=0.0, ignore_eos=True)))
+    return core
+
+
+def instrument(core: EngineCore, spent: dict[str, float]) -> Callable[[], None]:
+    """Time the engine's phases into ``spent`` (seconds); returns the function that undoes it."""
+
+    def timed(name: str, fn: Callable) -> Callable:
+        def wrapper(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - started
+
+        return wrapper
+
+    host_batch = runner_module.HostBatch
+    phases = {(core.scheduler, "schedule"): "schedule", (host_batch, "build"): "inputs",
+              (host_batch, "to_device"): "inputs", (core.runner.model, "forward"): "model",
+              (core.runner.model, "compute_logits"): "model", (runner_module, "sample"): "sample",
+              (core.scheduler, "update_from_output"): "commit", (core.output_processor, "output"): "outputs"}
+    # What each owner itself holds under the name (None: an instance inherits it from its class).
+    originals = {(owner, name): vars(owner).get(name) for owner, name in phases}
+    for (owner, name), phase in phases.items():
+        setattr(owner, name, timed(phase, getattr(owner, name)))
+
+    def undo() -> None:
+        for (owner, name), original in originals.items():
+            if original is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+
+    return undo
+
+
+def measure(batch: int, context: int, steps: int, device: str) -> dict:
+    core = build_core(batch, context, steps, device)
+    while core.scheduler.waiting or any(s.num_uncomputed_tokens > 1 for s in core.scheduler.running):
+        core.step()  # prefill every prompt
+    for _ in range(5):
+        core.step()  # settle: every sequence decoding
+    spent = dict.fromkeys(PHASES, 0.0)
+    collections = {generation: [0, 0.0] for generation in range(3)}  # generation -> [count, seconds]
+    collecting_since = [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            collecting_since[0] = time.perf_counter()
+        else:
+            record = collections[info["generation"]]
+            record[0] += 1
+            record[1] += time.perf_counter() - collecting_since[0]
+
+    undo = instrument(core, spent)
+    gc.callbacks.append(on_gc)
+    durations = []
+    for _ in range(steps):
+        if len(core.scheduler.running) != batch:
+            raise RuntimeError(f"the decode batch shrank to {len(core.scheduler.running)}: raise --steps' margin")
+        started = time.perf_counter()
+        core.step()
+        durations.append(time.perf_counter() - started)
+    gc.callbacks.remove(on_gc)
+    undo()
+    total = sum(durations)
+    spent["rest"] = total - sum(spent.values())
+    per_step_ms = {name: seconds / steps * 1e3 for name, seconds in spent.items()}
+    host_ms = sum(ms for name, ms in per_step_ms.items() if name != "model")
+    return {"batch": batch, "context": context, "steps": steps, "step_ms": total / steps * 1e3,
+            "host_ms": host_ms, "host_us_per_seq": host_ms * 1e3 / batch, "phases_ms": per_step_ms,
+            "longest_step_ms": max(durations) * 1e3, "frozen_objects": gc.get_freeze_count(),
+            "gc": {f"gen{generation}": {"collections": count, "ms": seconds * 1e3}
+                   for generation, (count, seconds) in collections.items()}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    results = [measure(batch, args.context, args.steps, args.device) for batch in args.batch]
+    print(f"machine: {describe(torch.device(args.device))}")
+    print(f"command: {command()}")
+    print(f"tiny model, decode-only steps, context {args.context} tokens at the start, {args.steps} steps timed")
+    print("ms per step; gc: collections (ms in all) of the oldest generation, then of the younger two")
+    print(f"{'batch':>5} {'step':>8} {'host':>7} {'us/seq':>7}  " + " ".join(f"{p:>8}" for p in PHASES)
+          + f"  {'longest':>8}  {'full gc':>11}  {'young gc':>11}")
+    for r in results:
+        phases = " ".join(f"{r['phases_ms'][p]:8.3f}" for p in PHASES)
+        full, young = r["gc"]["gen2"], [r["gc"]["gen0"], r["gc"]["gen1"]]
+        young_gc = f"{sum(g['collections'] for g in young)} ({sum(g['ms'] for g in young):.0f})"
+        print(f"{r['batch']:5d} {r['step_ms']:8.2f} {r['host_ms']:7.3f} {r['host_us_per_seq']:7.2f}  {phases}"
+              f"  {r['longest_step_ms']:8.1f}  {full['collections']:>4} ({full['ms']:4.0f})  {young_gc:>11}")
+    if args.json:
+        report = {"machine": describe(torch.device(args.device)), "command": command(), "results": results}
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
