@@ -111,8 +111,11 @@ class StreamObserver:
         if line[5:].strip() == b"[DONE]":
             self.finished = True
             return False
+        compact = line.replace(b" ", b"")
+        if compact.startswith(b'data:{"error":{'):
+            return False  # the engine's error event ends the stream: no token, no gap between tokens
         now = time.monotonic()
-        if b'"usage":{' in line.replace(b" ", b""):
+        if b'"usage":{' in compact:
             try:
                 chunk = json.loads(line[5:])
             except ValueError:
