@@ -22,6 +22,7 @@ by generation are reported on their own, with the longest step (a full collectio
 
     .venv/bin/python bench/step_overhead.py                        # batches 64 and 256, context 512
     .venv/bin/python bench/step_overhead.py --batch 256 --json out.json
+    .venv/bin/python bench/step_overhead.py --smoke                 # a few steps: checks that it runs
 """
 
 from __future__ import annotations
@@ -139,9 +140,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--smoke", action="store_true", help="batch 4, 3 steps: checks that it runs")
     args = parser.parse_args()
+    if args.smoke:
+        args.batch, args.context, args.steps = [4], 16, 3
     torch.manual_seed(0)
     results = [measure(batch, args.context, args.steps, args.device) for batch in args.batch]
+    if args.smoke:
+        print("SMOKE RUN: toy sizes, not a performance figure")
     print(f"machine: {describe(torch.device(args.device))}")
     print(f"command: {command()}")
     print(f"tiny model, decode-only steps, context {args.context} tokens at the start, {args.steps} steps timed")

@@ -35,6 +35,14 @@ def test_kernel_bandwidth_smoke() -> None:
     assert sum(line.startswith("qwen2.5-0.5b") for line in out.splitlines()) == 4
 
 
+def test_step_overhead_smoke() -> None:
+    out = run_smoke("step_overhead.py")
+    (row,) = [line.split() for line in out.splitlines() if line.startswith("    4 ")]
+    step_ms, host_ms = float(row[1]), float(row[2])
+    phases = [float(value) for value in row[4:11]]
+    assert 0 < host_ms < step_ms and min(phases) >= 0  # host: every phase but the model's
+
+
 @pytest.mark.slow
 def test_cpu_real_model_smoke() -> None:
     """The real model on both sides (loading it is most of the minute this takes), a few tiny requests.
