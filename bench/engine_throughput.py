@@ -15,7 +15,7 @@ Reported: output tokens/s for each, their ratio, and decode MBU: over the engine
 bytes they move (weights once, every context's K/V, the new K/V) per second of step time, over the
 device's peak bandwidth (``engine.worker.bandwidth``), for all of them and for those of batch >= 64.
 
-    .venv/bin/python bench/engine_throughput.py                  # both models, on the GPU
+    .venv/bin/python bench/engine_throughput.py         # both models, on the GPU (bench/results/gpu/)
     .venv/bin/python bench/engine_throughput.py --smoke          # toy shapes: checks that it runs
 """
 
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from run_info import command, describe
+from run_info import command, describe, write_report
 
 from engine import LLM, SamplingParams
 from engine.core import EngineCore
@@ -81,6 +81,7 @@ SHAPES: dict[str, tuple[type[transformers.PretrainedConfig], dict]] = {
         },
     ),
 }
+GPU_REPORT = Path(__file__).parent / "results" / "gpu" / "engine_throughput.json"
 # --smoke: the same two architectures at toy size, so the whole pipeline runs on a CPU in seconds.
 SMOKE_SIZES = {
     "vocab_size": 512,
@@ -271,6 +272,8 @@ def main() -> None:
         action="store_true",
         help="toy shapes and 8 short requests: proves the script runs, measures nothing",
     )
+    parser.add_argument("--json", type=Path,
+                        help=f"write the raw report here (default on a GPU, without --smoke: {GPU_REPORT})")
     args = parser.parse_args()
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
@@ -297,7 +300,7 @@ def main() -> None:
         f"{'model':<28}{'engine tok/s':>14}{'hf tok/s':>12}{'ratio':>8}{'decode MBU':>12}"
         f"{'MBU b>=64':>11}  details"
     )
-    rows = []
+    rows, results = [], []
     for name in args.models:
         with tempfile.TemporaryDirectory(prefix=f"kvguard-{name}-") as tmp:
             vocab = write_checkpoint(
@@ -320,8 +323,32 @@ def main() -> None:
             f"{ours['backend']} attention, {ours['num_blocks']} KV blocks; "
             f"transformers {theirs['elapsed_s']:.2f} s"
         )
+        results.append({
+            "model": label.removesuffix("-shaped"),
+            "engine_tokens_per_s": ours["tokens_per_s"],
+            "hf_tokens_per_s": theirs["tokens_per_s"],
+            "ratio": ours["tokens_per_s"] / theirs["tokens_per_s"],
+            "decode_mbu": ours["mbu_all"],
+            "decode_mbu_batch_ge_64": ours["mbu_64"],
+            "output_tokens": work.output_tokens,
+            "engine_elapsed_s": ours["elapsed_s"],
+            "hf_elapsed_s": theirs["elapsed_s"],
+            "steps": ours["steps"],
+            "decode_only_steps": ours["mbu_all_steps"],
+            "decode_steps_batch_ge_64": ours["mbu_64_steps"],
+            "dtype": ours["dtype"],
+            "attention_backend": ours["backend"],
+            "num_blocks": ours["num_blocks"],
+        })
     print(header)
     print("\n".join(rows))
+    path = args.json or (GPU_REPORT if device.type == "cuda" and not args.smoke else None)
+    if path is not None:
+        write_report(path, device, results, peak_bandwidth_gbps=peak_bandwidth(device) / 1e9,
+                     num_requests=args.num_requests, lengths=[args.min_len, args.max_len],
+                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                     hf_batch_size=args.hf_batch_size)
+        print(f"report: {path}")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ table per sequence (so reads really are scattered), one decode step through ``Tr
 many runs with the L2 cache flushed between them. Bytes = K/V read + queries read + outputs written;
 the copy moves 2 x its size (a read and a write).
 
-    .venv/bin/python bench/kernel_bandwidth.py            # on the GPU, both attention shapes
+    .venv/bin/python bench/kernel_bandwidth.py            # on the GPU, both shapes (bench/results/gpu/)
     .venv/bin/python bench/kernel_bandwidth.py --smoke    # tiny sizes; without a GPU, interpreted Triton
 """
 
@@ -18,6 +18,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -26,7 +27,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from run_info import command, describe
+from run_info import command, describe, write_report
 
 from engine.kernels import AttentionMetadata
 from engine.kernels.triton_backend import TritonAttentionBackend
@@ -36,6 +37,7 @@ SHAPES = {"qwen2.5-0.5b": (14, 2, 64), "llama-3.2-1b": (32, 8, 64)}
 BATCHES = (1, 4, 16, 64, 256)
 CONTEXTS = (128, 512, 2048, 8192)
 BLOCK_SIZE = 16
+GPU_REPORT = Path(__file__).parent / "results" / "gpu" / "kernel_bandwidth.json"
 
 
 def timer(device: torch.device, repeats: int) -> Callable[[Callable[[], object]], float]:
@@ -101,6 +103,8 @@ def main() -> None:
         action="store_true",
         help="tiny sizes (interpreted Triton without a GPU): proves the script runs, measures nothing",
     )
+    parser.add_argument("--json", type=Path,
+                        help=f"write the raw report here (default on a GPU, without --smoke: {GPU_REPORT})")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype)
@@ -128,6 +132,7 @@ def main() -> None:
         f"decode cache {cache_dtype}, block size {BLOCK_SIZE}"
     )
     print(f"{'shape':<14}{'batch':>6}{'context':>9}{'time (us)':>12}{'GB/s':>10}{'of copy':>9}")
+    results = []
     for name in args.shapes:
         for batch in args.batches:
             for context in args.contexts:
@@ -138,9 +143,16 @@ def main() -> None:
                     f"{name:<14}{batch:>6}{context:>9}{seconds * 1e6:>12,.1f}{bandwidth / 1e9:>10,.2f}"
                     f"{bandwidth / copy:>9.0%}"
                 )
+                results.append({"shape": name, "batch": batch, "context": context, "time_us": seconds * 1e6,
+                                "gbps": bandwidth / 1e9, "of_copy": bandwidth / copy})
                 del run
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
+    path = args.json or (GPU_REPORT if device.type == "cuda" and not args.smoke else None)
+    if path is not None:
+        write_report(path, device, results, copy_gbps=copy / 1e9, copy_mib=copy_bytes >> 20,
+                     cache_dtype=cache_dtype, block_size=BLOCK_SIZE)
+        print(f"report: {path}")
 
 
 if __name__ == "__main__":

@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import shlex
 import sys
+from pathlib import Path
 
 import torch
 
 
-def describe(device: torch.device) -> str:
+def cpu_name() -> str:
     with open("/proc/cpuinfo", encoding="utf-8") as info:
         names = [line.split(":", 1)[1].strip() for line in info if line.startswith("model name")]
-    cpu = names[0] if names else platform.machine()
-    host = f"{cpu}, {os.cpu_count()} cores"
+    return names[0] if names else platform.machine()
+
+
+def describe(device: torch.device) -> str:
+    host = f"{cpu_name()}, {os.cpu_count()} cores"
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         gpu = f"{props.name} ({props.total_memory / 2**30:.0f} GiB, {props.multi_processor_count} SMs)"
@@ -34,3 +39,12 @@ def describe(device: torch.device) -> str:
 def command() -> str:
     """The command line that produced the report, as it could be pasted back into a shell."""
     return shlex.join([os.path.relpath(sys.executable), *sys.argv])
+
+
+def write_report(path: Path, device: torch.device, results: list[dict], **fields: object) -> None:
+    """The raw report of a run as JSON: ``device`` (``torch.cuda.get_device_name()``, else the CPU's name),
+    the machine and command lines the printed report starts with, ``fields``, then ``results``."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+    report = {"device": name, "machine": describe(device), "command": command(), **fields, "results": results}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")

@@ -29,14 +29,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import random
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from run_info import command, describe
+from run_info import command, describe, write_report
 
 import engine.worker.runner as runner_module
 from engine import SamplingParams
@@ -161,8 +160,7 @@ def main() -> None:
         print(f"{r['batch']:5d} {r['step_ms']:8.2f} {r['host_ms']:7.3f} {r['host_us_per_seq']:7.2f}  {phases}"
               f"  {r['longest_step_ms']:8.1f}  {full['collections']:>4} ({full['ms']:4.0f})  {young_gc:>11}")
     if args.json:
-        report = {"machine": describe(torch.device(args.device)), "command": command(), "results": results}
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        write_report(args.json, torch.device(args.device), results)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ does not die on a renamed option or a changed engine API after the time has alre
 
 from __future__ import annotations
 
+import json
 import sys
+from pathlib import Path
 
 import pytest
 from support import ROOT
@@ -15,24 +17,35 @@ from support.processes import run_command
 pytest.importorskip("triton")
 
 
-def run_smoke(script: str) -> str:
-    result = run_command(sys.executable, ROOT / "bench" / script, "--smoke", timeout=300)
+def run_smoke(script: str, *args: object) -> str:
+    result = run_command(sys.executable, ROOT / "bench" / script, "--smoke", *args, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SMOKE RUN" in result.stdout
     return result.stdout
 
 
-def test_engine_throughput_smoke() -> None:
-    out = run_smoke("engine_throughput.py")
+def test_engine_throughput_smoke(tmp_path: Path) -> None:
+    out = run_smoke("engine_throughput.py", "--json", tmp_path / "report.json")
     for model in ("qwen2.5-0.5b", "llama-3.2-1b"):
         row = next(line for line in out.splitlines() if line.startswith(f"{model}-smoke-shaped"))
         assert "67 output tokens" in row and "x" in row.split()[3]
+    # The raw report issue 19 commits from the GPU run, in its shape.
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert isinstance(report["device"], str) and report["num_requests"] == 8
+    assert [r["model"] for r in report["results"]] == ["qwen2.5-0.5b-smoke", "llama-3.2-1b-smoke"]
+    for result in report["results"]:
+        assert result["output_tokens"] == 67 and result["engine_tokens_per_s"] > 0 and result["hf_tokens_per_s"] > 0
+        assert 0 < result["decode_mbu"] and result["decode_mbu_batch_ge_64"] is None  # no batch of 64 in 8
 
 
-def test_kernel_bandwidth_smoke() -> None:
-    out = run_smoke("kernel_bandwidth.py")
+def test_kernel_bandwidth_smoke(tmp_path: Path) -> None:
+    out = run_smoke("kernel_bandwidth.py", "--json", tmp_path / "report.json")
     assert "device-to-device copy" in out
     assert sum(line.startswith("qwen2.5-0.5b") for line in out.splitlines()) == 4
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["copy_gbps"] > 0 and report["cache_dtype"] == "float16"
+    assert [(r["batch"], r["context"]) for r in report["results"]] == [(1, 16), (1, 40), (2, 16), (2, 40)]
+    assert all(r["gbps"] > 0 and r["of_copy"] > 0 for r in report["results"])
 
 
 def test_step_overhead_smoke() -> None:
