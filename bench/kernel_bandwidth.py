@@ -7,7 +7,11 @@ table per sequence (so reads really are scattered), one decode step through ``Tr
 many runs with the L2 cache flushed between them. Bytes = K/V read + queries read + outputs written;
 the copy moves 2 x its size (a read and a write).
 
+``--tiles`` sweeps the decode kernel's tile: each ``BLOCK_NxWARPS`` (keys per tile, warps per program) is
+launched directly, with the split count the backend would choose, beside the engine's own launch.
+
     .venv/bin/python bench/kernel_bandwidth.py            # on the GPU, both shapes (bench/results/gpu/)
+    .venv/bin/python bench/kernel_bandwidth.py --tiles 32x4 64x4 64x8 128x8 --json sweep.json
     .venv/bin/python bench/kernel_bandwidth.py --smoke    # tiny sizes; without a GPU, interpreted Triton
 """
 
@@ -31,6 +35,7 @@ from run_info import command, describe, write_report
 
 from engine.kernels import AttentionMetadata
 from engine.kernels.triton_backend import TritonAttentionBackend
+from engine.kernels.triton_decode import DEFAULT_BLOCK_N, NUM_WARPS, choose_num_splits, decode_attention
 
 # (query heads, KV heads, head_dim) of the two benchmark models' attention.
 SHAPES = {"qwen2.5-0.5b": (14, 2, 64), "llama-3.2-1b": (32, 8, 64)}
@@ -66,9 +71,11 @@ def copy_bandwidth(device: torch.device, num_bytes: int, measure: Callable) -> f
 
 
 def decode_case(
-    shape: tuple[int, int, int], batch: int, context: int, dtype: torch.dtype, device: torch.device
-) -> tuple[Callable[[], torch.Tensor], int]:
-    """A decode step of ``batch`` sequences of ``context`` tokens each, and the bytes it must move."""
+    shape: tuple[int, int, int], batch: int, context: int, dtype: torch.dtype, device: torch.device,
+    tile: tuple[int, int] | None = None,
+) -> tuple[Callable[[], object], int]:
+    """A decode step of ``batch`` sequences of ``context`` tokens each, and the bytes it must move: through
+    the engine's backend, or with ``tile`` (keys per tile, warps) the decode kernel launched directly."""
     heads, kv_heads, head_dim = shape
     blocks_per_seq = -(-context // BLOCK_SIZE)
     num_blocks = batch * blocks_per_seq
@@ -89,7 +96,21 @@ def decode_case(
     backend = TritonAttentionBackend()
     element = kv_cache.element_size()
     moved = (2 * batch * context * kv_heads * head_dim + 2 * batch * heads * head_dim) * element
-    return (lambda: backend.forward(query, kv_cache, meta, head_dim**-0.5)), moved
+    if tile is None:
+        return (lambda: backend.forward(query, kv_cache, meta, head_dim**-0.5)), moved
+    splits = choose_num_splits(batch, kv_heads, backend.num_sms(device))
+    out = torch.empty_like(query)
+    args = (query, kv_cache, tables, lens, meta.query_start_loc, out, head_dim**-0.5)
+    return (lambda: decode_attention(*args, num_splits=splits, block_n=tile[0], num_warps=tile[1])), moved
+
+
+def parse_tile(text: str) -> tuple[int, int]:
+    """``"64x8"``: 64 keys per tile, 8 warps per program."""
+    try:
+        block_n, warps = (int(part) for part in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a tile is BLOCK_NxWARPS, like 64x8, got {text!r}") from None
+    return block_n, warps
 
 
 def main() -> None:
@@ -98,6 +119,8 @@ def main() -> None:
     parser.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
     parser.add_argument("--contexts", nargs="+", type=int, default=list(CONTEXTS))
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    parser.add_argument("--tiles", nargs="+", type=parse_tile, default=[],
+                        help="decode tiles to sweep beside the engine's launch, as BLOCK_NxWARPS (e.g. 64x8)")
     parser.add_argument(
         "--smoke",
         action="store_true",
@@ -131,23 +154,30 @@ def main() -> None:
         f"device-to-device copy of {copy_bytes >> 20} MiB: {copy / 1e9:,.0f} GB/s; "
         f"decode cache {cache_dtype}, block size {BLOCK_SIZE}"
     )
-    print(f"{'shape':<14}{'batch':>6}{'context':>9}{'time (us)':>12}{'GB/s':>10}{'of copy':>9}")
+    print(f"{'shape':<14}{'batch':>6}{'context':>9}{'tile':>8}{'time (us)':>12}{'GB/s':>10}{'of copy':>9}")
     results = []
+    engine_tile = (DEFAULT_BLOCK_N, NUM_WARPS)
     for name in args.shapes:
         for batch in args.batches:
             for context in args.contexts:
-                run, moved = decode_case(SHAPES[name], batch, context, dtype, device)
-                seconds = measure(run)
-                bandwidth = moved / seconds
-                print(
-                    f"{name:<14}{batch:>6}{context:>9}{seconds * 1e6:>12,.1f}{bandwidth / 1e9:>10,.2f}"
-                    f"{bandwidth / copy:>9.0%}"
-                )
-                results.append({"shape": name, "batch": batch, "context": context, "time_us": seconds * 1e6,
-                                "gbps": bandwidth / 1e9, "of_copy": bandwidth / copy})
-                del run
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
+                # None: the engine's own launch, through its backend (its tile, engine_tile).
+                for tile in (None, *(t for t in args.tiles if t != engine_tile)):
+                    run, moved = decode_case(SHAPES[name], batch, context, dtype, device, tile)
+                    seconds = measure(run)
+                    bandwidth = moved / seconds
+                    block_n, warps = tile or engine_tile
+                    label = f"{block_n}x{warps}" + ("" if tile else "*")
+                    print(
+                        f"{name:<14}{batch:>6}{context:>9}{label:>8}{seconds * 1e6:>12,.1f}"
+                        f"{bandwidth / 1e9:>10,.2f}{bandwidth / copy:>9.0%}"
+                    )
+                    results.append({"shape": name, "batch": batch, "context": context, "block_n": block_n,
+                                    "num_warps": warps, "engine_tile": tile is None, "time_us": seconds * 1e6,
+                                    "gbps": bandwidth / 1e9, "of_copy": bandwidth / copy})
+                    del run
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+    print("tile: keys per tile x warps per program; * the engine's own launch")
     path = args.json or (GPU_REPORT if device.type == "cuda" and not args.smoke else None)
     if path is not None:
         write_report(path, device, results, copy_gbps=copy / 1e9, copy_mib=copy_bytes >> 20,

@@ -39,12 +39,14 @@ def test_engine_throughput_smoke(tmp_path: Path) -> None:
 
 
 def test_kernel_bandwidth_smoke(tmp_path: Path) -> None:
-    out = run_smoke("kernel_bandwidth.py", "--json", tmp_path / "report.json")
+    out = run_smoke("kernel_bandwidth.py", "--tiles", "32x4", "--json", tmp_path / "report.json")
     assert "device-to-device copy" in out
-    assert sum(line.startswith("qwen2.5-0.5b") for line in out.splitlines()) == 4
+    assert sum(line.startswith("qwen2.5-0.5b") for line in out.splitlines()) == 8  # 4 cases, 2 tiles each
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["copy_gbps"] > 0 and report["cache_dtype"] == "float16"
-    assert [(r["batch"], r["context"]) for r in report["results"]] == [(1, 16), (1, 40), (2, 16), (2, 40)]
+    cases = [(1, 16), (1, 40), (2, 16), (2, 40)]
+    assert [(r["batch"], r["context"], r["block_n"], r["num_warps"], r["engine_tile"]) for r in report["results"]] \
+        == [(*case, *tile) for case in cases for tile in ((64, 8, True), (32, 4, False))]
     assert all(r["gbps"] > 0 and r["of_copy"] > 0 for r in report["results"])
 
 

@@ -45,13 +45,14 @@ class TritonAttentionBackend:
         output = torch.empty_like(query)
         args = (query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, output, scale)
         if 1 in meta.query_lens_cpu:
-            splits = choose_num_splits(meta.num_seqs, kv_cache.shape[3], self._sms(query.device))
+            splits = choose_num_splits(meta.num_seqs, kv_cache.shape[3], self.num_sms(query.device))
             decode_attention(*args, num_splits=splits)
         if meta.max_query_len > 1:
             prefill_attention(*args, max_query_len=meta.max_query_len)
         return output
 
-    def _sms(self, device: torch.device) -> int:
+    def num_sms(self, device: torch.device) -> int:
+        """The SMs the split count is chosen for (on CPU, a stand-in count that keeps small batches split)."""
         if self._num_sms is None:
             self._num_sms = (
                 torch.cuda.get_device_properties(device).multi_processor_count

@@ -211,12 +211,14 @@ def decode_attention(
     scale: float,
     num_splits: int,
     block_n: int = DEFAULT_BLOCK_N,
+    num_warps: int = NUM_WARPS,
 ) -> None:
     """Write into ``out`` the attention of every sequence whose query length is 1; other rows are untouched.
 
     ``query``/``out`` are ``[T, heads, head_dim]``; the cache, block tables, ``seq_lens`` and
     ``query_start_loc`` follow ``AttentionMetadata``. ``head_dim`` is contiguous in every tensor (other
-    strides are free). ``num_splits`` and ``block_n`` are powers of two.
+    strides are free). ``num_splits`` and ``block_n`` are powers of two; ``block_n`` and ``num_warps`` are
+    the tile a GPU sweep tries (bench/kernel_bandwidth.py ``--tiles``), the engine launches the defaults.
     """
     num_seqs = seq_lens.shape[0]
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
@@ -259,7 +261,7 @@ def decode_attention(
         BLOCK_SIZE=block_size,
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
-        num_warps=NUM_WARPS,
+        num_warps=num_warps,
     )
     _decode_reduce_kernel[(num_seqs, num_heads)](
         partial,
