@@ -49,7 +49,7 @@ def build_core(batch: int, context: int, steps: int, device: str) -> EngineCore:
     block_size = 16
     blocks_per_seq = -(-(context + steps + 64) // block_size)
     config = EngineConfig(model="tiny", device=device, max_num_seqs=batch, max_num_batched_tokens=8192,
-                          num_blocks=batch * blocks_per_seq + 16, block_size=block_size, max_model_len=None,
+                          num_blocks=batch * blocks_per_seq + 16, block_size=block_size,
                           cpu_threads=1)
     core = EngineCore(config)
     rng = random.Random(0)
