@@ -301,6 +301,7 @@ def main() -> None:
         f"{'MBU b>=64':>11}  details"
     )
     rows, results = [], []
+    path = args.json or (GPU_REPORT if device.type == "cuda" and not args.smoke else None)
     for name in args.models:
         with tempfile.TemporaryDirectory(prefix=f"kvguard-{name}-") as tmp:
             vocab = write_checkpoint(
@@ -340,14 +341,14 @@ def main() -> None:
             "attention_backend": ours["backend"],
             "num_blocks": ours["num_blocks"],
         })
+        if path is not None:  # after every model: a run cut short (out of memory, out of time) keeps its figures
+            write_report(path, device, results, peak_bandwidth_gbps=peak_bandwidth(device) / 1e9,
+                         num_requests=args.num_requests, lengths=[args.min_len, args.max_len],
+                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                         hf_batch_size=args.hf_batch_size)
     print(header)
     print("\n".join(rows))
-    path = args.json or (GPU_REPORT if device.type == "cuda" and not args.smoke else None)
     if path is not None:
-        write_report(path, device, results, peak_bandwidth_gbps=peak_bandwidth(device) / 1e9,
-                     num_requests=args.num_requests, lengths=[args.min_len, args.max_len],
-                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                     hf_batch_size=args.hf_batch_size)
         print(f"report: {path}")
 
 
