@@ -110,6 +110,8 @@ def parse_tile(text: str) -> tuple[int, int]:
         block_n, warps = (int(part) for part in text.lower().split("x"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"a tile is BLOCK_NxWARPS, like 64x8, got {text!r}") from None
+    if min(block_n, warps) < 1 or block_n & (block_n - 1) or warps & (warps - 1):
+        raise argparse.ArgumentTypeError(f"a tile's keys and warps are powers of 2, like 64x8, got {text!r}")
     return block_n, warps
 
 
@@ -163,10 +165,18 @@ def main() -> None:
                 # None: the engine's own launch, through its backend (its tile, engine_tile).
                 for tile in (None, *(t for t in args.tiles if t != engine_tile)):
                     run, moved = decode_case(SHAPES[name], batch, context, dtype, device, tile)
-                    seconds = measure(run)
-                    bandwidth = moved / seconds
                     block_n, warps = tile or engine_tile
                     label = f"{block_n}x{warps}" + ("" if tile else "*")
+                    try:
+                        seconds = measure(run)
+                    except Exception as exc:  # a swept tile that cannot compile (or run) is a finding
+                        if tile is None:
+                            raise
+                        print(f"{name:<14}{batch:>6}{context:>9}{label:>8}  failed: {type(exc).__name__}: {exc}")
+                        results.append({"shape": name, "batch": batch, "context": context, "block_n": block_n,
+                                        "num_warps": warps, "engine_tile": False, "error": str(exc)})
+                        continue
+                    bandwidth = moved / seconds
                     print(
                         f"{name:<14}{batch:>6}{context:>9}{label:>8}{seconds * 1e6:>12,.1f}"
                         f"{bandwidth / 1e9:>10,.2f}{bandwidth / copy:>9.0%}"
