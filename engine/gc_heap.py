@@ -2,7 +2,7 @@
 
 A loaded engine's heap holds a few hundred thousand long-lived objects (torch, triton, the tokenizer, the
 model's modules) that will never be garbage. Python's oldest-generation collection walks all of them: on a
-2-core EPYC that is about 150 ms, once every few dozen steps at batch 256, and every stream sees it as one
+2-core EPYC that is about 150 ms, once in ~150 steps at batch 256, and every stream sees it as one
 long gap between tokens (docs/benchmarks.md, "the step loop's host work"). Freezing the heap once the
 engine is built moves those objects out of the collector's sight; objects created later are collected as
 usual.
