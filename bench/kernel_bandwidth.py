@@ -8,7 +8,8 @@ many runs with the L2 cache flushed between them. Bytes = K/V read + queries rea
 the copy moves 2 x its size (a read and a write).
 
 ``--tiles`` sweeps the decode kernel's tile: each ``BLOCK_NxWARPS`` (keys per tile, warps per program) is
-launched directly, with the split count the backend would choose, beside the engine's own launch.
+launched directly, with the split count the backend would choose, beside the engine's own launch, and must
+compute what that launch does (to 16-bit rounding); one that does not is reported as wrong.
 
     .venv/bin/python bench/kernel_bandwidth.py            # on the GPU, both shapes (bench/results/gpu/)
     .venv/bin/python bench/kernel_bandwidth.py --tiles 32x4 64x4 64x8 128x8 --json sweep.json
@@ -22,6 +23,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -71,11 +73,11 @@ def copy_bandwidth(device: torch.device, num_bytes: int, measure: Callable) -> f
 
 
 def decode_case(
-    shape: tuple[int, int, int], batch: int, context: int, dtype: torch.dtype, device: torch.device,
-    tile: tuple[int, int] | None = None,
-) -> tuple[Callable[[], object], int]:
-    """A decode step of ``batch`` sequences of ``context`` tokens each, and the bytes it must move: through
-    the engine's backend, or with ``tile`` (keys per tile, warps) the decode kernel launched directly."""
+    shape: tuple[int, int, int], batch: int, context: int, dtype: torch.dtype, device: torch.device
+) -> tuple[Callable[[tuple[int, ...] | None], torch.Tensor], int]:
+    """A decode step of ``batch`` sequences of ``context`` tokens each: its launch, which returns the
+    output (with None through the engine's backend, with a tile, keys per tile x warps, the decode kernel
+    launched directly), and the bytes it must move."""
     heads, kv_heads, head_dim = shape
     blocks_per_seq = -(-context // BLOCK_SIZE)
     num_blocks = batch * blocks_per_seq
@@ -96,23 +98,28 @@ def decode_case(
     backend = TritonAttentionBackend()
     element = kv_cache.element_size()
     moved = (2 * batch * context * kv_heads * head_dim + 2 * batch * heads * head_dim) * element
-    if tile is None:
-        return (lambda: backend.forward(query, kv_cache, meta, head_dim**-0.5)), moved
     splits = choose_num_splits(batch, kv_heads, backend.num_sms(device))
     out = torch.empty_like(query)
     args = (query, kv_cache, tables, lens, meta.query_start_loc, out, head_dim**-0.5)
-    return (lambda: decode_attention(*args, num_splits=splits, block_n=tile[0], num_warps=tile[1])), moved
+
+    def run(tile: tuple[int, ...] | None) -> torch.Tensor:
+        if tile is None:
+            return backend.forward(query, kv_cache, meta, head_dim**-0.5)
+        decode_attention(*args, num_splits=splits, block_n=tile[0], num_warps=tile[1])
+        return out
+
+    return run, moved
 
 
-def parse_tile(text: str) -> tuple[int, int]:
-    """``"64x8"``: 64 keys per tile, 8 warps per program."""
+def parse_tile(text: str, form: str = "BLOCK_NxWARPS") -> tuple[int, ...]:
+    """A tile given as ``form`` says: powers of 2 joined by ``x`` (``"64x8"``: 64 keys per tile, 8 warps)."""
     try:
-        block_n, warps = (int(part) for part in text.lower().split("x"))
+        values = tuple(int(part) for part in text.lower().split("x"))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"a tile is BLOCK_NxWARPS, like 64x8, got {text!r}") from None
-    if min(block_n, warps) < 1 or block_n & (block_n - 1) or warps & (warps - 1):
-        raise argparse.ArgumentTypeError(f"a tile's keys and warps are powers of 2, like 64x8, got {text!r}")
-    return block_n, warps
+        values = ()
+    if len(values) != form.count("x") + 1 or any(v < 1 or v & (v - 1) for v in values):
+        raise argparse.ArgumentTypeError(f"a tile is {form}, powers of 2 joined by x, got {text!r}")
+    return values
 
 
 def main() -> None:
@@ -162,31 +169,34 @@ def main() -> None:
     for name in args.shapes:
         for batch in args.batches:
             for context in args.contexts:
+                run, moved = decode_case(SHAPES[name], batch, context, dtype, device)
+                expected = run(None).clone()
                 # None: the engine's own launch, through its backend (its tile, engine_tile).
                 for tile in (None, *(t for t in args.tiles if t != engine_tile)):
-                    run, moved = decode_case(SHAPES[name], batch, context, dtype, device, tile)
                     block_n, warps = tile or engine_tile
                     label = f"{block_n}x{warps}" + ("" if tile else "*")
+                    row = {"shape": name, "batch": batch, "context": context, "block_n": block_n,
+                           "num_warps": warps, "engine_tile": tile is None}
                     try:
-                        seconds = measure(run)
-                    except Exception as exc:  # a swept tile that cannot compile (or run) is a finding
+                        seconds = measure(partial(run, tile))
+                        torch.testing.assert_close(run(tile), expected, atol=2e-2, rtol=2e-2)
+                    except Exception as exc:  # a swept tile that cannot compile, run or match is a finding
                         if tile is None:
                             raise
-                        print(f"{name:<14}{batch:>6}{context:>9}{label:>8}  failed: {type(exc).__name__}: {exc}")
-                        results.append({"shape": name, "batch": batch, "context": context, "block_n": block_n,
-                                        "num_warps": warps, "engine_tile": False, "error": str(exc)})
+                        print(f"{name:<14}{batch:>6}{context:>9}{label:>8}  failed: {type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0]}")
+                        results.append({**row, "error": f"{type(exc).__name__}: {exc}"})
                         continue
                     bandwidth = moved / seconds
                     print(
                         f"{name:<14}{batch:>6}{context:>9}{label:>8}{seconds * 1e6:>12,.1f}"
                         f"{bandwidth / 1e9:>10,.2f}{bandwidth / copy:>9.0%}"
                     )
-                    results.append({"shape": name, "batch": batch, "context": context, "block_n": block_n,
-                                    "num_warps": warps, "engine_tile": tile is None, "time_us": seconds * 1e6,
-                                    "gbps": bandwidth / 1e9, "of_copy": bandwidth / copy})
-                    del run
-                    if device.type == "cuda":
-                        torch.cuda.empty_cache()
+                    results.append({**row, "time_us": seconds * 1e6, "gbps": bandwidth / 1e9,
+                                    "of_copy": bandwidth / copy})
+                del run, expected
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
     print("tile: keys per tile x warps per program; * the engine's own launch")
     path = args.json or (GPU_REPORT if device.type == "cuda" and not args.smoke else None)
     if path is not None:

@@ -58,6 +58,16 @@ def test_step_overhead_smoke() -> None:
     assert 0 < host_ms < step_ms and min(phases) >= 0  # host: every phase but the model's
 
 
+def test_prefill_tiles_smoke(tmp_path: Path) -> None:
+    out = run_smoke("prefill_tiles.py", "--tiles", "32x32x4", "--json", tmp_path / "report.json")
+    assert sum(line.startswith("qwen2.5-0.5b") for line in out.splitlines()) == 4  # 2 cases, 2 tiles each
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert [(r["seqs"], r["chunk"], r["prefix"], r["tile"], r["engine_tile"]) for r in report["results"]] == [
+        (*case, tile, engine) for case in ((2, 8, 0), (1, 8, 24))
+        for tile, engine in (([64, 64, 8], True), ([32, 32, 4], False))]
+    assert all(r["tflops"] > 0 for r in report["results"]), "a swept tile computed what the default does"
+
+
 @pytest.mark.slow
 def test_cpu_real_model_smoke() -> None:
     """The real model on both sides (loading it is most of the minute this takes), a few tiny requests.

@@ -130,12 +130,14 @@ def prefill_attention(
     max_query_len: int,
     block_m: int | None = None,
     block_n: int | None = None,
+    num_warps: int = NUM_WARPS,
 ) -> None:
     """Write into ``out`` the attention of every sequence whose query length exceeds 1; others untouched.
 
     Layouts as in ``decode_attention`` (``head_dim`` contiguous). ``block_m`` (query rows per program) and
     ``block_n`` (keys per tile) are powers of two, by default ``default_tiles``; a program takes
-    ``block_m // group`` tokens (at least one) of a sequence.
+    ``block_m // group`` tokens (at least one) of a sequence. Tiles and ``num_warps`` other than the defaults
+    are for a GPU sweep (bench/prefill_tiles.py).
     """
     num_seqs = seq_lens.shape[0]
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
@@ -173,5 +175,5 @@ def prefill_attention(
         BLOCK_SIZE=block_size,
         BLOCK_Q=block_q,
         BLOCK_N=block_n,
-        num_warps=NUM_WARPS,
+        num_warps=num_warps,
     )
