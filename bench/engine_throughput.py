@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from run_info import command, describe, write_report
+from run_info import print_preamble, write_report
 
 from engine import LLM, SamplingParams
 from engine.core import EngineCore
@@ -283,12 +283,7 @@ def main() -> None:
         args.num_requests, args.min_len, args.max_len, args.max_num_seqs, args.hf_batch_size = 8, 4, 12, 8, 8
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
-    print(f"machine: {describe(device)}")
-    print(f"command: {command()}")
-    if args.smoke:
-        print("SMOKE RUN: toy sizes, not a performance figure")
-    if device.type != "cuda":
-        print("CPU RUN: not a performance figure")
+    print_preamble(device, args.smoke, cpu_run="not a performance figure")
     print(
         f"requests: {args.num_requests}, input and output lengths uniform in "
         f"[{args.min_len}, {args.max_len}], "

@@ -33,7 +33,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from run_info import command, describe, write_report
+from run_info import print_preamble, write_report
 
 from engine.kernels import AttentionMetadata
 from engine.kernels.triton_backend import TritonAttentionBackend
@@ -44,6 +44,7 @@ SHAPES = {"qwen2.5-0.5b": (14, 2, 64), "llama-3.2-1b": (32, 8, 64)}
 BATCHES = (1, 4, 16, 64, 256)
 CONTEXTS = (128, 512, 2048, 8192)
 BLOCK_SIZE = 16
+INTERPRETED = "interpreted Triton, not a performance figure"
 GPU_REPORT = Path(__file__).parent / "results" / "gpu" / "kernel_bandwidth.json"
 
 
@@ -111,6 +112,23 @@ def decode_case(
     return run, moved
 
 
+def measure_tile(
+    measure: Callable[[Callable[[], object]], float], run: Callable[[tuple[int, ...] | None], torch.Tensor],
+    tile: tuple[int, ...] | None, expected: torch.Tensor,
+) -> float | str:
+    """Seconds per launch of ``run`` at ``tile`` (None: the engine's own launch, whose failure is raised),
+    or why a swept tile is no candidate: it did not compile, run, or compute ``expected`` (to 16-bit
+    rounding). A finding of the sweep, not an end to it."""
+    try:
+        seconds = measure(partial(run, tile))
+        torch.testing.assert_close(run(tile), expected, atol=2e-2, rtol=2e-2)
+    except Exception as exc:
+        if tile is None:
+            raise
+        return f"{type(exc).__name__}: {exc}"
+    return seconds
+
+
 def parse_tile(text: str, form: str = "BLOCK_NxWARPS") -> tuple[int, ...]:
     """A tile given as ``form`` says: powers of 2 joined by ``x`` (``"64x8"``: 64 keys per tile, 8 warps)."""
     try:
@@ -150,12 +168,7 @@ def main() -> None:
         # The interpreter cannot run bfloat16 dots (triton-lang/triton#11584); fp16 takes the same path.
         dtype = torch.float16
 
-    print(f"machine: {describe(device)}")
-    print(f"command: {command()}")
-    if args.smoke:
-        print("SMOKE RUN: toy sizes, not a performance figure")
-    if device.type != "cuda":
-        print("CPU RUN: interpreted Triton, not a performance figure")
+    print_preamble(device, args.smoke, cpu_run=INTERPRETED)
     measure = timer(device, repeats)
     copy = copy_bandwidth(device, copy_bytes, measure)
     cache_dtype = str(dtype).removeprefix("torch.")
@@ -177,15 +190,10 @@ def main() -> None:
                     label = f"{block_n}x{warps}" + ("" if tile else "*")
                     row = {"shape": name, "batch": batch, "context": context, "block_n": block_n,
                            "num_warps": warps, "engine_tile": tile is None}
-                    try:
-                        seconds = measure(partial(run, tile))
-                        torch.testing.assert_close(run(tile), expected, atol=2e-2, rtol=2e-2)
-                    except Exception as exc:  # a swept tile that cannot compile, run or match is a finding
-                        if tile is None:
-                            raise
-                        print(f"{name:<14}{batch:>6}{context:>9}{label:>8}  failed: {type(exc).__name__}: "
-                              f"{str(exc).splitlines()[0]}")
-                        results.append({**row, "error": f"{type(exc).__name__}: {exc}"})
+                    seconds = measure_tile(measure, run, tile, expected)
+                    if isinstance(seconds, str):
+                        print(f"{name:<14}{batch:>6}{context:>9}{label:>8}  failed: {seconds.splitlines()[0]}")
+                        results.append({**row, "error": seconds})
                         continue
                     bandwidth = moved / seconds
                     print(

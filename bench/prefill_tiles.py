@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 
 import torch
 
 # Before anything imports triton: off CUDA, kernel_bandwidth switches Triton to its interpreter.
-from kernel_bandwidth import BLOCK_SIZE, SHAPES, parse_tile, timer
-from run_info import command, describe, write_report
+from kernel_bandwidth import BLOCK_SIZE, INTERPRETED, SHAPES, measure_tile, parse_tile, timer
+from run_info import print_preamble, write_report
 
 from engine.kernels.triton_prefill import NUM_WARPS, default_tiles, prefill_attention
 
@@ -76,12 +75,7 @@ def main() -> None:
     if device.type != "cuda":
         dtype = torch.float16  # the interpreter cannot run bfloat16 dots (triton-lang/triton#11584)
 
-    print(f"machine: {describe(device)}")
-    print(f"command: {command()}")
-    if args.smoke:
-        print("SMOKE RUN: toy sizes, not a performance figure")
-    if device.type != "cuda":
-        print("CPU RUN: interpreted Triton, not a performance figure")
+    print_preamble(device, args.smoke, cpu_run=INTERPRETED)
     measure = timer(device, repeats)
     print(f"{'shape':<14}{'seqs':>5}{'chunk':>7}{'prefix':>8}{'tile':>11}{'time (us)':>12}{'TFLOP/s':>9}")
     results = []
@@ -96,14 +90,10 @@ def main() -> None:
                 head = f"{name:<14}{seqs:>5}{chunk:>7}{prefix:>8}{label:>11}"
                 row = {"shape": name, "seqs": seqs, "chunk": chunk, "prefix": prefix,
                        "tile": list(tile or engine_tile), "engine_tile": tile is None}
-                try:
-                    seconds = measure(partial(run, tile))
-                    torch.testing.assert_close(run(tile), expected, atol=2e-2, rtol=2e-2)
-                except Exception as exc:  # a swept tile that cannot compile, run or match is a finding
-                    if tile is None:
-                        raise
-                    print(f"{head}  failed: {type(exc).__name__}: {str(exc).splitlines()[0]}")
-                    results.append({**row, "error": f"{type(exc).__name__}: {exc}"})
+                seconds = measure_tile(measure, run, tile, expected)
+                if isinstance(seconds, str):
+                    print(f"{head}  failed: {seconds.splitlines()[0]}")
+                    results.append({**row, "error": seconds})
                     continue
                 print(f"{head}{seconds * 1e6:>12,.1f}{flops / seconds / 1e12:>9.1f}")
                 results.append({**row, "time_us": seconds * 1e6, "tflops": flops / seconds / 1e12})

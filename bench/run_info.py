@@ -41,6 +41,17 @@ def command() -> str:
     return shlex.join([os.path.relpath(sys.executable), *sys.argv])
 
 
+def print_preamble(device: torch.device, smoke: bool, cpu_run: str | None = None) -> None:
+    """The lines a printed report starts with: the machine, the command, and what makes its figures
+    meaningless, if anything: ``--smoke`` sizes, or (``cpu_run``, for a GPU benchmark) a CPU."""
+    print(f"machine: {describe(device)}")
+    print(f"command: {command()}")
+    if smoke:
+        print("SMOKE RUN: toy sizes, not a performance figure")
+    if cpu_run is not None and device.type != "cuda":
+        print(f"CPU RUN: {cpu_run}")
+
+
 def write_report(path: Path, device: torch.device, results: list[dict], **fields: object) -> None:
     """The raw report of a run as JSON: ``device`` (``torch.cuda.get_device_name()``, else the CPU's name),
     the machine and command lines the printed report starts with, ``fields``, then ``results``."""

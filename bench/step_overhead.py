@@ -35,7 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from run_info import command, describe, write_report
+from run_info import print_preamble, write_report
 
 import engine.worker.runner as runner_module
 from engine import SamplingParams
@@ -145,10 +145,7 @@ def main() -> None:
         args.batch, args.context, args.steps = [4], 16, 3
     torch.manual_seed(0)
     results = [measure(batch, args.context, args.steps, args.device) for batch in args.batch]
-    if args.smoke:
-        print("SMOKE RUN: toy sizes, not a performance figure")
-    print(f"machine: {describe(torch.device(args.device))}")
-    print(f"command: {command()}")
+    print_preamble(torch.device(args.device), args.smoke)
     print(f"tiny model, decode-only steps, context {args.context} tokens at the start, {args.steps} steps timed")
     print("ms per step; gc: collections (ms in all) of the oldest generation, then of the younger two")
     print(f"{'batch':>5} {'step':>8} {'host':>7} {'us/seq':>7}  " + " ".join(f"{p:>8}" for p in PHASES)
