@@ -28,6 +28,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import transformers
@@ -36,9 +37,11 @@ from run_info import print_preamble, write_report
 from engine import LLM, SamplingParams
 from engine.core import EngineCore
 from engine.sched.output import SchedulerOutput
-from engine.structured.bitmask import GrammarBitmask
 from engine.worker.bandwidth import peak_bandwidth
 from engine.worker.runner import StepResult
+
+if TYPE_CHECKING:  # xgrammar is imported only where a grammar is used
+    from engine.structured.bitmask import GrammarBitmask
 
 # Architecture hyperparameters of the two published models; weights are random.
 SHAPES: dict[str, tuple[type[transformers.PretrainedConfig], dict]] = {

@@ -37,7 +37,7 @@ from run_info import print_preamble, write_report
 
 from engine.kernels import AttentionMetadata
 from engine.kernels.triton_backend import TritonAttentionBackend
-from engine.kernels.triton_decode import DEFAULT_BLOCK_N, NUM_WARPS, choose_num_splits, decode_attention
+from engine.kernels.triton_decode import choose_num_splits, decode_attention, default_tile
 
 # (query heads, KV heads, head_dim) of the two benchmark models' attention.
 SHAPES = {"qwen2.5-0.5b": (14, 2, 64), "llama-3.2-1b": (32, 8, 64)}
@@ -178,8 +178,8 @@ def main() -> None:
     )
     print(f"{'shape':<14}{'batch':>6}{'context':>9}{'tile':>8}{'time (us)':>12}{'GB/s':>10}{'of copy':>9}")
     results = []
-    engine_tile = (DEFAULT_BLOCK_N, NUM_WARPS)
     for name in args.shapes:
+        engine_tile = default_tile(SHAPES[name][2])
         for batch in args.batches:
             for context in args.contexts:
                 run, moved = decode_case(SHAPES[name], batch, context, dtype, device)

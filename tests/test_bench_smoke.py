@@ -46,7 +46,7 @@ def test_kernel_bandwidth_smoke(tmp_path: Path) -> None:
     assert report["copy_gbps"] > 0 and report["cache_dtype"] == "float16"
     cases = [(1, 16), (1, 40), (2, 16), (2, 40)]
     assert [(r["batch"], r["context"], r["block_n"], r["num_warps"], r["engine_tile"]) for r in report["results"]] \
-        == [(*case, *tile) for case in cases for tile in ((64, 8, True), (32, 4, False))]
+        == [(*case, *tile) for case in cases for tile in ((128, 4, True), (32, 4, False))]
     assert all(r["gbps"] > 0 and r["of_copy"] > 0 for r in report["results"])
 
 
@@ -64,7 +64,7 @@ def test_prefill_tiles_smoke(tmp_path: Path) -> None:
     report = json.loads((tmp_path / "report.json").read_text())
     assert [(r["seqs"], r["chunk"], r["prefix"], r["tile"], r["engine_tile"]) for r in report["results"]] == [
         (*case, tile, engine) for case in ((2, 8, 0), (1, 8, 24))
-        for tile, engine in (([64, 64, 8], True), ([32, 32, 4], False))]
+        for tile, engine in (([128, 64, 8], True), ([32, 32, 4], False))]
     assert all(r["tflops"] > 0 for r in report["results"]), "a swept tile computed what the default does"
 
 

@@ -35,10 +35,16 @@ import triton.language as tl
 
 # Query heads of one KV head are padded to at least 16 rows: the smallest tile tensor cores take.
 MIN_HEAD_ROWS = 16
-# Keys per tile and warps per program: on sm_90 this needs 114 registers a thread at head_dim 64 and 218 at
-# 128, with no spills (ptxas -v). Chosen from those counts, not yet timed on a GPU.
-DEFAULT_BLOCK_N = 64
-NUM_WARPS = 8
+
+
+def default_tile(head_dim: int) -> tuple[int, int]:
+    """``(block_n, num_warps)``: keys per tile and warps per program of the engine's launch.
+
+    Up to head_dim 64: 128 x 4, timed on an H200 (docs/benchmarks.md, "Engine on a GPU"): it beat the first
+    choice, 64 x 8, in every cell at batch >= 64 (78% -> 94% of a device copy at batch 256, context 8192).
+    Above: 64 x 8, since 128 x 4 spills registers at head_dim 128 on sm_90 (ptxas -v); not yet timed.
+    """
+    return (128, 4) if head_dim <= 64 else (64, 8)
 
 
 @triton.jit
@@ -210,18 +216,20 @@ def decode_attention(
     out: torch.Tensor,
     scale: float,
     num_splits: int,
-    block_n: int = DEFAULT_BLOCK_N,
-    num_warps: int = NUM_WARPS,
+    block_n: int | None = None,
+    num_warps: int | None = None,
 ) -> None:
     """Write into ``out`` the attention of every sequence whose query length is 1; other rows are untouched.
 
     ``query``/``out`` are ``[T, heads, head_dim]``; the cache, block tables, ``seq_lens`` and
     ``query_start_loc`` follow ``AttentionMetadata``. ``head_dim`` is contiguous in every tensor (other
     strides are free). ``num_splits`` and ``block_n`` are powers of two; ``block_n`` and ``num_warps`` are
-    the tile a GPU sweep tries (bench/kernel_bandwidth.py ``--tiles``), the engine launches the defaults.
+    the tile a GPU sweep tries (bench/kernel_bandwidth.py ``--tiles``); None: ``default_tile``.
     """
     num_seqs = seq_lens.shape[0]
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    default_n, default_warps = default_tile(head_dim)
+    block_n, num_warps = block_n or default_n, num_warps or default_warps
     num_heads = query.shape[1]
     group = num_heads // num_kv_heads
     if num_splits & (num_splits - 1) or block_n & (block_n - 1):

@@ -28,12 +28,13 @@ NUM_WARPS = 8
 def default_tiles(head_dim: int, element_size: int) -> tuple[int, int]:
     """``(block_m, block_n)``: query rows (tokens x heads of a group) per program, keys per tile.
 
-    The largest tiles that ptxas compiles for sm_90 at ``NUM_WARPS`` without register spills: 64 x 64 for
-    16-bit caches up to head_dim 64, 64 x 32 above it, 32 x 32 for fp32. Not yet timed on a GPU.
+    16-bit caches up to head_dim 64: 128 x 64, timed on an H200 at 1.6-2.1x the TFLOP/s of 64 x 64
+    (docs/benchmarks.md, "Engine on a GPU"). Above head_dim 64: 64 x 32, and 32 x 32 for fp32, the largest tiles
+    ptxas compiles for sm_90 at ``NUM_WARPS`` without register spills (not yet timed).
     """
     if element_size > 2:
         return 32, 32
-    return 64, 64 if head_dim <= 64 else 32
+    return (128, 64) if head_dim <= 64 else (64, 32)
 
 
 @triton.jit

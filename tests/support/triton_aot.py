@@ -51,6 +51,7 @@ def kernels(shape: Shape, element_size: int) -> dict[str, tuple[triton.JITFuncti
     block_d = max(16, triton.next_power_of_2(shape.head_dim))
     block_g = triton.next_power_of_2(shape.group)
     block_m, block_n = triton_prefill.default_tiles(shape.head_dim, element_size)
+    decode_n, decode_warps = triton_decode.default_tile(shape.head_dim)
     splits = 16
     return {
         "store_kv": (
@@ -63,12 +64,12 @@ def kernels(shape: Shape, element_size: int) -> dict[str, tuple[triton.JITFuncti
             triton_decode._decode_partial_kernel,
             {"GROUP": shape.group, "BLOCK_H": max(triton_decode.MIN_HEAD_ROWS, block_g),
              "HEAD_DIM": shape.head_dim, "BLOCK_D": block_d, "BLOCK_SIZE": shape.block_size,
-             "BLOCK_N": triton_decode.DEFAULT_BLOCK_N, "NUM_SPLITS": splits},
-            triton_decode.NUM_WARPS,
+             "BLOCK_N": decode_n, "NUM_SPLITS": splits},
+            decode_warps,
         ),
         "decode_reduce": (
             triton_decode._decode_reduce_kernel,
-            {"HEAD_DIM": shape.head_dim, "BLOCK_D": block_d, "BLOCK_N": triton_decode.DEFAULT_BLOCK_N,
+            {"HEAD_DIM": shape.head_dim, "BLOCK_D": block_d, "BLOCK_N": decode_n,
              "NUM_SPLITS": splits},
             4,
         ),
