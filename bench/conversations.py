@@ -17,7 +17,7 @@ its name, so runs under different tenant names (fresh cache salts) send the same
 A turn that fails is sent again, as a chat client would, up to ``attempts`` times in all, ``retry_pause_s``
 apart; a conversation whose turn fails every attempt ends there. Every attempt is one ``Turn`` record.
 
-Used by ``bench/routing.py`` and ``tests/test_pool_routing.py``; run as a module from the repository root
+Used by ``bench/routing.py`` and ``tests/guard/test_pool_routing.py``; run as a module from the repository root
 (``python -m bench.routing``) or imported with the root on ``sys.path`` (pytest puts it there).
 """
 

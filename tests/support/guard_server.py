@@ -1,6 +1,6 @@
 """A real guard for tests: ``GuardThread`` serves the guard app on a loopback port from its own event-loop
 thread, so synchronous clients (the ``openai`` SDK) and the engine's own server thread can talk to it, and
-``guard.call(fn)`` reads its state on its loop. ``guard_config`` is the tests' configuration."""
+``guard.call(fn)`` reads its state on its loop. ``guard_config`` is the tests' configuration; ``mode_transitions`` reads a guard's mode changes."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 
 import yaml
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
 from guard.config import GuardConfig
 from guard.http.app import create_app
@@ -16,6 +17,7 @@ from guard.http.connections import GuardRunner
 from guard.runtime import STATE, GuardState
 
 from .loop_thread import AppThread
+from .net import request
 
 
 def guard_config(engine_url: str | list[str], tmp_path: Path | None = None, **overrides: Any) -> GuardConfig:
@@ -57,3 +59,10 @@ class GuardThread(AppThread):
     @property
     def state(self) -> GuardState:
         return self.app[STATE]
+
+
+def mode_transitions(guard_url: str) -> dict[tuple[str, str], float]:
+    """``guard_mode_transitions_total`` by (from, to), read from the guard's /metrics."""
+    text = request(guard_url + "/metrics")[1].decode()
+    return {(s.labels["from"], s.labels["to"]): s.value for family in text_string_to_metric_families(text)
+            if family.name == "guard_mode_transitions" for s in family.samples if s.name.endswith("_total")}

@@ -6,8 +6,21 @@ produce exactly ``max_tokens`` tokens whichever ids a model treats as end-of-gen
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import transformers
+
+# A Llama/Qwen2 config small enough to build in a test, with GQA and more than one layer.
+SMALL = {
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+}
 
 
 def hf_greedy(model: transformers.PreTrainedModel, prompt: list[int], max_tokens: int) -> list[int]:
@@ -28,3 +41,16 @@ def hf_last_logits(model: transformers.PreTrainedModel, prompt: list[int]) -> to
     """fp32 logits ``[vocab]`` of the token after ``prompt``."""
     with torch.no_grad():
         return model(torch.tensor([prompt])).logits[0, -1].float()
+
+
+def save_hf_model(config_class: type, kwargs: dict, directory: Path) -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    config = config_class(**kwargs, attn_implementation="eager")
+    hf_model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    # HF's default init gives near-zero biases and unit norms; randomise them so the test sees them.
+    with torch.no_grad():
+        for name, parameter in hf_model.named_parameters():
+            if name.endswith(("bias", "norm.weight")):
+                parameter.copy_(torch.randn_like(parameter) * 0.1 + (1.0 if "norm" in name else 0.0))
+    hf_model.save_pretrained(directory)
+    return hf_model

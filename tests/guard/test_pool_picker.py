@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from test_guard_units import snapshot
+from support.admission_parts import snapshot
 
 from engine.kv.hashing import extend_block_hashes
 from guard.admission.dispatch import Dispatcher, Ticket, TicketState

@@ -17,8 +17,8 @@ import transformers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.engine_server import ServerThread
+from support.hf_reference import SMALL, save_hf_model
 from support.net import request
-from test_model_hf import SMALL, save_hf_model
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from engine.model.sources import SMOLLM2, smollm2_path

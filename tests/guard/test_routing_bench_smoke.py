@@ -15,7 +15,7 @@ POLICIES = ["round_robin", "least_loaded", "prefix", "kvguard"]
 TTFT_FIGURES = {"n", "mean_ms", "p50_ms", "p90_ms", "p99_ms", "max_ms"}
 
 
-@pytest.mark.slow  # three engines and four guards to start; tests/test_pool_routing.py checks the policies in make test
+@pytest.mark.slow  # three engines and four guards to start; tests/guard/test_pool_routing.py checks the policies in make test
 def test_routing_quick(tmp_path: Path) -> None:
     done = run_command(sys.executable, "-m", "bench.routing", "--quick", "--out", tmp_path, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -7,11 +7,11 @@ import json
 import urllib.request
 
 import pytest
+from support.admission_parts import snapshot
 from support.engine_server import ServerThread
 from support.guard_server import GuardThread, guard_config
 from support.net import request
 from support.wait import wait_for
-from test_guard_units import snapshot
 
 from guard.admission.gate import AdmissionGate
 from guard.admission.predictor import DEFAULT_TOKENS, MIN_SAMPLES, PAD_TOKENS, OutputPredictor

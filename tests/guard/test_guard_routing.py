@@ -9,21 +9,13 @@ import time
 
 import aiohttp
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from support.engine_server import ServerThread
-from support.guard_server import GuardThread, guard_config
+from support.guard_server import GuardThread, guard_config, mode_transitions
 from support.net import request
 from support.processes import EngineProcess
 from support.wait import wait_for
 
 ROUTING = {"min_dwell_s": 1.0, "cooldown_s": 0.5, "health_interval_s": 0.2, "failure_threshold": 2}
-
-
-def mode_transitions(guard_url: str) -> dict[tuple[str, str], float]:
-    """``guard_mode_transitions_total`` by (from, to), read from the guard's /metrics."""
-    text = request(guard_url + "/metrics")[1].decode()
-    return {(s.labels["from"], s.labels["to"]): s.value for family in text_string_to_metric_families(text)
-            if family.name == "guard_mode_transitions" for s in family.samples if s.name.endswith("_total")}
 
 
 async def stream_once(url: str, body: dict, key: str = "sk-acme", started: asyncio.Event | None = None

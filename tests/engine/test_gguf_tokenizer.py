@@ -29,6 +29,7 @@ import tokenizers
 import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support import ROOT
 from tokenizers import pre_tokenizers
 
 from engine.model.sources import smollm2_path
@@ -285,5 +286,5 @@ assert read_gguf_vocab({key: Field(value) for key, value in fields.items()}).tok
 print(sorted(name for name in sys.modules if name.split(".")[0] in ("torch", "triton")))
 """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                            cwd=Path(__file__).resolve().parents[1])
+                            cwd=ROOT)
     assert result.stdout.strip() == "[]"

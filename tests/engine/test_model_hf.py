@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 import transformers
+from support.hf_reference import SMALL, save_hf_model
 from support.single_sequence import SingleSequence
 
 from engine.kernels import TorchAttentionBackend
@@ -14,15 +13,6 @@ from engine.model import LoadedModel, load_model
 
 TOLERANCE = 1e-4
 PROMPT = [5, 17, 99, 3, 42, 8, 8, 120, 64, 1, 77]  # 11 tokens: crosses two 4-token block boundaries
-SMALL = {
-    "vocab_size": 128,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
-}
 LINEAR_ROPE = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -43,19 +33,6 @@ CASES = {
     "qwen2": (transformers.Qwen2Config, dict(SMALL)),
     "qwen2-tied": (transformers.Qwen2Config, dict(SMALL, tie_word_embeddings=True)),
 }
-
-
-def save_hf_model(config_class: type, kwargs: dict, directory: Path) -> transformers.PreTrainedModel:
-    torch.manual_seed(0)
-    config = config_class(**kwargs, attn_implementation="eager")
-    hf_model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
-    # HF's default init gives near-zero biases and unit norms; randomise them so the test sees them.
-    with torch.no_grad():
-        for name, parameter in hf_model.named_parameters():
-            if name.endswith(("bias", "norm.weight")):
-                parameter.copy_(torch.randn_like(parameter) * 0.1 + (1.0 if "norm" in name else 0.0))
-    hf_model.save_pretrained(directory)
-    return hf_model
 
 
 @pytest.fixture(params=list(CASES), scope="module")

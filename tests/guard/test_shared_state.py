@@ -12,13 +12,13 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from support.detector_script import squeeze
 from support.engine_server import ServerThread
 from support.guard_server import GuardThread, guard_config
 from support.net import free_port, request
 from support.processes import GuardProcess
 from support.redis_server import RedisServer
 from support.wait import wait_for
-from test_borrowing import squeeze
 
 from guard.detect.detector import Detector
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from test_detector import run
-from test_guard_units import make_dispatcher, ticket
+from support.admission_parts import make_dispatcher, ticket
+from support.detector_script import run, squeeze
 
 from guard.admission.dispatch import TicketState
 from guard.detect.coordination import SYNC_S
@@ -116,18 +116,6 @@ def test_keys_that_start_apart_are_not_linked() -> None:
     d = Detector({"a": 1, "b": 1})
     run(d, 8, 0.25, attack_on_two_keys(d, SYNC_S + 3.0), lambda _: {}, set(), lambda _: 0.9)
     assert d.tenants["a"].evidence["coordination"] == d.tenants["b"].evidence["coordination"] == 0.0
-
-
-def squeeze(detector: Detector, tenant: str) -> callable:
-    """Every 0.05 s a micro-request; a probe every 0.25 s; a long generation every 2 s."""
-    def act(now: float) -> None:
-        tick = round(now / 0.05)
-        detector.on_request(tenant, 8, now)
-        if tick % 5 == 0:
-            detector.on_request(tenant, 2, now)
-        if tick % 40 == 0:
-            detector.on_request(tenant, 600, now)
-    return act
 
 
 def test_confirmation_holds_while_the_pattern_goes_on_and_clears_after_it_stops() -> None:

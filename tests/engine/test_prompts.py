@@ -1,6 +1,6 @@
 """engine/prompting/prompts.py on its own: the context window's edges, the fields refusals name, and the
 ``GET /tokenizer`` round trip that gives the guard the engine's counter (the end-to-end equality with a
-running engine is tests/test_guard_tokens.py)."""
+running engine is tests/guard/test_guard_tokens.py)."""
 
 from __future__ import annotations
 

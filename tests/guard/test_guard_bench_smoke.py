@@ -27,7 +27,7 @@ def run_quick(script: str, tmp_path: Path) -> tuple[str, dict]:
     return done.stdout, json.loads(result_file.read_text())
 
 
-@pytest.mark.slow  # 20 s of two tenants' load; the guard's fairness is tested in tests/test_guard_load.py
+@pytest.mark.slow  # 20 s of two tenants' load; the guard's fairness is tested in tests/guard/test_guard_load.py
 def test_noisy_neighbour_quick(tmp_path: Path) -> None:
     out, report = run_quick("noisy_neighbour.py", tmp_path)
     phases = report["phases"]
@@ -69,7 +69,7 @@ def test_guard_overhead_quick(tmp_path: Path) -> None:
 
 
 
-@pytest.mark.slow  # SmolLM2 under four guards; tests/test_no_max_tokens.py checks the behaviour
+@pytest.mark.slow  # SmolLM2 under four guards; tests/guard/test_no_max_tokens.py checks the behaviour
 def test_no_max_tokens_quick(tmp_path: Path) -> None:
     """Every guard ran the same requests, every one was answered, and the report carries the issue's figures."""
     out, report = run_quick("no_max_tokens.py", tmp_path)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import textwrap
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -13,34 +12,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from support import ROOT
+from support.admission_parts import BASE, make_dispatcher, snapshot, ticket, write
 
-from engine.protocol import TelemetrySnapshot, TenantUsage
-from guard.admission.dispatch import Dispatcher, Ticket, TicketState
+from guard.admission.dispatch import Ticket, TicketState
 from guard.admission.fairness import FairQueue
 from guard.admission.gate import AdmissionGate, batch_blocks_for, blocks_for
 from guard.config import Admission, ConfigError, GuardConfig, load_config
 from guard.errors import GuardError
 from guard.http.app import create_app
 from guard.http.auth import KeyStore
-from guard.pool.picker import Picker
-from guard.pool.pool import ReplicaPool
-from guard.pool.replica import Replica
-from guard.pool.routing import CircuitBreaker
 from guard.runtime import STATE
-
-BASE = """
-secret: test-secret
-engine: {url: "http://127.0.0.1:8100"}
-tenants:
-  - {name: acme, api_keys: ["sk-a"], weight: 2}
-  - {name: bulk, api_keys: ["sk-b"], lane: batch}
-"""
-
-
-def write(tmp_path: Path, text: str) -> Path:
-    path = tmp_path / "guard.yaml"
-    path.write_text(textwrap.dedent(text))
-    return path
 
 
 def test_example_config_loads(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -122,18 +103,6 @@ def test_lanes_order_work_inside_a_tenant() -> None:
     assert [fair.pop(t) for _ in range(3)] == ["interactive-1", "batch-1", "batch-2"]
 
 
-def snapshot(num_blocks: int = 100, free: int = 100, block_size: int = 16, cached: int = 0,
-             tenants_usage: dict[str, TenantUsage] | None = None, **tenants: int) -> TelemetrySnapshot:
-    return TelemetrySnapshot(
-        time=0, step=0, model="tiny", block_size=block_size, num_blocks=num_blocks, free_blocks=free,
-        cached_blocks=cached, swap_blocks=0, swap_used_blocks=0, num_running=0, num_waiting=0, num_swapped=0,
-        preemptions_total=0, preemptions_recompute_total=0, preemptions_swap_total=0,
-        prefix_cache_queries_total=0, prefix_cache_hits_total=0, prompt_tokens_total=0,
-        generation_tokens_total=0, step_time_s=0, itl_s=0, tokens_per_s=0, bytes_moved_per_s=0,
-        peak_bandwidth_bytes_per_s=1, bandwidth_utilization=0, healthy=True,
-        tenants=tenants_usage or {name: TenantUsage(blocks=b) for name, b in tenants.items()})
-
-
 def test_gate_commits_against_live_usage_with_hysteresis() -> None:
     gate = AdmissionGate(Admission(safe_utilization=0.8, resume_utilization=0.5), {"acme"})
     assert not gate.try_reserve("r0", "acme", 1), "no telemetry: the pool counts as full"
@@ -190,23 +159,6 @@ def test_reservations_are_never_leaked(ops: list[tuple[str, int, int]]) -> None:
     for name in list(model):
         gate.release(name)
     assert not gate.reservations and not gate.reserved_by_tenant
-
-
-def make_dispatcher(tmp_path: Path, num_blocks: int = 100) -> tuple[Dispatcher, GuardConfig]:
-    """A dispatcher in front of a pool of one replica with ``num_blocks`` free blocks."""
-    config = load_config(write(tmp_path, BASE.replace("{name: acme,", "{name: acme, max_queue: 3,")))
-    gate = AdmissionGate(config.admission, {t.name for t in config.tenants})
-    gate.update(snapshot(num_blocks=num_blocks, free=num_blocks))
-    replica = Replica(config.pool[0], gate, CircuitBreaker("primary", 3, 1.0))
-    return Dispatcher(config, ReplicaPool([replica]), Picker("kvguard")), config
-
-
-def ticket(config: GuardConfig, tenant: int, blocks: int, rid: str, timeout: float | None = None) -> Ticket:
-    t = config.tenants[tenant]
-    lane = config.lanes[t.lane]
-    if timeout is not None:
-        lane = lane.model_copy(update={"timeout": timeout})
-    return Ticket(rid, t, lane, prompt_tokens=10, max_tokens=10, blocks=blocks)
 
 
 async def test_dispatcher_admits_queues_times_out_and_cancels(tmp_path: Path) -> None:

@@ -24,11 +24,10 @@ from typing import Any
 import openai
 import pytest
 from support.engine_server import ServerThread
-from support.guard_server import GuardThread, guard_config
+from support.guard_server import GuardThread, guard_config, mode_transitions
 from support.net import request
 from support.nothing_lost import guard_holds_nothing, idle_and_free
 from support.wait import wait_for
-from test_guard_routing import mode_transitions
 
 from guard.admission.gate import blocks_for
 from guard.config import Admission, Routing

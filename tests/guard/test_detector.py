@@ -3,25 +3,11 @@ benign pattern alone does not, and states come down only after the score stays l
 
 from __future__ import annotations
 
-from test_guard_units import snapshot
+from support.admission_parts import snapshot
+from support.detector_script import BUDGET, run
 
 from engine.protocol import TenantUsage
 from guard.detect.detector import CLEAR_SUSPECT_AFTER_S, Detector
-
-BUDGET = 100
-
-
-def run(detector: Detector, seconds: float, step: float, act, reserved, waiting, free_share, start: float = 0.0
-        ) -> tuple[float, list]:
-    """Advance a synthetic clock, letting ``act(now)`` emit events, evaluating every 0.5 s."""
-    changes, now, next_eval = [], start, start
-    while now < start + seconds:
-        act(now)
-        if now >= next_eval:
-            changes += detector.evaluate(reserved(now), BUDGET, waiting, free_share(now), now=now)
-            next_eval += 0.5
-        now += step
-    return now, changes
 
 
 def test_probe_fill_squeeze_is_confirmed() -> None:
