@@ -73,8 +73,8 @@ from run_info import command, describe
 from soak import metric_samples, metric_sum
 from stack import REPO, Service, get_json, start_engine, start_guard
 
-from guard.admission.gate import blocks_for
 from guard.config import Admission
+from guard.pool.gate import blocks_for
 
 MODEL = "smollm2"
 SMOLLM2_WINDOW = 8192

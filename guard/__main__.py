@@ -1,5 +1,5 @@
 """``python -m guard --config guard.yaml [--workers N]``: run the guard until SIGINT/SIGTERM, then shut down
-gracefully; SIGHUP re-reads the file (guard/reload.py).
+gracefully; SIGHUP re-reads the file (guard/server/reload.py).
 
 ``--workers N`` (N > 1, which needs ``shared_state``) runs N guard processes on one port::
 
@@ -36,10 +36,10 @@ from pathlib import Path
 from aiohttp import web
 
 from guard.config import ConfigError, GuardConfig, load_config
-from guard.http.app import create_app, health, metrics_endpoint
 from guard.http.connections import raise_descriptor_limit, serve
-from guard.reload import reload_on_sighup
-from guard.runtime import STATE
+from guard.http.context import STATE
+from guard.server.app import create_app, health, metrics_endpoint
+from guard.server.reload import reload_on_sighup
 
 # Young objects allocated before the collector starts a pass. The default (700) suits programs whose objects
 # die in order; here 64+ requests in flight allocate and free thousands at once, the count (allocations net

@@ -1,4 +1,7 @@
-"""The layout's rules, checked on the source: no import circles, and a guard that never loads torch.
+"""The layout's rules, checked on the source: no import circles between modules, the guard's folders in
+layers (no two of them, or of its top-level modules, import each other, however indirectly), no guard
+function past ``MAX_FUNCTION_LINES``, tests that share helpers only through ``tests/support/``, and a guard
+that never loads torch.
 
 The import graph is read from the AST of every module of ``engine`` and ``guard``, with every import
 counted: those under ``if TYPE_CHECKING:`` and inside functions too, because a circle that only type
@@ -19,11 +22,14 @@ PACKAGES = ("engine", "guard")
 GUARD_MAY_IMPORT = ("engine.protocol", "engine.prompting", "engine.kv.hashing")
 
 
-def _modules() -> dict[str, Path]:
+MAX_FUNCTION_LINES = 60  # in guard/: a longer function is asking to be split into stages
+
+
+def _modules(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> dict[str, Path]:
     found = {}
-    for package in PACKAGES:
-        for path in (ROOT / package).rglob("*.py"):
-            parts = path.relative_to(ROOT).with_suffix("").parts
+    for package in packages:
+        for path in (root / package).rglob("*.py"):
+            parts = path.relative_to(root).with_suffix("").parts
             name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
             found[name] = path
     return found
@@ -46,9 +52,24 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     return {t for t in targets if t in modules and t != name}
 
 
-def _graph() -> dict[str, set[str]]:
-    modules = _modules()
+def _graph(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> dict[str, set[str]]:
+    modules = _modules(root, packages)
     return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def _layers(graph: dict[str, set[str]], package: str) -> dict[str, set[str]]:
+    """The graph of ``package``'s units: its folders and its top-level modules (``guard.pool.gate`` is
+    ``pool``, ``guard.config`` is ``config``), with an edge where any module of one imports one of the other."""
+    def unit(module: str) -> str | None:
+        parts = module.split(".")
+        return parts[1] if parts[0] == package and len(parts) > 1 else None
+
+    folded: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        if (source := unit(module)) is not None:
+            folded.setdefault(source, set()).update(
+                target for t in targets if (target := unit(t)) is not None and target != source)
+    return folded
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -88,7 +109,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_import_graph_reads_real_edges():
     graph = _graph()
-    assert "engine.core" in graph and "guard.http.app" in graph
+    assert "engine.core" in graph and "guard.server.app" in graph
     assert "engine.sched.scheduler" in graph["engine.core"]
 
 
@@ -98,6 +119,48 @@ def test_the_cycle_finder_finds_a_cycle():
 
 def test_no_import_circles_in_engine_or_guard():
     assert _cycles(_graph()) == []
+
+
+def test_the_guards_folders_form_layers():
+    assert _cycles(_layers(_graph(), "guard")) == []
+
+
+def test_a_planted_two_way_import_between_folders_is_found(tmp_path: Path):
+    """Two folders whose modules import each other, one of them only for type checking, and nothing else
+    circular at module level: the module rule passes it, the folder rule does not."""
+    for folder, text in (("a", "from guard.b.y import Y\n"),
+                         ("b", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from guard.a.z import Z\n")):
+        (tmp_path / "guard" / folder).mkdir(parents=True)
+        (tmp_path / "guard" / folder / "__init__.py").write_text("")
+        (tmp_path / "guard" / folder / ("x.py" if folder == "a" else "y.py")).write_text(text)
+    (tmp_path / "guard" / "a" / "z.py").write_text("Z = 1\n")
+    (tmp_path / "guard" / "__init__.py").write_text("")
+    graph = _graph(tmp_path, ("guard",))
+    assert _cycles(graph) == []
+    assert _cycles(_layers(graph, "guard")) == [["a", "b"]]
+
+
+def test_no_guard_function_is_longer_than_the_limit():
+    long = []
+    for path in sorted((ROOT / "guard").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)")
+    assert long == []
+
+
+def test_tests_share_helpers_only_through_support():
+    """A test module importing another test module couples two files that should each read alone."""
+    found = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{path.relative_to(ROOT)}: {name}" for name in names
+                      if name.split(".")[-1].startswith("test_") or name.split(".")[0] == "conftest"]
+    assert found == []
 
 
 def test_the_guard_imports_only_the_engines_torch_free_modules():
@@ -119,7 +182,7 @@ def test_the_engine_never_imports_the_guard():
 
 
 def test_importing_the_guard_app_loads_no_torch():
-    code = "import sys, guard.http.app, guard.__main__; print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton')))"
+    code = "import sys, guard.server.app, guard.__main__; print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton')))"
     result = run_command(sys.executable, "-c", code)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"

@@ -13,7 +13,7 @@ guaranteed ``weight / total weight`` of the pool's budget. What a ticket reserve
 guarantee is *borrowed* from idle capacity: it must fit the gate whole, it runs at a lower engine priority
 (``BORROWED_PRIORITY``, so the engine preempts borrowers first), and a borrowing ticket that does not fit is
 passed over like a capped one, never holding up a tenant within its guarantee. A ticket within its
-guarantee reclaims borrowed blocks (guard/admission/gate.py). A tenant alone may borrow the whole budget.
+guarantee reclaims borrowed blocks (guard/pool/gate.py). A tenant alone may borrow the whole budget.
 
 ``revoke`` takes the pool back from a tenant at once (a confirmed attacker): its admitted tickets are told
 why through ``Ticket.on_revoke``, which ends their upstream requests; their reservations are released as

@@ -38,7 +38,7 @@ from aiohttp import web
 
 from guard.config import Admin, is_loopback
 from guard.console.snapshot import build
-from guard.runtime import STATE, GuardState
+from guard.http.context import STATE, GuardState
 
 log = logging.getLogger("guard.console")
 

@@ -17,9 +17,9 @@ from collections import Counter
 from typing import Any
 
 from guard.config import Backend
+from guard.http.context import GuardState
 from guard.pool.replica import Replica
 from guard.pool.routing import CircuitBreaker
-from guard.runtime import GuardState
 
 FEED_LIMIT = 50  # events a snapshot carries at most: what fits the console's list
 

@@ -16,9 +16,9 @@ from typing import NoReturn
 
 from guard.admission.dispatch import Dispatcher
 from guard.config import Lane, Tenant
-from guard.console.events import EventLog
 from guard.detect.detector import STATES, Detector
 from guard.errors import GuardError
+from guard.events import EventLog
 from guard.metrics import GuardMetrics
 from guard.pool.pool import ReplicaPool
 

@@ -44,8 +44,8 @@ from aiohttp import web
 
 from engine.protocol import ErrorResponse
 from guard.config import Connections
+from guard.http.context import REQUEST_ID, TENANT
 from guard.metrics import GuardMetrics
-from guard.runtime import REQUEST_ID, TENANT
 
 log = logging.getLogger("guard.connections")
 

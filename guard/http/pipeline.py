@@ -28,17 +28,17 @@ from aiohttp import web
 
 from guard import tracing
 from guard.admission.dispatch import Ticket, TicketState
-from guard.admission.gate import BORROWED_PRIORITY, batch_blocks_for
 from guard.admission.limits import Charge
 from guard.config import Lane, Tenant
 from guard.errors import GuardError, Outcome
+from guard.http.context import CLIENTS, REQUEST_ID, STATE, TENANT, Clients, GuardState
 from guard.http.errors import error_response
 from guard.http.relay import StreamObserver, UpstreamUnavailable
 from guard.http.static import static_response
 from guard.http.validate import ParsedRequest, parse_request
+from guard.pool.gate import BORROWED_PRIORITY, batch_blocks_for
 from guard.pool.prefix_index import prompt_block_hashes
 from guard.pool.routing import Route
-from guard.runtime import CLIENTS, REQUEST_ID, STATE, TENANT, Clients, GuardState
 
 
 @dataclass(slots=True)

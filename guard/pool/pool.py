@@ -14,7 +14,7 @@ import math
 import time
 from collections.abc import Iterator
 
-from guard.admission.gate import Reservation
+from guard.pool.gate import Reservation
 from guard.pool.replica import Replica
 
 

@@ -2,7 +2,7 @@
 breaker, the exact index of the prefix blocks it caches, and the guard's requests running on it.
 
 A replica is *up* while its circuit is closed and its telemetry says it is alive (a busy engine in a long
-step counts as alive; see guard/admission/gate.py), or while it is still starting: for the first
+step counts as alive; see guard/pool/gate.py), or while it is still starting: for the first
 ``telemetry_stale_s`` the guard has not had time to hear from it, which is not the same as a replica that
 went quiet.
 """
@@ -14,8 +14,8 @@ import time
 from dataclasses import dataclass, field
 
 from engine.protocol import TelemetrySnapshot
-from guard.admission.gate import AdmissionGate
 from guard.config import Backend
+from guard.pool.gate import AdmissionGate
 from guard.pool.prefix_index import PrefixIndex
 from guard.pool.routing import CircuitBreaker
 

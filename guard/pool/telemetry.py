@@ -4,7 +4,7 @@ The stream (engine/server/app.py) carries snapshots (``data:`` lines), busy hear
 (``: busy {"step": N | null, "step_running_s": S}`` comments) while one step runs for long and no snapshot
 can be had until it ends, ``: heartbeat`` comments while idle, and an ``error`` event when the engine stops.
 The subscriber hands snapshots and busy heartbeats to its callbacks; what they mean for admission and for
-the engine's liveness is the gate's rule (guard/admission/gate.py). Other comments and events of other
+the engine's liveness is the gate's rule (guard/pool/gate.py). Other comments and events of other
 names are skipped.
 
 The reconnecting, the backoff and the staleness limit are ``SSEStream``'s (guard/pool/sse_reader.py): while

@@ -10,7 +10,7 @@ Keys (all under ``PREFIX``):
 - ``guards``: sorted set, guard id -> lease expiry (Redis server time, s). A guard renews its lease while it
   runs; one whose lease has expired is dead, and every script that meets it first removes what it held.
 - ``ledger``: hash, ``{guard}|{engine}|r`` -> blocks that guard has reserved on that engine, ``...|b`` -> of
-  those, the blocks borrowed beyond their tenants' guarantees (guard/admission/gate.py). Per guard, not per
+  those, the blocks borrowed beyond their tenants' guarantees (guard/pool/gate.py). Per guard, not per
   request: a guard's own ledger is the truth for its requests, and after Redis comes back it writes its
   totals again (``resync``).
 - ``vtc``: hash, tenant -> its virtual token counter (weighted service / weight), one for every guard.
@@ -204,7 +204,7 @@ end
 return standing
 """
 
-# -- rate limits (guard/state/limits.py) ---------------------------------------------------------------------
+# -- rate limits (guard/admission/shared_limits.py) ---------------------------------------------------------------------
 # One hash per tenant and limit, ``kvguard:ratelimit:{kind}:{tenant}``: Redis server second -> what was charged
 # in it (never negative): the sliding minute of guard/admission/limits.py, on the server's clock for every
 # guard. An entry counts through the ``window`` whole seconds after its own (limits.WINDOW_S); every write

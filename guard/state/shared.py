@@ -11,7 +11,7 @@ are gone within the TTL and nothing it reserved drifts forever.
 
 Redis down: a call that fails or takes longer than ``timeout_s`` marks the link down (``up`` False,
 ``guard_shared_state_up`` 0) and the caller decides alone, conservatively: ``live_guards`` keeps the number
-of guards last seen, and each guard then commits at most its share of each engine (guard/admission/gate.py,
+of guards last seen, and each guard then commits at most its share of each engine (guard/pool/gate.py,
 ``share``). The renewal task keeps trying; when Redis answers again the guard writes its own ledger and
 backlog back (``resync``: what Redis lost, or what the others expired while it was away) and the link is up.
 A guard that starts does the same, so a restarted guard rejoins without anyone's help.

@@ -3,7 +3,7 @@ guard take its primary for dead, while a silent or hung one still goes down.
 
 - The engine's telemetry stream keeps talking through a long step (busy heartbeats, engine/server/app.py):
   a real engine in-process, on a random Llama checkpoint whose 3000-token prefill step takes seconds on a CPU.
-- The guard's rule (guard/admission/gate.py): the real guard with its real ``TelemetrySubscriber``, against
+- The guard's rule (guard/pool/gate.py): the real guard with its real ``TelemetrySubscriber``, against
   ``ScriptedTelemetry``, a fake engine that plays scripted telemetry. It is a fake because a real engine
   cannot produce these on demand: a step that runs past the hang limit, a stream that goes silent on an open
   connection, a reconnection in the middle of a step.

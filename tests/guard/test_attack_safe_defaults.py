@@ -14,8 +14,8 @@ from support.guard_server import GuardThread, guard_config
 from support.net import request
 from support.wait import until, wait_for
 
-from guard.admission.gate import BORROWED_PRIORITY
-from guard.runtime import GuardState
+from guard.http.context import GuardState
+from guard.pool.gate import BORROWED_PRIORITY
 
 KEYS = {"acme": "sk-acme", "bulk": "sk-bulk", "globex": "sk-globex"}
 

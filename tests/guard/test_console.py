@@ -30,8 +30,8 @@ from support.net import request
 from guard.__main__ import main as guard_main
 from guard.config import ConfigError, load_config
 from guard.console.app import CONSOLE
-from guard.console.events import EventLog
-from guard.reload import reload_file
+from guard.events import EventLog
+from guard.server.reload import reload_file
 
 NUM_BLOCKS = 64
 SECRETS = ("sk-acme", "sk-globex", "sk-bulk", "test-secret")  # guard_config's keys and salt secret

@@ -16,12 +16,12 @@ from support.admission_parts import BASE, make_dispatcher, snapshot, ticket, wri
 
 from guard.admission.dispatch import Ticket, TicketState
 from guard.admission.fairness import FairQueue
-from guard.admission.gate import AdmissionGate, batch_blocks_for, blocks_for
 from guard.config import Admission, ConfigError, GuardConfig, load_config
 from guard.errors import GuardError
-from guard.http.app import create_app
 from guard.http.auth import KeyStore
-from guard.runtime import STATE
+from guard.http.context import STATE
+from guard.pool.gate import AdmissionGate, batch_blocks_for, blocks_for
+from guard.server.app import create_app
 
 
 def test_example_config_loads(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -126,7 +126,7 @@ def test_gate_commits_against_live_usage_with_hysteresis() -> None:
 
 def test_drain_rate_counts_only_the_window(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = [1000.0]
-    monkeypatch.setattr("guard.admission.gate.time", SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr("guard.pool.gate.time", SimpleNamespace(monotonic=lambda: clock[0]))
     gate = AdmissionGate(Admission(), {"acme"})
     for i, blocks in enumerate((3, 4, 5)):  # released at 1000, 1004 and 1008
         clock[0] = 1000.0 + 4 * i

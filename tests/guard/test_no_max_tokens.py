@@ -29,8 +29,8 @@ from support.net import request
 from support.nothing_lost import guard_holds_nothing, idle_and_free
 from support.wait import wait_for
 
-from guard.admission.gate import blocks_for
 from guard.config import Admission, Routing
+from guard.pool.gate import blocks_for
 
 MODEL = "smollm2"
 NUM_BLOCKS = 768

@@ -13,9 +13,9 @@ from support.guard_server import GuardThread, guard_config
 from support.net import request
 from support.wait import wait_for
 
-from guard.admission.gate import AdmissionGate
 from guard.admission.predictor import DEFAULT_TOKENS, MIN_SAMPLES, PAD_TOKENS, OutputPredictor
 from guard.config import Admission
+from guard.pool.gate import AdmissionGate
 
 
 def test_prediction_falls_back_from_tenant_to_lane_to_everyone_to_the_default() -> None:

@@ -11,8 +11,8 @@ from support.admission_parts import snapshot
 
 from engine.kv.hashing import extend_block_hashes
 from guard.admission.dispatch import Dispatcher, Ticket, TicketState
-from guard.admission.gate import AdmissionGate
 from guard.config import Admission, GuardConfig
+from guard.pool.gate import AdmissionGate
 from guard.pool.picker import Picker
 from guard.pool.pool import ReplicaPool
 from guard.pool.replica import Replica

@@ -122,7 +122,7 @@ def test_the_limit_that_holds_the_request_longest_refuses_it(clock: list[float])
 
 
 def test_a_guard_deciding_alone_keeps_to_its_share(clock: list[float]) -> None:
-    """``charge_here`` with ``guards``: the shared limiter's fallback while Redis is down (guard/state/limits.py)."""
+    """``charge_here`` with ``guards``: the shared limiter's fallback while Redis is down (guard/admission/shared_limits.py)."""
     acme = tenant(rpm=5, tpm=1000)
     limiter = RateLimiter([acme], GuardMetrics())
     assert [limiter.charge_here(acme, 100, guards=2) is not None for _ in range(2)] == [True, True]

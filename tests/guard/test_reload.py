@@ -35,9 +35,9 @@ from support.wait import until
 from engine.protocol import TelemetrySnapshot
 from guard.admission.dispatch import Ticket, TicketState
 from guard.config import config_hash
-from guard.http.app import create_app
-from guard.reload import apply, reload_file
-from guard.runtime import STATE
+from guard.http.context import STATE
+from guard.server.app import create_app
+from guard.server.reload import apply, reload_file
 
 STREAM = {"model": "tiny", "prompt": "hello", "max_tokens": 300, "ignore_eos": True, "stream": True,
           "stream_options": {"include_usage": True}}
@@ -210,7 +210,7 @@ async def test_a_removed_tenant_finishes_what_it_has_queued_then_its_queue_goes(
     path = tmp_path / "guard.yaml"
     guard_config(engine.url, tmp_path, tenants=NEW_TENANTS, secret="another-secret",
                  admission={"safe_utilization": 0.5})
-    with caplog.at_level(logging.ERROR, logger="guard.reload"):
+    with caplog.at_level(logging.ERROR, logger="guard.server.reload"):
         assert not reload_file(state, path)
     assert "admission, secret: cannot change without a restart" in caplog.text
     assert "another-secret" not in caplog.text and state.config is new

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from engine.protocol import TelemetrySnapshot, TenantUsage
 from guard.admission.dispatch import Dispatcher, Ticket
-from guard.admission.gate import AdmissionGate
 from guard.config import GuardConfig, load_config
+from guard.pool.gate import AdmissionGate
 from guard.pool.picker import Picker
 from guard.pool.pool import ReplicaPool
 from guard.pool.replica import Replica

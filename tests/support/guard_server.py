@@ -12,9 +12,9 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from guard.config import GuardConfig
-from guard.http.app import create_app
 from guard.http.connections import GuardRunner
-from guard.runtime import STATE, GuardState
+from guard.http.context import STATE, GuardState
+from guard.server.app import create_app
 
 from .loop_thread import AppThread
 from .net import request

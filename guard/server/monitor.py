@@ -12,9 +12,9 @@ import logging
 import aiohttp
 
 from guard.config import Backend
-from guard.runtime import GuardState
+from guard.http.context import GuardState
 
-log = logging.getLogger("guard.pool.monitor")
+log = logging.getLogger("guard.server.monitor")
 
 
 async def probe(session: aiohttp.ClientSession, backend: Backend, timeout: aiohttp.ClientTimeout) -> bool:

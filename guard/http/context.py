@@ -1,8 +1,8 @@
 """Everything one guard instance knows, shared by its handlers and background tasks (one event loop).
 
-``GuardState`` is built whole from the configuration (guard/http/app.py ``create_app``); what needs the
+``GuardState`` is built whole from the configuration (guard/server/app.py ``create_app``); what needs the
 running loop (the HTTP client session and what uses it) is ``Clients``, built whole when the app starts.
-Neither has a field that is filled in later. A reload (guard/reload.py) replaces ``config`` and ``keys``
+Neither has a field that is filled in later. A reload (guard/server/reload.py) replaces ``config`` and ``keys``
 together, in one step on the loop.
 """
 
@@ -17,10 +17,11 @@ from aiohttp import web
 from guard.admission.dispatch import Dispatcher
 from guard.admission.limits import RateLimiter
 from guard.admission.predictor import OutputPredictor
+from guard.admission.shared_limits import SharedRateLimiter
 from guard.config import GuardConfig, Tenant
-from guard.console.events import EventLog
 from guard.detect.detector import Detector
 from guard.detect.escalation import Escalation
+from guard.events import EventLog
 from guard.http.auth import KeyStore
 from guard.http.relay import Relay
 from guard.http.tokens import TokenCounter
@@ -28,7 +29,6 @@ from guard.metrics import MODES, GuardMetrics
 from guard.pool.picker import Picker
 from guard.pool.pool import ReplicaPool
 from guard.pool.routing import CircuitBreaker, ModeMachine, Router
-from guard.state.limits import SharedRateLimiter
 from guard.state.shared import SharedState
 
 

@@ -1,117 +1,45 @@
-"""The guard's aiohttp application: routes, the stamping middleware and the lifecycle (client session, each
-replica's telemetry and KV-event subscriptions, the health monitor, graceful shutdown). The request
-pipeline itself is guard/http/pipeline.py. Serve the app with guard/http/connections.py's ``GuardRunner``
+"""The guard's aiohttp application built from its config, and its lifecycle (client session, each replica's
+telemetry and KV-event subscriptions, the health monitor, graceful shutdown). The handlers are
+guard/http/routes.py and the request pipeline guard/http/pipeline.py. Serve the app with guard/http/connections.py's ``GuardRunner``
 (``serve`` in a process), which puts client connections under deadlines and a cap."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 
 import aiohttp
-import yarl
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from engine.protocol import StepProgress, TelemetrySnapshot
 from guard import tracing
 from guard.admission.dispatch import Dispatcher
-from guard.admission.gate import AdmissionGate
 from guard.admission.shared_dispatch import SharedDispatcher
 from guard.config import Backend, GuardConfig, config_hash
 from guard.console.app import install as install_console
 from guard.detect.detector import Detector
 from guard.detect.escalation import Escalation
+from guard.detect.shared_verdicts import share_verdicts
 from guard.errors import GuardError
 from guard.http.auth import KeyStore
 from guard.http.connections import CONNECTIONS, ConnectionGuard, track
-from guard.http.errors import error_response
-from guard.http.pipeline import authenticate, completion
+from guard.http.context import CLIENTS, STATE, Clients, GuardState
+from guard.http.pipeline import completion
 from guard.http.relay import SHUTTING_DOWN, Relay
+from guard.http.routes import health, identify, metrics_endpoint, models
 from guard.http.tokens import TokenCounter
 from guard.metrics import GuardMetrics
+from guard.pool.gate import AdmissionGate
 from guard.pool.kv_events import KVEventSubscriber
-from guard.pool.monitor import monitor
 from guard.pool.picker import Picker
 from guard.pool.pool import ReplicaPool
 from guard.pool.replica import Replica
 from guard.pool.routing import CircuitBreaker, ModeMachine, Router
 from guard.pool.telemetry import TelemetrySubscriber
-from guard.runtime import CLIENTS, REQUEST_ID, STATE, TENANT, Clients, GuardState
+from guard.server.monitor import monitor
 from guard.state.shared import SharedState
-from guard.state.verdicts import share_verdicts
 
 log = logging.getLogger("guard")
-
-
-@web.middleware
-async def identify(request: web.Request, handler) -> web.StreamResponse:
-    """Stamp every response, errors included, with the request id and the tenant; count what is in flight."""
-    request[REQUEST_ID] = request_id = f"req-{os.urandom(8).hex()}"  # uuid4 costs twice as much
-    state = request.app[STATE]
-    state.in_flight += 1
-    try:
-        response = await handler(request)
-    except web.HTTPException as exc:
-        response = error_response(exc.status, exc.reason)
-    finally:
-        state.in_flight -= 1
-    if not response.prepared:
-        response.headers["X-Request-Id"] = request_id
-        if TENANT in request:
-            response.headers["X-Guard-Tenant"] = request[TENANT]
-    return response
-
-
-async def models(request: web.Request) -> web.StreamResponse:
-    """``GET /v1/models`` and ``GET /v1/models/{id}``: authenticated, then a replica's own answer (its 404
-    ``model_not_found`` for an id it does not serve included); every replica serves the same model."""
-    state = request.app[STATE]
-    try:
-        authenticate(request)
-    except GuardError as exc:
-        return error_response(exc.status, exc.message, code=exc.code)
-    timeout = aiohttp.ClientTimeout(total=state.config.upstream.connect_timeout * 2)
-    # The raw path, so that an id's escapes (a slash as %2F) reach the engine as the client sent them.
-    url = state.pool.url() + request.raw_path.split("?", 1)[0]
-    try:
-        async with request.app[CLIENTS].session.get(yarl.URL(url, encoded=True), timeout=timeout) as r:
-            return web.Response(body=await r.read(), status=r.status, content_type="application/json")
-    except (aiohttp.ClientError, TimeoutError):
-        return error_response(503, "no engine replica is available", code="engine_unavailable", retry_after=1)
-
-
-async def health(request: web.Request) -> web.Response:
-    """200 whenever the guard can answer (in any mode: degraded still serves fallbacks); the body says how."""
-    state = request.app[STATE]
-    replicas = {r.name: {"up": r.up(), "telemetry_age_s": round(min(r.gate.telemetry_age(), 1e9), 3)}
-                for r in state.pool}
-    return web.json_response({"status": "ok", "mode": state.modes.mode, "pool_up": state.pool.any_up(),
-                              "replicas": replicas})
-
-
-async def metrics_endpoint(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    m, pool = state.metrics, state.pool
-    for gauge in (m.queue_depth, m.reserved_blocks, m.borrowed_blocks, m.guaranteed_blocks):
-        gauge.clear()  # a tenant a reload removed leaves no series behind once its queue has gone
-    for name, queue in state.dispatcher.fair.tenants.items():
-        m.queue_depth.labels(name).set(len(queue))
-        reserved = pool.tenant_reserved(name)
-        m.reserved_blocks.labels(name).set(reserved)
-        m.borrowed_blocks.labels(name).set(reserved - pool.tenant_guaranteed(name))
-    for tenant in state.config.tenants:
-        m.guaranteed_blocks.labels(tenant.name).set(state.dispatcher.guarantee(tenant))
-    m.budget_blocks.set(pool.budget())
-    m.jain.set(state.dispatcher.fair.jain_index())
-    for replica in pool:
-        gate = replica.gate
-        m.telemetry_age.labels(replica.name).set(min(gate.telemetry_age(), 1e9))
-        m.backend_reserved.labels(replica.name).set(gate.reserved)
-        m.backend_budget.labels(replica.name).set(gate.budget)
-        m.backend_used.labels(replica.name).set(gate.snapshot.used_blocks if gate.snapshot is not None else 0)
-    return web.Response(body=generate_latest(m.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 def create_app(config: GuardConfig, *, console: bool = True) -> web.Application:

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from engine.protocol import TelemetrySnapshot
 from guard.config import Admission
 
-log = logging.getLogger("guard.admission.gate")
+log = logging.getLogger("guard.pool.gate")
 
 DRAIN_WINDOW_S = 10.0
 # Added to the engine priority of a request that borrows (lower runs first): past every lane and the

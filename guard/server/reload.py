@@ -32,9 +32,9 @@ from aiohttp import web
 
 from guard.config import ConfigError, GuardConfig, config_hash, load_config
 from guard.http.auth import KeyStore
-from guard.runtime import STATE, GuardState
+from guard.http.context import STATE, GuardState
 
-log = logging.getLogger("guard.reload")
+log = logging.getLogger("guard.server.reload")
 
 RELOADABLE = frozenset({"tenants", "lanes"})  # every other key needs a restart, including any added later
 
