@@ -22,6 +22,30 @@ ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1
 class GuardMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
+        self._request_series(r)
+        self._admission_series(r)
+        self._mode_series(r)
+        self._backend_series(r)
+        self._connection_series(r)
+        # (metric, label values) -> its child; label values come from the configuration and fixed sets only
+        self._children: dict[tuple[MetricWrapperBase, tuple[str, ...]], MetricWrapperBase] = {}
+        for mode in MODES:
+            self.mode.labels(mode).set(1.0 if mode == "normal" else 0.0)
+        # Every transition exists from the start at 0, so rate() and increase() see a series, not nothing,
+        # on a guard that has never changed mode.
+        for source in MODES:
+            for target in MODES:
+                if source != target:
+                    self.mode_transitions.labels(source, target)
+        for result in ("granted", "denied"):
+            self.reservation_growths.labels(result)
+        for result in ("ok", "invalid"):
+            self.config_reloads.labels(result)
+        for reason in CONNECTION_CUTS:
+            self.connections_cut.labels(reason)
+
+    def _request_series(self, r: CollectorRegistry) -> None:
+        """Requests, queues and latencies as clients see them."""
         self.requests = Counter("guard_requests_total", "Requests by final outcome.",
                                 ["tenant", "lane", "outcome"], registry=r)
         self.queue_depth = Gauge("guard_queue_depth", "Requests waiting in the guard's queue.", ["tenant"],
@@ -32,6 +56,9 @@ class GuardMetrics:
                               "client sees it.", ["tenant"], buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("guard_inter_token_latency_seconds", "Gap between streamed tokens.", ["tenant"],
                              buckets=ITL_BUCKETS, registry=r)
+
+    def _admission_series(self, r: CollectorRegistry) -> None:
+        """The KV budget, fairness, shared state."""
         self.reserved_blocks = Gauge("guard_reserved_blocks", "KV blocks reserved by admitted requests.",
                                      ["tenant"], registry=r)
         self.borrowed_blocks = Gauge("guard_borrowed_blocks", "Of guard_reserved_blocks, those beyond the "
@@ -55,6 +82,9 @@ class GuardMetrics:
         r.register(self.service_tokens)
         self.jain = Gauge("guard_fairness_jain_index", "Jain's index of backlogged tenants' weighted service "
                           "(1 = fair).", registry=r)
+
+    def _mode_series(self, r: CollectorRegistry) -> None:
+        """Modes and the detector."""
         self.mode = Gauge("guard_mode", "1 for the guard's current mode.", ["mode"], registry=r)
         self.mode_transitions = Counter("guard_mode_transitions_total", "Mode changes.", ["from", "to"],
                                         registry=r)
@@ -64,6 +94,9 @@ class GuardMetrics:
                               registry=r)
         self.detections = Counter("guard_detections_total", "Detector state transitions.", ["tenant", "kind"],
                                   registry=r)
+
+    def _backend_series(self, r: CollectorRegistry) -> None:
+        """Backends: health, upstream answers, the pool per replica."""
         self.backend_healthy = Gauge("guard_backend_healthy", "1 while a backend is considered healthy.",
                                      ["backend"], registry=r)
         self.upstream_requests = Counter("guard_upstream_requests_total", "Requests sent upstream, by status "
@@ -94,6 +127,9 @@ class GuardMetrics:
                                                ["backend"], registry=r)
         self.client_retries = Counter("guard_client_retries_total", "Requests that clients marked as retries "
                                       "(X-Stainless-Retry-Count > 0 or Retry-Attempt).", ["tenant"], registry=r)
+
+    def _connection_series(self, r: CollectorRegistry) -> None:
+        """Client connections, rate limits and the config."""
         # Client connections (guard/http/connections.py).
         self.connections_open = Gauge("guard_connections_open", "Client connections open now.", registry=r)
         self.connections_limit = Gauge("guard_connections_limit", "Client connections the guard holds at "
@@ -116,22 +152,6 @@ class GuardMetrics:
         self.config_reload_ok.set(1)
         self.config_info = Gauge("guard_config_info", "1, labelled with the running config's hash (guard/config.py "
                                  "config_hash).", ["hash"], registry=r)
-        # (metric, label values) -> its child; label values come from the configuration and fixed sets only
-        self._children: dict[tuple[MetricWrapperBase, tuple[str, ...]], MetricWrapperBase] = {}
-        for mode in MODES:
-            self.mode.labels(mode).set(1.0 if mode == "normal" else 0.0)
-        # Every transition exists from the start at 0, so rate() and increase() see a series, not nothing,
-        # on a guard that has never changed mode.
-        for source in MODES:
-            for target in MODES:
-                if source != target:
-                    self.mode_transitions.labels(source, target)
-        for result in ("granted", "denied"):
-            self.reservation_growths.labels(result)
-        for result in ("ok", "invalid"):
-            self.config_reloads.labels(result)
-        for reason in CONNECTION_CUTS:
-            self.connections_cut.labels(reason)
 
     def show_config(self, config_hash: str) -> None:
         """``guard_config_info`` names the running configuration only (at start and after each reload)."""

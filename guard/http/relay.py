@@ -217,21 +217,9 @@ class Relay:
         upstream faults."""
         completed = False
         try:
-            if upstream.status != 200 or not upstream.content_type.startswith("text/event-stream"):
-                response, _ = await self.unary(upstream, headers)
-                if 200 <= response.status < 300:  # a 200 that is not a stream is still not what we asked for
-                    return error_response(502, "the engine did not answer with an event stream",
-                                          code="bad_upstream_response", headers=headers)
-                return response
-            try:
-                async with asyncio.timeout(self.config.first_token_timeout):
-                    first = await upstream.content.readany()
-            except TimeoutError:
-                return error_response(504, "the engine sent no token within the first-token timeout",
-                                      code="upstream_timeout", headers=headers)
-            except aiohttp.ClientError as exc:  # nothing reached the client yet: a plain 502 says it best
-                return self.failure(502, f"the engine failed before its first token: {type(exc).__name__}",
-                                    "upstream_error", headers, upstream)
+            first = await self._first_chunk(upstream, headers)
+            if isinstance(first, web.StreamResponse):
+                return first
             response = web.StreamResponse(status=200, headers={
                 **headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             try:
@@ -239,32 +227,7 @@ class Relay:
             except ConnectionError:  # the client left while the first token was on its way
                 observer.client_gone = True
                 return response
-            chunk = first
-            try:
-                while chunk:
-                    if relayed := observer.feed(chunk):  # nothing when the chunk only began a line
-                        await self._write(client, response, relayed)
-                    chunk = await upstream.content.readany()
-                completed = upstream.content.is_eof()
-                if completed and (held := observer.flush()):
-                    await self._write(client, response, held)
-            except ClientGone:
-                observer.client_gone = True
-                return response
-            except (aiohttp.ClientError, TimeoutError) as exc:  # the engine failed or went quiet mid-stream
-                observer.failed = True
-                await _try_write(response, observer.flush() + self.failure_event(
-                    f"the engine stream failed: {type(exc).__name__}", upstream))
-                return response
-            if not completed:
-                observer.failed = True
-                await _try_write(response, observer.flush() + self.failure_event("the engine stream ended early",
-                                                                                 upstream))
-                return response
-            try:
-                await response.write_eof()
-            except ConnectionError:  # the client left after the last chunk was handed to the transport
-                observer.client_gone = True
+            completed = await self._copy(client, response, upstream, first, observer)
             return response
         finally:
             self._open.discard(upstream)
@@ -273,6 +236,56 @@ class Relay:
                 upstream.close()  # drop the connection: the engine sees the disconnect and aborts
             else:
                 upstream.release()
+
+    async def _first_chunk(self, upstream: aiohttp.ClientResponse, headers: dict[str, str]
+                           ) -> bytes | web.StreamResponse:
+        """The stream's first bytes, or the whole answer when it is no stream or fails before them."""
+        if upstream.status != 200 or not upstream.content_type.startswith("text/event-stream"):
+            response, _ = await self.unary(upstream, headers)
+            if 200 <= response.status < 300:  # a 200 that is not a stream is still not what we asked for
+                return error_response(502, "the engine did not answer with an event stream",
+                                      code="bad_upstream_response", headers=headers)
+            return response
+        try:
+            async with asyncio.timeout(self.config.first_token_timeout):
+                return await upstream.content.readany()
+        except TimeoutError:
+            return error_response(504, "the engine sent no token within the first-token timeout",
+                                  code="upstream_timeout", headers=headers)
+        except aiohttp.ClientError as exc:  # nothing reached the client yet: a plain 502 says it best
+            return self.failure(502, f"the engine failed before its first token: {type(exc).__name__}",
+                                "upstream_error", headers, upstream)
+
+    async def _copy(self, client: web.Request, response: web.StreamResponse, upstream: aiohttp.ClientResponse,
+                    chunk: bytes, observer: StreamObserver) -> bool:
+        """Relay the stream from ``chunk`` on; True when it reached its natural end. A failure mid-stream
+        ends the client's stream with an error event."""
+        try:
+            while chunk:
+                if relayed := observer.feed(chunk):  # nothing when the chunk only began a line
+                    await self._write(client, response, relayed)
+                chunk = await upstream.content.readany()
+            completed = upstream.content.is_eof()
+            if completed and (held := observer.flush()):
+                await self._write(client, response, held)
+        except ClientGone:
+            observer.client_gone = True
+            return False
+        except (aiohttp.ClientError, TimeoutError) as exc:  # the engine failed or went quiet mid-stream
+            observer.failed = True
+            await _try_write(response, observer.flush() + self.failure_event(
+                f"the engine stream failed: {type(exc).__name__}", upstream))
+            return False
+        if not completed:
+            observer.failed = True
+            await _try_write(response, observer.flush() + self.failure_event("the engine stream ended early",
+                                                                             upstream))
+            return False
+        try:
+            await response.write_eof()
+        except ConnectionError:  # the client left after the last chunk was handed to the transport
+            observer.client_gone = True
+        return True
 
     def failure(self, status: int, message: str, code: str, headers: dict[str, str] | None = None,
                 upstream: aiohttp.ClientResponse | None = None) -> web.Response:

@@ -1,0 +1,143 @@
+"""Forwarding: an admitted request sent to its replica and the answer relayed, with failover.
+
+``to_pool`` sends an admitted request to the replica its ticket holds a reservation on. A replica that
+cannot be reached before a single byte was sent to it (refused or unaccepted connection) has its circuit
+opened at once, and the request is admitted again on the replicas left; when none is left,
+``UpstreamUnavailable`` goes up to the pipeline, which makes one attempt on the first usable fallback.
+``forward`` is one attempt on one backend, for the pool and the fallbacks alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import aiohttp
+from aiohttp import web
+
+from guard.admission.dispatch import TicketState
+from guard.errors import Outcome
+from guard.http.exchange import Exchange, stamp_headers
+from guard.http.relay import StreamObserver, UpstreamUnavailable
+from guard.pool.gate import BORROWED_PRIORITY
+
+
+async def to_pool(ex: Exchange) -> web.StreamResponse:
+    """The admitted request on its replica; on a replica that is not there, admitted again elsewhere."""
+    state, parsed, sizing, observer = ex.state, ex.parsed, ex.sizing, ex.observer
+    assert parsed is not None and sizing is not None and observer is not None and ex.lane is not None
+    metrics = state.metrics
+    while True:
+        ticket = ex.ticket
+        assert ticket is not None and ticket.replica is not None  # admitted
+        replica = ticket.replica
+        if ex.revoked is not None:
+            raise ex.revoked
+        # A client's own bound, or a suspect's cap, goes upstream; otherwise none, and the engine bounds the
+        # output by its window and its own pool (which may hold fewer tokens than the window). A ticket
+        # that borrows runs at a lower engine priority, so the engine preempts borrowers first.
+        body = parsed.upstream_body(cache_salt=ex.salt,
+                                    max_tokens=sizing.bound if sizing.declared or ex.capped else None,
+                                    priority=ex.lane.priority + (BORROWED_PRIORITY if ticket.borrowed else 0))
+        metrics.child(metrics.routed, replica.name).inc()
+        metrics.child(metrics.prefix_predicted, replica.name).inc(ticket.hit_blocks * sizing.block_size)
+        try:
+            response, ex.outcome = await forward(ex, replica.url, replica.name, body, observer, route=None)
+            return response
+        except UpstreamUnavailable:
+            replica.breaker.trip()  # nothing listens there: no request should try it again until healthy
+            state.dispatcher.finish(ticket)
+            if not state.pool.any_usable():
+                raise
+            ex.ticket = dataclasses.replace(ticket, state=TicketState.NEW, admitted=None, replica=None)
+            if ex.growth is not None:
+                ex.growth.ticket = ex.ticket
+            await state.dispatcher.submit(ex.ticket)
+
+
+async def forward(
+    ex: Exchange, url: str, backend: str, body: bytes, observer: StreamObserver, route: str | None,
+) -> tuple[web.StreamResponse, Outcome]:
+    """Send to an engine and relay its answer. Raises ``UpstreamUnavailable`` if nothing could be sent."""
+    opened = await _open(ex, url, backend, body)
+    if isinstance(opened, tuple):
+        return opened
+    upstream = ex.upstream = opened
+    if ex.revoked is not None:  # revoked while its headers were on their way
+        ex.clients.relay.revoke(upstream, ex.revoked)
+    out_headers = stamp_headers(ex.request, route)
+    out_headers["X-Guard-Backend"] = backend
+    if ex.charge is not None:  # a limited tenant paces itself by these, on every answer
+        out_headers.update(ex.charge.headers())
+    assert ex.parsed is not None
+    if not ex.parsed.stream:
+        return await _relay_unary(ex, upstream, out_headers, observer)
+    return await _relay_stream(ex, upstream, out_headers, observer)
+
+
+def _breaker(ex: Exchange, backend: str):
+    pool = ex.state.pool
+    return pool.by_name[backend].breaker if backend in pool.by_name else ex.state.fallback_breakers[backend]
+
+
+async def _open(ex: Exchange, url: str, backend: str, body: bytes
+                ) -> aiohttp.ClientResponse | tuple[web.StreamResponse, Outcome]:
+    """The upstream answer's headers, or the client's 502/504 when the engine failed on the way."""
+    state, relay, parsed, tenant = ex.state, ex.clients.relay, ex.parsed, ex.tenant
+    assert parsed is not None and tenant is not None
+    metrics, breaker = state.metrics, _breaker(ex, backend)
+    headers = {"Content-Type": "application/json", "Accept-Encoding": "identity", "X-Tenant-Id": tenant.name,
+               "X-Request-Id": ex.request_id}
+    if (trace := ex.trace) is not None:
+        trace.upstream = trace.upstream or time.monotonic()  # a retry on another replica extends the span
+        trace.backend = backend
+        headers.update(trace.upstream_headers())
+    try:
+        upstream = await relay.open(url.rstrip("/") + parsed.path, body, headers, parsed.stream)
+    except UpstreamUnavailable:
+        metrics.child(metrics.upstream_requests, backend, "error").inc()
+        if trace is not None:
+            trace.unavailable += ((time.monotonic(), backend),)
+        raise
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        metrics.child(metrics.upstream_requests, backend, "error").inc()
+        breaker.record_failure()
+        if isinstance(exc, TimeoutError):  # as relay.stream says it when the headers came but no token
+            message = ("the engine sent no token within the first-token timeout" if parsed.stream
+                       else "the engine did not answer within the unary timeout")
+            return relay.failure(504, message, "upstream_timeout"), Outcome.UPSTREAM_ERROR
+        return relay.failure(502, f"the engine failed: {type(exc).__name__}", "upstream_error"), \
+            Outcome.UPSTREAM_ERROR
+    metrics.child(metrics.upstream_requests, backend, str(upstream.status)).inc()
+    if trace is not None:
+        trace.headers, trace.upstream_status = time.monotonic(), upstream.status
+    if upstream.status >= 500:
+        breaker.record_failure()
+    else:
+        breaker.record_success()
+    return upstream
+
+
+async def _relay_unary(ex: Exchange, upstream: aiohttp.ClientResponse, headers: dict[str, str],
+                       observer: StreamObserver) -> tuple[web.StreamResponse, Outcome]:
+    response, answer = await ex.clients.relay.unary(upstream, headers)
+    if ex.trace is not None:
+        ex.trace.upstream_end = time.monotonic()
+    observer.completion_tokens = int(((answer or {}).get("usage") or {}).get("completion_tokens", 0) or 0)
+    if ex.revoked is not None and response.status != 200:
+        return response, ex.revoked.outcome
+    return response, Outcome.COMPLETED if response.status == 200 else Outcome.UPSTREAM_ERROR
+
+
+async def _relay_stream(ex: Exchange, upstream: aiohttp.ClientResponse, headers: dict[str, str],
+                        observer: StreamObserver) -> tuple[web.StreamResponse, Outcome]:
+    response = await ex.clients.relay.stream(ex.request, upstream, headers, observer)
+    if (trace := ex.trace) is not None:
+        trace.upstream_end, trace.first_token = time.monotonic(), observer.first_at
+        trace.token_events = observer.events
+    if observer.client_gone:
+        return response, Outcome.CANCELLED
+    if ex.revoked is not None and (observer.failed or response.status != 200):
+        return response, ex.revoked.outcome
+    ok = response.status == 200 and not observer.failed
+    return response, Outcome.COMPLETED if ok else Outcome.UPSTREAM_ERROR
