@@ -85,11 +85,12 @@ def guard_has_telemetry(url: str) -> bool:
 
 
 def start(name: str, command: list[str], url: str, workdir: Path, ready: Callable[[str], bool] = healthy,
-          timeout: float = 120.0) -> Service:
-    """Start ``command``, a server at ``url``, and wait until ``ready(url)`` holds."""
+          timeout: float = 120.0, tree: Path = REPO) -> Service:
+    """Start ``command`` in ``tree`` (another checkout runs its own code: ``python -m`` imports from its
+    working directory first), a server at ``url``, and wait until ``ready(url)`` holds."""
     log = workdir / f"{name}.log"
     with log.open("wb") as out:
-        process = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(command, cwd=tree, stdout=out, stderr=subprocess.STDOUT)
     service = Service(name, process, url, log)
     deadline = time.monotonic() + timeout
     while True:
@@ -112,7 +113,7 @@ def start_engine(workdir: Path, flags: list[str], cpus: str | None = None, name:
 
 
 def start_guard(workdir: Path, config: dict[str, Any], cpus: str | None = None,
-                name: str = "guard") -> Service:
+                name: str = "guard", tree: Path = REPO) -> Service:
     """The guard with ``config`` (``listen`` is filled in), logging warnings only: at INFO, aiohttp's access
     log would format a line per request, work a benchmark should not charge to the guard (nginx runs with
     ``access_log off`` for the same reason). ``name`` tells several guards' files apart."""
@@ -120,4 +121,4 @@ def start_guard(workdir: Path, config: dict[str, Any], cpus: str | None = None,
     path = workdir / f"{name}.yaml"
     path.write_text(yaml.safe_dump({**config, "listen": {"host": "127.0.0.1", "port": port}}))
     command = pinned([sys.executable, "-m", "guard", "--config", str(path), "--log-level", "WARNING"], cpus)
-    return start(name, command, f"http://127.0.0.1:{port}", workdir, ready=guard_has_telemetry)
+    return start(name, command, f"http://127.0.0.1:{port}", workdir, ready=guard_has_telemetry, tree=tree)

@@ -1,0 +1,125 @@
+"""The guard's CPU per request, two trees side by side: A (a baseline commit) and B (this tree).
+
+Both guards run at the same time, pinned to the same core, in front of one fast upstream
+(bench/fast_upstream.py, pinned with the load generator to the other core), each with one tenant and a
+pool of one. For every workload of bench/guard_overhead.py (unary, stream, firehose) and every round, the
+two are loaded at once, each by its own closed-loop generator, and each guard's CPU per request is read
+from the scheduler (bench/proc_stats.py). Loading them together puts whatever slows the shared machine on
+both alike, so the ratio B/A resolves a few percent where consecutive runs drift by tens; the order of the
+two starts alternates per round. Figures: medians over rounds, per workload, and the median ratio.
+
+    .venv/bin/python bench/guard_ab.py --baseline <commit>          # A = that commit, B = this tree
+    .venv/bin/python bench/guard_ab.py --a /path/to/tree --rounds 8
+    .venv/bin/python bench/guard_ab.py --baseline HEAD --quick      # one 1-s round: checks that it runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from guard_overhead import API_KEY, check_relays, measure, workloads
+from loadgen import generator
+from run_info import command, describe, write_report
+from stack import REPO, Service, free_port, pinned, start, start_guard
+
+
+def compare(tree_a: Path, args: argparse.Namespace, workdir: Path) -> dict:
+    pin = shutil.which("taskset") is not None and (os.cpu_count() or 1) >= 2
+    proxy_cpus, load_cpus = ("0", "1") if pin else (None, None)
+    kind = generator()
+    loads = workloads(args.stream_events, args.interval_ms, args.firehose_events)
+    port = free_port()
+    upstream = start("upstream", pinned([sys.executable, str(REPO / "bench" / "fast_upstream.py"), "--port",
+                                         str(port)], load_cpus), f"http://127.0.0.1:{port}", workdir)
+    config = {"engine": {"name": "primary", "url": upstream.url}, "secret": "bench-guard-ab",
+              "tenants": [{"name": "bench", "api_keys": [API_KEY], "lane": "interactive", "max_queue": 100000}]}
+    guards: dict[str, Service] = {}
+    try:
+        guards["A"] = start_guard(workdir, config, proxy_cpus, name="guard-a", tree=tree_a)
+        guards["B"] = start_guard(workdir, config, proxy_cpus, name="guard-b")
+        check_relays({"direct": upstream.url, **{name: g.url for name, g in guards.items()}}, loads)
+        cpu: dict[str, dict[str, list[float]]] = {load.name: {"A": [], "B": []} for load in loads}
+        for index in range(args.rounds):
+            order = ("A", "B") if index % 2 == 0 else ("B", "A")
+            for load in loads:
+                with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                    runs = {name: pool.submit(measure, kind, guards[name].url, load, args, workdir, guards[name],
+                                              upstream, load_cpus) for name in order}
+                for name in order:
+                    figures = runs[name].result()
+                    if figures["errors"]:
+                        raise RuntimeError(f"guard {name} answered {figures['errors']} errors under {load.name}")
+                    cpu[load.name][name].append(figures["proxy_cpu_us_per_request"])
+                a, b = cpu[load.name]["A"][-1], cpu[load.name]["B"][-1]
+                print(f"  round {index + 1} {load.name:8} A {a:7,.0f} us/req  B {b:7,.0f} us/req  B/A {b / a:.3f}",
+                      flush=True)
+    finally:
+        for service in (*guards.values(), upstream):
+            service.stop()
+    return {
+        "benchmark": "guard_ab", "machine": describe(torch.device("cpu")), "command": command(),
+        "a": str(tree_a), "b": str(REPO), "load_generator": kind, "rounds": args.rounds, "duration_s": args.duration,
+        "connections": args.connections,
+        "layout": "both guards pinned to core 0; load and upstream to core 1" if pin else "not pinned",
+        "cpu_us_per_request": cpu,
+        "summary": {name: {"a_us": statistics.median(by["A"]), "b_us": statistics.median(by["B"]),
+                           "ratio_b_over_a": statistics.median(b / a for a, b in zip(by["A"], by["B"]))}
+                    for name, by in cpu.items()},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--baseline", help="a git ref checked out as tree A (B is this tree)")
+    parser.add_argument("--a", type=Path, help="tree A (instead of --baseline)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--duration", type=float, default=5.0, help="seconds per measurement")
+    parser.add_argument("--connections", type=int, default=64)
+    parser.add_argument("--stream-events", type=int, default=32)
+    parser.add_argument("--interval-ms", type=float, default=20.0)
+    parser.add_argument("--firehose-events", type=int, default=256)
+    parser.add_argument("--quick", action="store_true", help="one round of 1-s measurements: checks that it runs")
+    parser.add_argument("--json", type=Path, help="write the raw report here")
+    args = parser.parse_args()
+    if (args.baseline is None) == (args.a is None):
+        parser.error("give exactly one of --baseline and --a")
+    if args.quick:
+        args.rounds, args.duration = 1, 1.0
+    with tempfile.TemporaryDirectory(prefix="guard-ab-") as workdir:
+        tree_a = args.a or Path(workdir) / "tree-a"
+        if args.baseline is not None:
+            subprocess.run(["git", "worktree", "add", "--detach", str(tree_a), args.baseline], cwd=REPO,
+                           check=True, capture_output=True)
+        try:
+            report = compare(tree_a.resolve(), args, Path(workdir))
+        finally:
+            if args.baseline is not None:
+                subprocess.run(["git", "worktree", "remove", "--force", str(tree_a)], cwd=REPO, check=False,
+                               capture_output=True)
+    print(f"machine: {report['machine']}\ncommand: {report['command']}")
+    if args.quick:
+        print("QUICK RUN: 1-second measurements, not a measurement")
+    print(f"A = {report['a']}" + (f" ({args.baseline})" if args.baseline else "") + f"\nB = {report['b']}")
+    print(f"load generator: {report['load_generator']}; {report['layout']}; {args.rounds} rounds of "
+          f"{args.duration:g} s, {args.connections} connections")
+    print(f"{'workload':9} {'A us/req':>9} {'B us/req':>9} {'B/A':>6}")
+    for name, row in report["summary"].items():
+        print(f"{name:9} {row['a_us']:>9,.0f} {row['b_us']:>9,.0f} {row['ratio_b_over_a']:>6.3f}")
+    if args.json is not None:
+        fields = {key: value for key, value in report.items() if key not in ("machine", "command", "summary")}
+        write_report(args.json, torch.device("cpu"),
+                     [{"workload": name, **row} for name, row in report["summary"].items()], **fields)
+        print(f"json: {args.json}")
+
+
+if __name__ == "__main__":
+    main()
