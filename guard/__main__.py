@@ -23,9 +23,11 @@ separate guards. Only worker 0 runs the admin console (``admin:``).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import ctypes
 import gc
+import importlib.util
 import logging
 import os
 import signal
@@ -38,7 +40,8 @@ from aiohttp import web
 from guard.config import ConfigError, GuardConfig, load_config
 from guard.http.connections import raise_descriptor_limit, serve
 from guard.http.context import STATE
-from guard.server.app import create_app, health, metrics_endpoint
+from guard.http.routes import health, metrics_endpoint
+from guard.server.app import create_app
 from guard.server.reload import reload_on_sighup
 
 # Young objects allocated before the collector starts a pass. The default (700) suits programs whose objects
@@ -69,11 +72,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="worker i serves its own /metrics and /health on PORT + i, on listen.host (default "
                         f"with --workers N > 1: listen.port + {METRICS_PORT_OFFSET}; 0: ports the OS picks, "
                         "printed)")
+    parser.add_argument("--loop", choices=["auto", "uvloop", "asyncio"], default="auto",
+                        help="the event loop: uvloop (auto: when installed) or the standard library's")
     parser.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)  # set by the supervisor only
     parser.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.workers < 1:
         parser.error("--workers must be at least 1")
+    if args.loop == "uvloop" and not uvloop_installed():
+        parser.error("--loop uvloop: the uvloop package is not installed (pip install uvloop)")
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = load_config(args.config)
@@ -89,7 +96,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.workers > 1:
         base = config.listen.port + METRICS_PORT_OFFSET if args.metrics_port is None else args.metrics_port
         return supervise(args, base)
-    return run(config, Path(args.config), metrics_port=args.metrics_port)
+    return run(config, Path(args.config), metrics_port=args.metrics_port, loop=args.loop)
+
+
+def uvloop_installed() -> bool:
+    return importlib.util.find_spec("uvloop") is not None
+
+
+def new_event_loop(choice: str) -> asyncio.AbstractEventLoop:
+    """uvloop's loop (``auto``: when installed), else the standard library's. uvloop runs the guard's own
+    per-request work unchanged but does the sockets, timers and callbacks in C: measured in
+    docs/benchmarks.md ("Guard cost")."""
+    if choice == "uvloop" or (choice == "auto" and uvloop_installed()):
+        import uvloop  # only when chosen: an optional dependency
+
+        return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
 
 
 def workers_problem(config: GuardConfig) -> str | None:
@@ -115,7 +137,7 @@ def announce(config: GuardConfig, workers: int) -> None:
 
 
 def run(config: GuardConfig, path: Path, *, console: bool = True, reuse_port: bool = False,
-        metrics_port: int | None = None, name: str = "guard") -> int:
+        metrics_port: int | None = None, name: str = "guard", loop: str = "auto") -> int:
     """One guard process, serving until a signal ends it."""
     raise_descriptor_limit()  # before create_app, which sizes the connection cap from it
     app = create_app(config, console=console)
@@ -128,7 +150,7 @@ def run(config: GuardConfig, path: Path, *, console: bool = True, reuse_port: bo
     gc.freeze()
     tune_collector()
     serve(app, config.listen.host, config.listen.port, shutdown_timeout=config.limits.shutdown_timeout,
-          reuse_port=reuse_port)
+          reuse_port=reuse_port, loop=new_event_loop(loop))
     return 0
 
 
@@ -168,7 +190,7 @@ def worker(config: GuardConfig, args: argparse.Namespace) -> int:
     die_with(args.parent_pid)
     index = args.worker_index
     return run(config, Path(args.config), console=index == 0, reuse_port=True, metrics_port=args.metrics_port,
-               name=f"guard worker {index}")
+               name=f"guard worker {index}", loop=args.loop)
 
 
 def die_with(parent: int | None) -> None:
@@ -201,7 +223,7 @@ def supervise(args: argparse.Namespace, metrics_base: int) -> int:
     for index in range(args.workers):
         command = [sys.executable, "-m", "guard", "--config", args.config, "--log-level", args.log_level,
                    "--workers", str(args.workers), "--worker-index", str(index), "--parent-pid", str(os.getpid()),
-                   "--metrics-port", str(metrics_base + index if metrics_base else 0)]
+                   "--metrics-port", str(metrics_base + index if metrics_base else 0), "--loop", args.loop]
         workers[subprocess.Popen(command, start_new_session=True).pid] = index
     if stopping:  # a signal came while they were being spawned: the later ones missed it
         send(signal.SIGTERM)

@@ -339,13 +339,14 @@ class GuardRunner(web.AppRunner):
 
 
 def serve(app: web.Application, host: str, port: int, *, shutdown_timeout: float,
-          reuse_port: bool = False) -> None:
+          reuse_port: bool = False, loop: asyncio.AbstractEventLoop | None = None) -> None:
     """Serve ``app`` (from ``create_app``) on ``host:port`` until SIGINT or SIGTERM, then shut down
     gracefully: ``web.run_app``, which cannot be given a runner, with a ``GuardRunner``. As there, only the
     serving task is cancelled at first, so that its clean-up gives running requests ``shutdown_timeout``.
     ``reuse_port``: bind with ``SO_REUSEPORT``, so that the workers of ``--workers N`` (guard/__main__.py)
-    share the port and the kernel spreads new connections among them."""
-    loop = asyncio.new_event_loop()
+    share the port and the kernel spreads new connections among them. ``loop``: a new loop to run on
+    (guard/__main__.py picks uvloop's), by default the standard library's."""
+    loop = loop or asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     main = loop.create_task(_serve(app, host, port, shutdown_timeout, reuse_port))
     try:
