@@ -41,6 +41,7 @@ from guard.config import ConfigError, GuardConfig, load_config
 from guard.http.connections import raise_descriptor_limit, serve
 from guard.http.context import STATE
 from guard.http.routes import health, metrics_endpoint
+from guard.pool.scheduling import profile_for
 from guard.server.app import create_app
 from guard.server.reload import reload_on_sighup
 
@@ -84,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = load_config(args.config)
+        profile_for(config.routing)  # its plugin names are checked where the plugins are registered
     except ConfigError as exc:
         print(f"guard: invalid configuration: {exc}", file=sys.stderr)
         return 2
@@ -129,7 +131,7 @@ def announce(config: GuardConfig, workers: int) -> None:
     engines = ", ".join(f"{b.name} {b.url}" for b in config.pool)
     processes = f"; {workers} workers sharing state through Redis" if workers > 1 else ""
     print(f"guard listening on http://{config.listen.host}:{config.listen.port} -> engines {engines} "
-          f"(routing: {config.routing.policy}{processes})", flush=True)
+          f"(routing: {'a profile' if config.routing.profile else config.routing.policy}{processes})", flush=True)
     if (admin := config.admin) is not None:  # the site itself starts with the app (guard/console/app.py)
         access = "an admin key required" if admin.api_keys else "loopback, no key"
         owner = " (worker 0)" if workers > 1 else ""

@@ -144,11 +144,29 @@ class Upstream(Strict):
     client_stall_timeout: PositiveSeconds = 30.0  # a client that reads nothing for this long is dropped
 
 
+class PluginRef(Strict):
+    """A scorer of a scheduling profile and its weight."""
+
+    name: str
+    weight: float = Field(1.0, ge=0, allow_inf_nan=False)
+
+
+class SchedulingProfile(Strict):
+    """Replica choice as plugins (guard/pool/scheduling/): their names are checked where they are registered
+    (guard/pool/scheduling/presets.py ``profile_for``), when the guard starts."""
+
+    filters: list[str] = []
+    scorers: list[PluginRef] = []
+    picker: str = "max_score"
+
+
 class Routing(Strict):
-    """The replica picker's policy (guard/pool/picker.py) and the mode thresholds on saturation =
-    (committed + queued blocks) / the blocks of the replicas that are up (guard/pool/routing.py)."""
+    """Replica choice, a ``policy`` preset or a ``profile`` of plugins (guard/pool/scheduling/), and the mode
+    thresholds on saturation = (committed + queued blocks) / the blocks of the replicas that are up
+    (guard/pool/routing.py)."""
 
     policy: Literal["kvguard", "round_robin", "least_loaded", "prefix"] = "kvguard"
+    profile: SchedulingProfile | None = None
     pressure_enter: float = Field(0.9, gt=0)
     pressure_exit: float = Field(0.7, gt=0)
     degraded_enter: float = Field(1.5, gt=0)
@@ -160,6 +178,8 @@ class Routing(Strict):
 
     @model_validator(mode="after")
     def _ordered(self) -> Routing:
+        if self.profile is not None and "policy" in self.model_fields_set:
+            raise ValueError("give routing.policy (a preset) or routing.profile, not both")
         if not self.pressure_exit < self.pressure_enter <= self.degraded_exit < self.degraded_enter:
             raise ValueError("need pressure_exit < pressure_enter <= degraded_exit < degraded_enter")
         return self

@@ -3,7 +3,8 @@
 ``submit`` queues a ticket and waits until the dispatcher commits its reservation on a replica, or raises
 ``GuardError``; while nobody waits, a ticket that fits somewhere is admitted at once without queueing (VTC
 has no one to order). ``pump`` admits tickets in VTC order: the backlogged tenant with the lowest counter
-goes first, to the first replica in the picker's order whose gate admits it (guard/pool/picker.py); a
+goes first, to the first replica in its scheduling profile's order whose gate admits it
+(guard/pool/scheduling/); a
 tenant at its own block cap is passed over (its limit, not the pool's), but when the lowest eligible
 tenant's next request fits no replica, admission stops there, so big requests are not starved by small
 ones. ``finish`` releases exactly once, however the request ended.
@@ -34,15 +35,15 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from guard.admission.fairness import FairQueue, TenantQueue
 from guard.config import GuardConfig, Lane, Tenant
 from guard.errors import GuardError
-from guard.pool.picker import Picker
 from guard.pool.pool import ReplicaPool
 from guard.pool.replica import Replica
+from guard.pool.scheduling import Candidate, Profile
 
 
 class TicketState(enum.Enum):
@@ -60,7 +61,7 @@ class Ticket:
     prompt_tokens: int
     max_tokens: int
     blocks: int
-    # Each prompt's full-block hashes under the tenant's salt, when the picker reads prefix hits.
+    # Each prompt's full-block hashes under the tenant's salt, when the profile reads prefix hits.
     hashes: list[list[bytes]] = field(default_factory=list)
     enqueued_at: float = 0.0
     state: TicketState = TicketState.NEW
@@ -73,13 +74,14 @@ class Ticket:
     on_revoke: Callable[[GuardError], None] | None = None
     revoked: GuardError | None = None  # why the guard took its blocks back, once it did
     output_tokens: int = 0  # what it generated, once it ended
+    candidates: Sequence[Candidate] = ()  # the ranking that admitted it, for its decision record
 
 
 class Dispatcher:
-    def __init__(self, config: GuardConfig, pool: ReplicaPool, picker: Picker) -> None:
+    def __init__(self, config: GuardConfig, pool: ReplicaPool, profile: Profile) -> None:
         self.config = config
         self.pool = pool
-        self.picker = picker
+        self.profile = profile
         self.block_caps: dict[str, float] = {}  # tenant -> share of the budget, tighter than its config
         self.closed: GuardError | None = None  # set by reject_all: what every later submit gets
         self.fair: FairQueue[Ticket] = FairQueue()
@@ -181,12 +183,14 @@ class Dispatcher:
         return self._place(queue, ticket)
 
     def _place(self, queue: TenantQueue[Ticket], ticket: Ticket) -> bool:
-        """Reserve the ticket's blocks on the first replica, in the picker's order, whose gate admits them;
+        """Reserve the ticket's blocks on the first replica, in the profile's order, whose gate admits them;
         ``ticket.borrowed`` says how many of them are (or would be) borrowed."""
         ticket.borrowed = self._borrowed(ticket.tenant, ticket.blocks)
-        for replica, hit_blocks in self.picker.rank(self.pool.replicas, ticket.blocks, ticket.hashes):
+        ranked = self.profile.rank(self.pool.replicas, ticket.blocks, ticket.hashes)
+        for candidate in ranked:
+            replica = candidate.replica
             if replica.gate.try_reserve(ticket.request_id, queue.name, ticket.blocks, ticket.borrowed):
-                ticket.replica, ticket.hit_blocks = replica, hit_blocks
+                ticket.replica, ticket.hit_blocks, ticket.candidates = replica, candidate.hit_blocks, ranked
                 replica.admitted()
                 return True
         return False

@@ -35,9 +35,9 @@ import functools
 from guard.admission.dispatch import Dispatcher, Ticket, TicketState
 from guard.admission.fairness import INPUT_COST, OUTPUT_COST, TenantQueue
 from guard.config import GuardConfig
-from guard.pool.picker import Picker
 from guard.pool.pool import ReplicaPool
 from guard.pool.replica import Replica
+from guard.pool.scheduling import Profile
 from guard.state.shared import Holdings, SharedState
 
 RETRY_S = 0.02  # how soon a blocked head is tried again: other guards' releases are not announced
@@ -45,8 +45,8 @@ SLACK_TOKENS = 64.0  # weighted service a tenant may be ahead of the lowest back
 
 
 class SharedDispatcher(Dispatcher):
-    def __init__(self, config: GuardConfig, pool: ReplicaPool, picker: Picker, shared: SharedState) -> None:
-        super().__init__(config, pool, picker)
+    def __init__(self, config: GuardConfig, pool: ReplicaPool, profile: Profile, shared: SharedState) -> None:
+        super().__init__(config, pool, profile)
         self.shared = shared
         self._wake = asyncio.Event()
         self.fair.on_backlog = lambda tenant, delta: shared.send("BACKLOG", tenant, delta)
@@ -70,12 +70,15 @@ class SharedDispatcher(Dispatcher):
         return await self._place_shared(queue, ticket) == "admitted"
 
     async def _place_shared(self, queue: TenantQueue[Ticket], ticket: Ticket) -> str:
-        """Reserve through the ledger on the first replica, in the picker's order, with room: "admitted",
+        """Reserve through the ledger on the first replica, in the profile's order, with room: "admitted",
         "fair" (another tenant's turn, on every replica alike), "full", or "local" (Redis is down: the gates
         decided alone). Cancelled while the ledger decides (the client left), nothing stays reserved."""
         ticket.borrowed = borrowed = self._borrowed(ticket.tenant, ticket.blocks)
         charge = (INPUT_COST * ticket.prompt_tokens + OUTPUT_COST * ticket.max_tokens) / ticket.tenant.weight
-        for replica, hit_blocks in self.picker.rank(self.pool.replicas, ticket.blocks, ticket.hashes):
+        ranked = self.profile.rank(self.pool.replicas, ticket.blocks, ticket.hashes)
+        for candidate in ranked:
+            replica, hit_blocks = candidate.replica, candidate.hit_blocks
+            ticket.candidates = ranked
             threshold_room, pool_room = replica.gate.rooms()
             deciding = self.shared.ask("ADMIT", replica.name, queue.name, ticket.blocks, borrowed, threshold_room,
                                        pool_room, charge, SLACK_TOKENS / ticket.tenant.weight,

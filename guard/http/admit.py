@@ -71,7 +71,7 @@ def make_ticket(ex: Exchange) -> Ticket:
     assert tenant is not None and ex.lane is not None and limits is not None and sizing is not None
     ex.salt = salt = state.keys.cache_salt(tenant)
     hashes = ([prompt_block_hashes(ids, sizing.block_size, salt) for ids in limits.ids]
-              if state.picker.needs_hashes and len(state.pool) > 1 and limits.ids is not None else [])
+              if state.profile.needs_hashes and len(state.pool) > 1 and limits.ids is not None else [])
     ex.ticket = Ticket(ex.request_id, tenant, ex.lane, limits.prompt_tokens, sizing.reserve, sizing.blocks,
                        hashes, on_revoke=ex.revoke)
     return ex.ticket

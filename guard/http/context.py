@@ -26,9 +26,9 @@ from guard.http.auth import KeyStore
 from guard.http.relay import Relay
 from guard.http.tokens import TokenCounter
 from guard.metrics import MODES, GuardMetrics
-from guard.pool.picker import Picker
 from guard.pool.pool import ReplicaPool
 from guard.pool.routing import CircuitBreaker, ModeMachine, Router
+from guard.pool.scheduling import Profile
 from guard.state.shared import SharedState
 
 
@@ -37,7 +37,7 @@ class GuardState:
     config: GuardConfig
     keys: KeyStore
     pool: ReplicaPool
-    picker: Picker
+    profile: Profile
     dispatcher: Dispatcher
     metrics: GuardMetrics
     modes: ModeMachine

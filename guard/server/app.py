@@ -31,10 +31,10 @@ from guard.http.tokens import TokenCounter
 from guard.metrics import GuardMetrics
 from guard.pool.gate import AdmissionGate
 from guard.pool.kv_events import KVEventSubscriber
-from guard.pool.picker import Picker
 from guard.pool.pool import ReplicaPool
 from guard.pool.replica import Replica
 from guard.pool.routing import CircuitBreaker, ModeMachine, Router
+from guard.pool.scheduling import profile_for
 from guard.pool.telemetry import TelemetrySubscriber
 from guard.server.monitor import monitor
 from guard.state.shared import SharedState
@@ -55,12 +55,12 @@ def create_app(config: GuardConfig, *, console: bool = True) -> web.Application:
     fallback_breakers = {f.name: breaker(f) for f in config.fallbacks if isinstance(f, Backend)}
     metrics = GuardMetrics()
     metrics.show_config(config_hash(config))
-    picker = Picker(routing.policy)
+    profile = profile_for(routing)
     shared = SharedState(config.shared_state, metrics) if config.shared_state is not None else None
-    dispatcher = Dispatcher(config, pool, picker) if shared is None else SharedDispatcher(config, pool, picker, shared)
+    dispatcher = Dispatcher(config, pool, profile) if shared is None else SharedDispatcher(config, pool, profile, shared)
     metrics.service_tokens.read = lambda: {name: queue.service for name, queue in dispatcher.fair.tenants.items()}
     detector = Detector({t.name: t.weight for t in config.tenants})
-    state = GuardState(config, KeyStore(config.tenants, config.secret), pool, picker, dispatcher, metrics,
+    state = GuardState(config, KeyStore(config.tenants, config.secret), pool, profile, dispatcher, metrics,
                        ModeMachine(routing), Router(config.fallbacks, fallback_breakers), fallback_breakers,
                        detector, Escalation(detector, dispatcher, pool, metrics, config.lanes), shared=shared)
     for replica in pool:  # every replica's series exist from the start, at 0
@@ -102,7 +102,7 @@ async def _start(app: web.Application) -> None:
     for replica in state.pool:
         subscriber = TelemetrySubscriber(session, replica.url, *_telemetry_callbacks(state, clients, replica), stale_s)
         clients.tasks.append(asyncio.create_task(subscriber.run(), name=f"telemetry {replica.name}"))
-        if state.picker.needs_hashes and len(state.pool) > 1:  # a pool of one has nowhere else to route
+        if state.profile.needs_hashes and len(state.pool) > 1:  # a pool of one has nowhere else to route
             events = KVEventSubscriber(session, replica.url, replica.index, stale_s)
             clients.tasks.append(asyncio.create_task(events.run(), name=f"kv events {replica.name}"))
     clients.tasks.append(asyncio.create_task(monitor(state, session), name="monitor"))

@@ -11,12 +11,12 @@ from support.admission_parts import snapshot
 
 from engine.kv.hashing import extend_block_hashes
 from guard.admission.dispatch import Dispatcher, Ticket, TicketState
-from guard.config import Admission, GuardConfig
+from guard.config import Admission, GuardConfig, Routing
 from guard.pool.gate import AdmissionGate
-from guard.pool.picker import Picker
 from guard.pool.pool import ReplicaPool
 from guard.pool.replica import Replica
 from guard.pool.routing import CircuitBreaker
+from guard.pool.scheduling import Profile, profile_for
 
 CONFIG = GuardConfig.model_validate({
     "engines": [{"name": f"e{i}", "url": f"http://127.0.0.1:{9000 + i}"} for i in range(3)], "secret": "s",
@@ -33,26 +33,30 @@ def pool_of(free: list[int], num_blocks: int = 100) -> ReplicaPool:
     return ReplicaPool(replicas)
 
 
+def preset(policy: str) -> Profile:
+    return profile_for(Routing(policy=policy))
+
+
 def hashes(tokens: int, salt: str = "acme") -> list[bytes]:
     out: list[bytes] = []
     extend_block_hashes(out, list(range(tokens)), 16, salt)
     return out
 
 
-def first(picker: Picker, pool: ReplicaPool, blocks: int = 4, prompt: list[bytes] | None = None) -> str:
-    return picker.rank(pool.replicas, blocks, [prompt] if prompt else [])[0][0].name
+def first(picker: Profile, pool: ReplicaPool, blocks: int = 4, prompt: list[bytes] | None = None) -> str:
+    return picker.rank(pool.replicas, blocks, [prompt] if prompt else [])[0].replica.name
 
 
 def test_round_robin_takes_turns_and_skips_an_open_circuit() -> None:
-    pool, picker = pool_of([100, 100, 100]), Picker("round_robin")
+    pool, picker = pool_of([100, 100, 100]), preset("round_robin")
     assert sorted(first(picker, pool) for _ in range(3)) == ["e0", "e1", "e2"]
     pool.by_name["e1"].breaker.trip()
     assert {first(picker, pool) for _ in range(6)} == {"e0", "e2"}
-    assert all(r.name != "e1" for r, _ in picker.rank(pool.replicas, 4, []))
+    assert all(c.replica.name != "e1" for c in picker.rank(pool.replicas, 4, []))
 
 
 def test_least_loaded_prefers_fewest_in_flight() -> None:
-    pool, picker = pool_of([100, 100, 100]), Picker("least_loaded")
+    pool, picker = pool_of([100, 100, 100]), preset("least_loaded")
     pool.by_name["e0"].in_flight, pool.by_name["e1"].in_flight = 3, 1
     assert first(picker, pool) == "e2"
     pool.by_name["e2"].in_flight = 5
@@ -60,22 +64,22 @@ def test_least_loaded_prefers_fewest_in_flight() -> None:
 
 
 def test_prefix_follows_the_cache_whatever_the_load() -> None:
-    pool, picker = pool_of([100, 20, 100]), Picker("prefix")
+    pool, picker = pool_of([100, 20, 100]), preset("prefix")
     prompt = hashes(160)  # 10 full blocks
     pool.by_name["e1"].index.reset(prompt[:6], 16)
     pool.by_name["e1"].in_flight = 9
     ranked = picker.rank(pool.replicas, 4, [prompt])
-    assert ranked[0][0].name == "e1" and ranked[0][1] == 6
+    assert ranked[0].replica.name == "e1" and ranked[0].hit_blocks == 6
 
 
 def test_kvguard_follows_the_cache_until_the_replica_is_saturated() -> None:
-    picker = Picker("kvguard")
+    picker = preset("kvguard")
     prompt = hashes(160)
     pool = pool_of([100, 100, 100])
     pool.by_name["e2"].index.reset(prompt[:8], 16)
     assert first(picker, pool, prompt=prompt) == "e2", "8 of 10 blocks cached: prefill saved wins"
     another = hashes(160, salt="bulk")  # the same tokens under another tenant's salt: nothing cached
-    assert picker.rank(pool.replicas, 4, [another])[0][1] == 0
+    assert picker.rank(pool.replicas, 4, [another])[0].hit_blocks == 0
     pool = pool_of([100, 100, 30])  # e2 would be past 80% of its budget after this request
     pool.by_name["e2"].index.reset(prompt[:8], 16)
     assert first(picker, pool, prompt=prompt) != "e2", "a saturated replica never wins on locality alone"
@@ -86,7 +90,7 @@ def test_kvguard_follows_the_cache_until_the_replica_is_saturated() -> None:
 
 def test_kvguard_does_not_pile_conversations_onto_a_busy_replica() -> None:
     """Cached system prompts attract a tenant's conversations; past the overload bound, load wins."""
-    picker, prompt = Picker("kvguard"), hashes(160)
+    picker, prompt = preset("kvguard"), hashes(160)
     pool = pool_of([100, 100, 100])
     pool.by_name["e0"].index.reset(prompt[:6], 16)
     pool.by_name["e0"].in_flight, pool.by_name["e1"].in_flight, pool.by_name["e2"].in_flight = 3, 1, 1
@@ -96,10 +100,10 @@ def test_kvguard_does_not_pile_conversations_onto_a_busy_replica() -> None:
 
 
 def test_kvguard_spreads_new_conversations() -> None:
-    pool, picker = pool_of([100, 100, 100]), Picker("kvguard")
+    pool, picker = pool_of([100, 100, 100]), preset("kvguard")
     chosen = []
     for i in range(6):  # each new conversation goes somewhere and stays there (in flight)
-        replica = picker.rank(pool.replicas, 4, [hashes(64, salt=f"t{i}")])[0][0]
+        replica = picker.rank(pool.replicas, 4, [hashes(64, salt=f"t{i}")])[0].replica
         replica.in_flight += 1
         chosen.append(replica.name)
     assert sorted(chosen) == ["e0", "e0", "e1", "e1", "e2", "e2"]
@@ -108,10 +112,10 @@ def test_kvguard_spreads_new_conversations() -> None:
 def test_kvguard_spreads_new_conversations_that_arrive_while_the_pool_is_idle() -> None:
     """Short requests, each finished before the next arrives: every new conversation finds an idle pool (an
     exact tie), and goes to the replica admitted to longest ago, whatever requests went between."""
-    pool, picker = pool_of([100, 100, 100]), Picker("kvguard")
+    pool, picker = pool_of([100, 100, 100]), preset("kvguard")
     chosen = []
     for tenant in range(3):
-        replica = picker.rank(pool.replicas, 4, [hashes(64, salt=f"t{tenant}")])[0][0]
+        replica = picker.rank(pool.replicas, 4, [hashes(64, salt=f"t{tenant}")])[0].replica
         chosen.append(replica.name)
         for _ in range(tenant + 2):  # its conversation's turns before the next tenant arrives (the rotation
             replica.admitted()  # would have moved on as many places)
@@ -122,7 +126,7 @@ def test_kvguard_spreads_new_conversations_that_arrive_while_the_pool_is_idle() 
 
 async def test_one_fair_queue_feeds_whichever_replica_frees_first() -> None:
     pool = pool_of([100, 100], num_blocks=100)
-    dispatcher = Dispatcher(CONFIG, pool, Picker("kvguard"))
+    dispatcher = Dispatcher(CONFIG, pool, preset("kvguard"))
     acme, bulk = CONFIG.tenants
 
     def ticket(rid: str, tenant, blocks: int) -> Ticket:

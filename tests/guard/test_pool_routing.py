@@ -16,6 +16,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 
+import aiohttp
 import pytest
 from support.guard_server import GuardThread, guard_config
 from support.nothing_lost import Tally, assert_nothing_lost, idle_and_free
@@ -24,6 +25,7 @@ from support.wait import until
 
 from bench.conversations import ChatWorkload, Turn, backend_counts, plan, run_conversations
 from bench.stack import backend_series
+from guard.config import load_config
 
 REPLICAS = 3
 NUM_BLOCKS = 1024  # room for every conversation's history: the test is about locality, not eviction
@@ -58,7 +60,7 @@ def pool_guard(engines: list[EngineProcess], policy: str, keys: dict[str, str], 
 async def until_pool_ready(guard: GuardThread, timeout: float = 10.0) -> None:
     """Every replica usable, and (for the policies that read it) its prefix index synced to its engine."""
     def ready() -> bool:
-        return all(r.usable() and (r.index.synced or not guard.state.picker.needs_hashes)
+        return all(r.usable() and (r.index.synced or not guard.state.profile.needs_hashes)
                    for r in guard.state.pool)
     await until(lambda: guard.call(ready), bool, timeout)
 
@@ -165,3 +167,28 @@ def test_workload_is_seeded_whatever_the_tenants_are_called() -> None:
     assert len({c.system for c in first}) == 3
     assert len({c.users for c in first}) == len(first) == 3 * WORKLOAD.conversations
     assert plan(ChatWorkload(seed=1), ["a"]) != plan(ChatWorkload(seed=0), ["a"])
+
+
+async def test_a_custom_profile_from_yaml_routes_the_live_pool(engines: list[EngineProcess], tmp_path) -> None:
+    """``routing.profile`` read from a YAML file: prefix locality alone, so once a prompt is cached on one
+    replica, every later request with that prompt goes there, and its decision shows the prefix score."""
+    engine_lines = "".join(f"  - {{name: e{i}, url: '{engine.url}'}}\n" for i, engine in enumerate(engines))
+    path = tmp_path / "guard.yaml"
+    path.write_text(f"secret: s\nengines:\n{engine_lines}tenants: [{{name: yaml, api_keys: [sk-yaml]}}]\n"
+                    "routing: {profile: {scorers: [{name: prefix}], picker: max_score}}\n")
+    config = load_config(path)
+    prompt = "profiles route by what each replica caches. " * 12  # 528 tokens: 33 full blocks
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 4}
+    headers = {"Authorization": "Bearer sk-yaml"}
+    with GuardThread(config) as guard:
+        await until_pool_ready(guard)
+        assert [scorer.name for scorer, _ in guard.state.profile.scorers] == ["prefix"]
+        async with aiohttp.ClientSession() as session:
+            async with session.post(guard.url + "/v1/completions", json=body, headers=headers) as response:
+                assert response.status == 200
+                cached_on = response.headers["X-Guard-Backend"]
+            replica = guard.state.pool.by_name[cached_on]
+            await until(lambda: guard.call(lambda: len(replica.index)), lambda n: n >= 33, 10.0)
+            for _ in range(4):
+                async with session.post(guard.url + "/v1/completions", json=body, headers=headers) as response:
+                    assert response.status == 200 and response.headers["X-Guard-Backend"] == cached_on

@@ -10,10 +10,10 @@ from engine.protocol import TelemetrySnapshot, TenantUsage
 from guard.admission.dispatch import Dispatcher, Ticket
 from guard.config import GuardConfig, load_config
 from guard.pool.gate import AdmissionGate
-from guard.pool.picker import Picker
 from guard.pool.pool import ReplicaPool
 from guard.pool.replica import Replica
 from guard.pool.routing import CircuitBreaker
+from guard.pool.scheduling import profile_for
 
 BASE = """
 secret: test-secret
@@ -48,7 +48,7 @@ def make_dispatcher(tmp_path: Path, num_blocks: int = 100) -> tuple[Dispatcher, 
     gate = AdmissionGate(config.admission, {t.name for t in config.tenants})
     gate.update(snapshot(num_blocks=num_blocks, free=num_blocks))
     replica = Replica(config.pool[0], gate, CircuitBreaker("primary", 3, 1.0))
-    return Dispatcher(config, ReplicaPool([replica]), Picker("kvguard")), config
+    return Dispatcher(config, ReplicaPool([replica]), profile_for(config.routing)), config
 
 
 def ticket(config: GuardConfig, tenant: int, blocks: int, rid: str, timeout: float | None = None) -> Ticket:

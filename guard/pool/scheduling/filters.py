@@ -1,0 +1,33 @@
+"""Filters: a replica they hold back is ranked behind every one they do not (guard/pool/scheduling/plugin.py)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from guard.pool.scheduling.plugin import Context, free_share, register_filter
+
+if TYPE_CHECKING:
+    from guard.pool.replica import Replica
+
+SATURATED = 0.8  # share of a replica's budget past which its cached blocks no longer attract requests
+OVERLOAD_ABS, OVERLOAD_REL = 3, 1.5  # in flight beyond the least loaded's: past both, locality waits
+
+
+@register_filter("saturation")
+class Saturation:
+    """A replica that would be past ``SATURATED`` of its budget after this reservation: a nearly full
+    replica never wins on locality alone (the "death spiral" of cache affinity)."""
+
+    def holds_back(self, replica: Replica, ctx: Context) -> bool:
+        return free_share(replica, ctx.blocks) < 1 - SATURATED
+
+
+@register_filter("overload")
+class Overload:
+    """A replica with ``OVERLOAD_ABS`` more requests in flight than the least loaded candidate and
+    ``OVERLOAD_REL`` times as many (SGLang's cache-aware router balances the same way): cached system
+    prompts would otherwise pull every conversation of the tenants that started on one replica there, long
+    before its blocks run short."""
+
+    def holds_back(self, replica: Replica, ctx: Context) -> bool:
+        return replica.in_flight >= ctx.least + OVERLOAD_ABS and replica.in_flight >= OVERLOAD_REL * ctx.least

@@ -1,0 +1,105 @@
+"""What a scheduling plugin is, and the registries a profile's names are looked up in.
+
+A plugin is a small class registered by name with one of the decorators below. It sees one ``Context``
+per request: the candidates (usable replicas) and what was computed about them once for all plugins.
+
+- a filter's ``holds_back(replica, ctx) -> bool``: True ranks the replica behind every one it does not hold
+  back. When a profile's filters hold back every candidate, none is held (fail open).
+- a scorer's ``score(replica, ctx) -> float`` in [0, 1], higher is better; ``reads_prefix`` says it reads
+  ``ctx.hits`` (the guard then hashes prompts and follows each replica's KV events).
+- a picker's ``order(candidates, ctx) -> list[Candidate]``: the order the dispatcher tries, from the
+  candidates with their ``filtered_by``, ``scores`` and ``total`` filled in.
+
+Plugins are stateless apart from what a picker keeps between requests (its own instance per profile).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    from guard.pool.replica import Replica
+
+
+@dataclass(slots=True)
+class Candidate:
+    """A usable replica as one request's ranking sees it: what the decision record shows of the choice."""
+
+    replica: Replica
+    hit_blocks: int  # cached leading blocks of the request's prompts on it (0 when not read)
+    filtered_by: str | None = None  # the filter that held it back
+    scores: dict[str, float] = field(default_factory=dict)  # scorer name -> its value (unweighted)
+    total: float = 0.0  # the weighted sum
+
+    def as_record(self) -> dict:
+        return {"replica": self.replica.name, "filtered_by": self.filtered_by,
+                "scores": {name: round(value, 4) for name, value in self.scores.items()},
+                "total": round(self.total, 4)}
+
+
+@dataclass(slots=True)
+class Context:
+    """One request's ranking: its blocks, its prompts' cached leading blocks per replica, and the load."""
+
+    candidates: Sequence[Replica]
+    blocks: int  # the request's reservation
+    hits: dict[Replica, int]  # cached leading blocks of the request's prompts, per candidate (0: not read)
+    prompt_blocks: int  # full blocks of the request's prompts
+    busiest: int  # the most requests in flight on any candidate (at least 1)
+    least: int  # the fewest
+
+
+class Filter(Protocol):
+    name: ClassVar[str]
+
+    def holds_back(self, replica: Replica, ctx: Context) -> bool: ...
+
+
+class Scorer(Protocol):
+    name: ClassVar[str]
+    reads_prefix: ClassVar[bool]
+
+    def score(self, replica: Replica, ctx: Context) -> float: ...
+
+
+class Picker(Protocol):
+    name: ClassVar[str]
+
+    def order(self, candidates: list[Candidate], ctx: Context) -> list[Candidate]: ...
+
+
+FILTERS: dict[str, type[Filter]] = {}
+SCORERS: dict[str, type[Scorer]] = {}
+PICKERS: dict[str, type[Picker]] = {}
+
+T = TypeVar("T")
+
+
+def _register(registry: dict[str, type], name: str) -> Callable[[type[T]], type[T]]:
+    def register(cls: type[T]) -> type[T]:
+        if name in registry:
+            raise ValueError(f"a scheduling plugin named {name!r} is already registered")
+        cls.name = name  # type: ignore[attr-defined]
+        registry[name] = cls
+        return cls
+    return register
+
+
+def register_filter(name: str) -> Callable[[type[T]], type[T]]:
+    return _register(FILTERS, name)
+
+
+def register_scorer(name: str) -> Callable[[type[T]], type[T]]:
+    return _register(SCORERS, name)
+
+
+def register_picker(name: str) -> Callable[[type[T]], type[T]]:
+    return _register(PICKERS, name)
+
+
+def free_share(replica: Replica, blocks: int) -> float:
+    """The share of the replica's budget left after reserving ``blocks`` there (0 when it would not fit)."""
+    budget = replica.gate.budget
+    return max(0.0, (budget - replica.gate.committed() - blocks) / budget) if budget else 0.0

@@ -1,0 +1,60 @@
+"""A scheduling profile: filters, weighted scorers and a picker (guard/pool/scheduling/__init__.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from guard.pool.scheduling.plugin import Candidate, Context, Filter, Picker, Scorer
+
+if TYPE_CHECKING:
+    from guard.pool.replica import Replica
+
+
+class Profile:
+    """Ranks the usable replicas for one request. Only usable replicas are ranked (circuit closed, current
+    telemetry); they enter in an order rotated by one per request, so that a picker's ties, and round-robin,
+    take turns."""
+
+    def __init__(self, filters: Sequence[Filter], scorers: Sequence[tuple[Scorer, float]], picker: Picker) -> None:
+        self.filters = tuple(filters)
+        self.scorers = tuple(scorers)
+        self.picker = picker
+        self._turn = 0
+
+    @property
+    def needs_hashes(self) -> bool:
+        """Whether a scorer reads prefix hits (the guard then hashes each prompt's blocks)."""
+        return any(scorer.reads_prefix for scorer, _ in self.scorers)
+
+    def rank(self, replicas: Sequence[Replica], blocks: int, hashes: Sequence[Sequence[bytes]]) -> list[Candidate]:
+        """The usable replicas in the order to try. ``hashes``: each prompt's full-block hashes, empty when
+        not computed."""
+        usable = [r for r in replicas if r.usable()]
+        if len(usable) > 1:
+            self._turn = (self._turn + 1) % len(usable)
+            usable = usable[self._turn:] + usable[:self._turn]
+        read = self.needs_hashes and hashes
+        hits = {r: sum(r.index.leading_cached(h) for h in hashes) if read else 0 for r in usable}
+        candidates = [Candidate(r, hits[r]) for r in usable]
+        if len(candidates) < 2:  # nothing to choose between
+            return candidates
+        loads = [r.in_flight for r in usable]
+        ctx = Context(usable, blocks, hits, sum(len(h) for h in hashes), max(loads) or 1, min(loads))
+        self._filter(candidates, ctx)
+        for candidate in candidates:
+            scores = candidate.scores
+            for scorer, weight in self.scorers:
+                value = scores[scorer.name] = scorer.score(candidate.replica, ctx)
+                candidate.total += weight * value
+        return self.picker.order(candidates, ctx)
+
+    def _filter(self, candidates: list[Candidate], ctx: Context) -> None:
+        for candidate in candidates:
+            for check in self.filters:
+                if check.holds_back(candidate.replica, ctx):
+                    candidate.filtered_by = check.name
+                    break
+        if all(c.filtered_by is not None for c in candidates):  # every replica held back: fail open
+            for candidate in candidates:
+                candidate.filtered_by = None

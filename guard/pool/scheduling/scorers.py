@@ -1,0 +1,41 @@
+"""Scorers: each a value in [0, 1], higher is better, weighed by the profile (guard/pool/scheduling/plugin.py)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from guard.pool.scheduling.plugin import Context, free_share, register_scorer
+
+if TYPE_CHECKING:
+    from guard.pool.replica import Replica
+
+
+@register_scorer("prefix")
+class Prefix:
+    """Cached leading prompt blocks on the replica over the prompt's full blocks: prefill saved. Exact, not
+    guessed: each replica's prefix index follows the engine's own KV-cache events."""
+
+    reads_prefix = True
+
+    def score(self, replica: Replica, ctx: Context) -> float:
+        return ctx.hits[replica] / ctx.prompt_blocks if ctx.prompt_blocks else 0.0
+
+
+@register_scorer("free_blocks")
+class FreeBlocks:
+    """The share of the replica's budget left after this reservation: room."""
+
+    reads_prefix = False
+
+    def score(self, replica: Replica, ctx: Context) -> float:
+        return free_share(replica, ctx.blocks)
+
+
+@register_scorer("idle")
+class Idle:
+    """1 - the guard's requests in flight on the replica over the most on any candidate: queue and decode."""
+
+    reads_prefix = False
+
+    def score(self, replica: Replica, ctx: Context) -> float:
+        return 1 - replica.in_flight / ctx.busiest

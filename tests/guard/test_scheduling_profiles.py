@@ -1,0 +1,117 @@
+"""Scheduling profiles (guard/pool/scheduling/): a custom profile's choices and what each candidate records,
+the pickers, and the config errors of a bad profile, on real gates fed with snapshots (no engines). The
+presets' choices are tests/guard/test_pool_picker.py; a profile from YAML routing a live pool is in
+tests/guard/test_pool_routing.py."""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+from support.admission_parts import snapshot
+from support.processes import run_command
+
+from guard.config import Admission, ConfigError, GuardConfig, Routing, load_config
+from guard.pool.gate import AdmissionGate
+from guard.pool.pool import ReplicaPool
+from guard.pool.replica import Replica
+from guard.pool.routing import CircuitBreaker
+from guard.pool.scheduling import Candidate, profile_for
+from guard.pool.scheduling.pickers import RandomWeighted
+from guard.pool.scheduling.plugin import Context
+
+CONFIG = GuardConfig.model_validate({
+    "engines": [{"name": f"e{i}", "url": f"http://127.0.0.1:{9000 + i}"} for i in range(3)], "secret": "s",
+    "tenants": [{"name": "acme", "api_keys": ["sk-a"]}]})
+
+
+def pool_of(free: list[int]) -> ReplicaPool:
+    replicas = []
+    for backend, idle in zip(CONFIG.pool, free):
+        gate = AdmissionGate(Admission(safe_utilization=0.85), {"acme"})
+        gate.update(snapshot(num_blocks=100, free=idle))
+        replicas.append(Replica(backend, gate, CircuitBreaker(backend.name, 3, 1.0)))
+    return ReplicaPool(replicas)
+
+
+def custom(**profile: object) -> Routing:
+    return Routing.model_validate({"profile": profile})
+
+
+def test_a_custom_profile_scores_filters_and_records_each_candidate():
+    profile = profile_for(custom(filters=["saturation"], scorers=[{"name": "free_blocks", "weight": 3},
+                                                                  {"name": "idle"}]))
+    pool = pool_of([100, 60, 20])  # e2 would be past 80% of its budget: held back
+    pool.by_name["e0"].in_flight = 2
+    ranked = profile.rank(pool.replicas, 4, [])
+    assert [c.replica.name for c in ranked] == ["e0", "e1", "e2"]
+    e0, e1, e2 = ranked
+    assert e2.filtered_by == "saturation" and e0.filtered_by is None and e1.filtered_by is None
+    assert e0.scores == {"free_blocks": pytest.approx(81 / 85), "idle": 0.0}
+    assert e1.scores == {"free_blocks": pytest.approx(41 / 85), "idle": 1.0}
+    assert e0.total == pytest.approx(3 * 81 / 85) and e1.total == pytest.approx(3 * 41 / 85 + 1)
+    assert e2.as_record() == {"replica": "e2", "filtered_by": "saturation",  # 1 block left after these 4
+                              "scores": {"free_blocks": round(1 / 85, 4), "idle": 1.0}, "total": round(3 / 85 + 1, 4)}
+    assert not profile.needs_hashes
+
+
+def test_filters_fail_open_and_a_pool_of_one_is_not_scored():
+    profile = profile_for(custom(filters=["saturation"], scorers=[{"name": "free_blocks"}]))
+    ranked = profile.rank(pool_of([20, 10, 15]).replicas, 4, [])
+    assert [c.filtered_by for c in ranked] == [None, None, None]  # all saturated: none held back
+    assert ranked[0].replica.name == "e0"  # the only one with a block left after these 4
+    single = profile.rank(pool_of([100]).replicas, 4, [])
+    assert [(c.replica.name, c.scores, c.total) for c in single] == [("e0", {}, 0.0)]
+
+
+def test_round_robin_picker_takes_turns_whatever_the_scores():
+    profile = profile_for(custom(scorers=[{"name": "free_blocks"}], picker="round_robin"))
+    pool = pool_of([100, 50, 10])
+    assert sorted(profile.rank(pool.replicas, 4, [])[0].replica.name for _ in range(3)) == ["e0", "e1", "e2"]
+
+
+def test_random_weighted_draws_in_proportion_to_the_totals():
+    pool = pool_of([100, 100, 100])
+    picker = RandomWeighted(random.Random(7))
+    candidates = [Candidate(r, 0, total=t) for r, t in zip(pool.replicas, (3.0, 1.0, 0.0))]
+    candidates.append(Candidate(pool.replicas[0], 0, filtered_by="overload", total=9.0))
+    ctx = Context(pool.replicas, 4, {}, 0, 1, 0)
+    firsts = [picker.order(list(candidates), ctx)[0].replica.name for _ in range(2000)]
+    assert firsts.count("e2") == 0 and 0.65 < firsts.count("e0") / 2000 < 0.85  # 3 : 1, held back last
+    assert picker.order(list(candidates), ctx)[-1].filtered_by == "overload"
+
+
+@pytest.mark.parametrize(("profile", "message"), [
+    ({"scorers": [{"name": "free_blocks"}, {"name": "prefx"}]},
+     "routing.profile.scorers[1].name: unknown scorer 'prefx' (known: free_blocks, idle, prefix)"),
+    ({"filters": ["saturated"]}, "routing.profile.filters[0]: unknown filter 'saturated' (known: overload, saturation)"),
+    ({"picker": "best"}, "routing.profile.picker: unknown picker 'best' (known: max_score, random_weighted, round_robin)"),
+])
+def test_an_unknown_plugin_is_a_config_error_naming_it_and_its_key(profile: dict, message: str):
+    with pytest.raises(ConfigError) as info:
+        profile_for(custom(**profile))
+    assert str(info.value) == message
+
+
+def test_a_bad_profile_stops_the_guard_at_start_up(tmp_path: Path):
+    path = tmp_path / "guard.yaml"
+    path.write_text('secret: s\nengine: {url: "http://127.0.0.1:9"}\ntenants: [{name: a, api_keys: [k]}]\n'
+                    "routing: {profile: {scorers: [{name: prefix, weight: 2}, {name: prefx}]}}\n")
+    result = run_command(sys.executable, "-m", "guard", "--config", str(path))
+    assert result.returncode == 2
+    assert "routing.profile.scorers[1].name: unknown scorer 'prefx'" in result.stderr
+
+
+@pytest.mark.parametrize(("routing", "problem"), [
+    ('{policy: prefix, profile: {scorers: [{name: prefix}]}}', "routing.policy (a preset) or routing.profile"),
+    ('{profile: {scorers: [{name: idle, weight: -1}]}}', "routing.profile.scorers.0.weight"),
+    ('{profile: {scorers: [{name: idle, weight: .inf}]}}', "routing.profile.scorers.0.weight"),
+])
+def test_a_profile_that_does_not_validate_names_the_key(tmp_path: Path, routing: str, problem: str):
+    path = tmp_path / "guard.yaml"
+    path.write_text(f'secret: s\nengine: {{url: "http://127.0.0.1:9"}}\ntenants: [{{name: a, api_keys: [k]}}]\n'
+                    f"routing: {routing}\n")
+    with pytest.raises(ConfigError, match=problem.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+        load_config(path)
