@@ -191,6 +191,8 @@ def worker(config: GuardConfig, args: argparse.Namespace) -> int:
     """Worker ``args.worker_index`` of a supervisor: one guard on the shared port."""
     die_with(args.parent_pid)
     index = args.worker_index
+    if (path := config.decision_log) is not None:  # one file per process: rotation is not shared
+        config = config.model_copy(update={"decision_log": path.with_name(f"{path.stem}.worker{index}{path.suffix}")})
     return run(config, Path(args.config), console=index == 0, reuse_port=True, metrics_port=args.metrics_port,
                name=f"guard worker {index}", loop=args.loop)
 

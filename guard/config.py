@@ -237,6 +237,7 @@ class GuardConfig(Strict):
     shared_state: SharedState | None = None  # None: fairness, budget, limits and verdicts live in the process
     lanes: dict[str, Lane] = Field(default_factory=lambda: dict(DEFAULT_LANES))
     tenants: list[Tenant] = Field(min_length=1)
+    decision_log: Path | None = None  # each request's decision record as a JSON line (guard/records/log.py)
     # HMAC key for per-tenant cache salts. The default is validated too: it is the placeholder, refused below.
     secret: str = Field(PLACEHOLDER_SECRET, min_length=1, validate_default=True)
 
@@ -253,6 +254,13 @@ class GuardConfig(Strict):
                              "to a long random string (e.g. `openssl rand -hex 32`), the key of the tenants' "
                              "cache salts")
         return secret
+
+    @field_validator("decision_log")
+    @classmethod
+    def _writable(cls, path: Path | None) -> Path | None:
+        if path is not None and (path.is_dir() or not path.parent.is_dir()):
+            raise ValueError(f"{str(path)!r} must be a file in an existing directory")
+        return path
 
     @model_validator(mode="after")
     def _consistent(self) -> GuardConfig:

@@ -7,7 +7,9 @@ Routes:
 - ``GET /state``: one snapshot as JSON (guard/console/snapshot.py);
 - ``GET /state/stream``: Server-Sent Events, a snapshot about once a second, each carrying the feed's events
   that the stream has not sent yet;
-- ``GET /events``: the feed's ring buffer as JSON.
+- ``GET /events``: the feed's ring buffer as JSON;
+- ``GET /requests?limit=N``: the newest requests' decision records, summed up, newest first (50 by default);
+- ``GET /requests/{request_id}``: one request's whole decision record (guard/records/), 404 when unknown.
 
 Access: with ``admin.api_keys`` every request must present one, as ``Authorization: Bearer <key>`` or as
 the password of HTTP Basic (what a browser sends after its login prompt, on the page's stream too, since an
@@ -146,7 +148,31 @@ def create_console_app(state: GuardState, settings: Admin, closing: asyncio.Even
     app.router.add_get("/state", snapshot)
     app.router.add_get("/state/stream", stream)
     app.router.add_get("/events", events)
+    add_record_routes(app, state)
     return app
+
+
+def add_record_routes(app: web.Application, state: GuardState) -> None:
+    """``GET /requests`` and ``GET /requests/{request_id}``: the decision records (guard/records/)."""
+
+    async def record(request: web.Request) -> web.Response:
+        found = state.records.get(request.match_info["request_id"])
+        if found is None:
+            return web.json_response({"error": {"message": "no record of that request: unknown, or older than the "
+                                                "last 10,000", "type": "not_found_error", "code": "record_not_found"}},
+                                     status=404)
+        return _json(found.to_dict())
+
+    async def recent(request: web.Request) -> web.Response:
+        try:
+            limit = min(int(request.query.get("limit", "50")), len(state.records))
+        except ValueError:
+            return web.json_response({"error": {"message": "limit must be an integer", "type": "invalid_request_error",
+                                                "param": "limit"}}, status=400)
+        return _json({"requests": [r.summary() for r in state.records.recent(limit)]})
+
+    app.router.add_get("/requests", recent)
+    app.router.add_get("/requests/{request_id}", record)
 
 
 def _json(body: dict[str, Any]) -> web.Response:

@@ -29,6 +29,8 @@ from guard.metrics import MODES, GuardMetrics
 from guard.pool.pool import ReplicaPool
 from guard.pool.routing import CircuitBreaker, ModeMachine, Router
 from guard.pool.scheduling import Profile
+from guard.records.log import DecisionLog
+from guard.records.store import RecordStore
 from guard.state.shared import SharedState
 
 
@@ -51,6 +53,8 @@ class GuardState:
     limiter: RateLimiter = field(init=False)  # the tenants' rpm and tpm windows (RateLimiter.configure retakes them)
     events: EventLog = field(default_factory=EventLog)  # notable transitions, for the console (guard/console)
     shared: SharedState | None = None  # the link to the other guards' state (shared_state), if configured
+    records: RecordStore = field(default_factory=RecordStore)  # the last requests' decision records
+    decision_log: DecisionLog | None = None  # with decision_log: every record as a JSON line
 
     def __post_init__(self) -> None:
         self.limiter = (RateLimiter(self.config.tenants, self.metrics) if self.shared is None

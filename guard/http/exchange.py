@@ -2,8 +2,9 @@
 and fills in, and the headers every answer carries.
 
 Fields are filled in stage by stage and stay None until their stage has run; a stage may rely on the
-fields of the stages before it. ``laps`` holds ``(stage, time.monotonic())`` as each stage ends, in order:
-the decision record's stage timings come from it, so marking a stage costs one clock read.
+fields of the stages before it. ``laps`` holds ``(stage, time.monotonic())`` as each stage begins, in
+order: the decision record's stage timings come from it, so marking a stage costs one clock read, and a
+refusal is charged to the stage that was running (``stage``).
 """
 
 from __future__ import annotations
@@ -45,15 +46,18 @@ class Exchange:
     outcome: Outcome = Outcome.CANCELLED  # until a stage knows better: a client that left ends here
     trace: tracing.GuardTrace | None = None  # only while tracing is on
     upstream: aiohttp.ClientResponse | None = None  # the answer being relayed, once the engine sent headers
+    backend: str | None = None  # the replica or fallback it was last sent to (X-Guard-Backend)
     revoked: GuardError | None = None  # why the guard took the request's blocks back, if it did
+    stage: str = ""  # the stage running now
     laps: list[tuple[str, float]] = field(default_factory=list)
 
     @property
     def request_id(self) -> str:
         return self.request[REQUEST_ID]
 
-    def lap(self, stage: str, now: float) -> None:
-        """``stage`` ended at ``now`` (time.monotonic())."""
+    def enter(self, stage: str, now: float) -> None:
+        """``stage`` begins at ``now`` (time.monotonic()); the one before it ends there."""
+        self.stage = stage
         self.laps.append((stage, now))
 
     def revoke(self, reason: GuardError) -> None:

@@ -18,7 +18,7 @@ from aiohttp import web
 from guard.admission.dispatch import TicketState
 from guard.errors import Outcome
 from guard.http.exchange import Exchange, stamp_headers
-from guard.http.relay import StreamObserver, UpstreamUnavailable
+from guard.http.relay import StreamObserver, UpstreamUnavailable, cached_tokens
 from guard.pool.gate import BORROWED_PRIORITY
 
 
@@ -59,6 +59,7 @@ async def forward(
     ex: Exchange, url: str, backend: str, body: bytes, observer: StreamObserver, route: str | None,
 ) -> tuple[web.StreamResponse, Outcome]:
     """Send to an engine and relay its answer. Raises ``UpstreamUnavailable`` if nothing could be sent."""
+    ex.backend = backend
     opened = await _open(ex, url, backend, body)
     if isinstance(opened, tuple):
         return opened
@@ -123,7 +124,10 @@ async def _relay_unary(ex: Exchange, upstream: aiohttp.ClientResponse, headers: 
     response, answer = await ex.clients.relay.unary(upstream, headers)
     if ex.trace is not None:
         ex.trace.upstream_end = time.monotonic()
-    observer.completion_tokens = int(((answer or {}).get("usage") or {}).get("completion_tokens", 0) or 0)
+    usage = (answer or {}).get("usage")
+    usage = usage if isinstance(usage, dict) else {}
+    observer.completion_tokens = int(usage.get("completion_tokens", 0) or 0)
+    observer.cached_tokens = cached_tokens(usage)
     if ex.revoked is not None and response.status != 200:
         return response, ex.revoked.outcome
     return response, Outcome.COMPLETED if response.status == 200 else Outcome.UPSTREAM_ERROR

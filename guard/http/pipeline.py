@@ -26,6 +26,7 @@ from guard.config import Tenant
 from guard.errors import GuardError, Outcome
 from guard.http import admit
 from guard.http.context import CLIENTS, REQUEST_ID, STATE, TENANT
+from guard.http.decision import keep_record
 from guard.http.errors import error_response
 from guard.http.exchange import Exchange, stamp_headers
 from guard.http.forward import forward, to_pool
@@ -45,19 +46,22 @@ def authenticate(request: web.Request) -> Tenant:
 
 async def completion(request: web.Request) -> web.StreamResponse:
     ex = Exchange(request, request.app[STATE], request.app[CLIENTS], time.monotonic())
+    ex.enter("auth", ex.arrived)
     if tracing.ENABLED:
         ex.trace = tracing.begin(request.headers, request.method, request.path, ex.arrived)
     response: web.StreamResponse | None = None
+    refused: GuardError | None = None
     try:
         response = await serve(ex)
         return response
     except GuardError as exc:
-        ex.outcome = exc.outcome
+        ex.outcome, refused = exc.outcome, exc
         response = error_response(exc.status, exc.message, param=exc.param, code=exc.code,
                                   retry_after=exc.retry_after, headers=exc.headers)
         return response
     finally:
         ex.count_outcome()
+        keep_record(ex, response, refused)
         if ex.trace is not None:
             end_trace(ex, response)
 
@@ -79,9 +83,11 @@ async def serve(ex: Exchange) -> web.StreamResponse:
     ex.lane = state.config.lanes[tenant.lane]
     if request.headers.get("X-Stainless-Retry-Count", "0") not in ("", "0"):
         state.metrics.child(state.metrics.client_retries, tenant.name).inc()
+    ex.enter("validate", time.monotonic())
     ex.parsed = await parse_request(request, state.config.limits.max_body_bytes)
     if ex.trace is not None:
         ex.trace.validated = time.monotonic()
+    ex.enter("route", time.monotonic())
     state.update_mode()  # arrivals move saturation between snapshots
     if state.modes.mode != "normal":  # in normal mode everything goes to the pool: nothing to decide
         route = state.router.route(state.modes.mode, ex.lane, state.over_share(tenant), state.pool.any_up())
@@ -104,21 +110,21 @@ async def serve_pool(ex: Exchange) -> web.StreamResponse:
     await ex.state.pool.wait_while_starting()  # a guard that just started may not have heard from its engines
     if (trace := ex.trace) is not None:
         trace.admission = time.monotonic()
+    ex.enter("count", time.monotonic())
     admit.refuse_if_confirmed(ex)
     await admit.count(ex)
-    ex.lap("count", time.monotonic())
+    ex.enter("size", time.monotonic())
     admit.size(ex)
     admit.make_ticket(ex)
     admit.observe(ex)
-    ex.lap("size", time.monotonic())
+    ex.enter("limits", time.monotonic())
     await admit.charge(ex)
-    ex.lap("limits", time.monotonic())
     try:
+        ex.enter("queue", time.monotonic())
         await admit.queue(ex)
-        ex.lap("queue", time.monotonic())
+        ex.enter("forward", time.monotonic())
         return await to_pool(ex)
     finally:
-        ex.lap("forward", time.monotonic())
         admit.settle(ex)
 
 
@@ -132,6 +138,7 @@ async def serve_elsewhere(ex: Exchange, route: Route) -> web.StreamResponse:
                              code="engine_unavailable", retry_after=1)
         raise GuardError(503, "the service is degraded and this lane does not use fallbacks", code="degraded",
                          retry_after=5)
+    ex.enter("fallback", time.monotonic())
     headers = stamp_headers(ex.request, route.name)
     if route.kind == "static":
         ex.outcome = Outcome.FALLBACK

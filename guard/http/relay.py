@@ -72,6 +72,7 @@ class StreamObserver:
     failed: bool = False  # the stream ended with an error event instead of its natural end
     client_gone: bool = False  # the client left or was dropped before the end: nobody got the rest
     completion_tokens: int | None = None  # from a usage chunk (or a non-streamed answer's usage)
+    cached_tokens: int | None = None  # the usage's prompt_tokens_details.cached_tokens: the engine's prefix hit
     first_at: float = 0.0  # time.monotonic() of the first token event (0.0: none yet)
     _partial: bytes = b""  # the last line so far, its newline not yet come
     _dropped: bool = False  # the previous line was a dropped usage line: a blank line after it goes too
@@ -122,6 +123,7 @@ class StreamObserver:
                 chunk = None
             if isinstance(chunk, dict) and isinstance(usage := chunk.get("usage"), dict):
                 self.completion_tokens = usage.get("completion_tokens", self.completion_tokens)
+                self.cached_tokens = cached_tokens(usage)
                 if chunk.get("choices") == []:  # the usage-only chunk carries no token
                     return self.strip_usage
         if self.events == 0:
@@ -333,3 +335,10 @@ async def _try_write(response: web.StreamResponse, data: bytes) -> None:
         await response.write_eof()
     except (ConnectionError, RuntimeError):
         pass  # the client is gone too
+
+
+def cached_tokens(usage: dict) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` when the answer reports it."""
+    details = usage.get("prompt_tokens_details")
+    value = details.get("cached_tokens") if isinstance(details, dict) else None
+    return value if isinstance(value, int) else None

@@ -4,6 +4,7 @@ list, health and metrics."""
 from __future__ import annotations
 
 import os
+import re
 
 import aiohttp
 import yarl
@@ -15,11 +16,23 @@ from guard.http.context import CLIENTS, REQUEST_ID, STATE, TENANT
 from guard.http.errors import error_response
 from guard.http.pipeline import authenticate
 
+SANE_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def request_id_of(request: web.Request) -> str:
+    """The client's own ``X-Request-Id`` when it is a sane token (1-128 of letters, digits and ``._:-``),
+    else a new one: it names the request in logs, traces and its decision record, so it must be printable
+    and short. Two requests that share a client's id share it there too; the newer record replaces the older."""
+    given = request.headers.get("X-Request-Id")
+    if given is not None and SANE_REQUEST_ID.fullmatch(given):
+        return given
+    return f"req-{os.urandom(8).hex()}"  # uuid4 costs twice as much
+
 
 @web.middleware
 async def identify(request: web.Request, handler) -> web.StreamResponse:
     """Stamp every response, errors included, with the request id and the tenant; count what is in flight."""
-    request[REQUEST_ID] = request_id = f"req-{os.urandom(8).hex()}"  # uuid4 costs twice as much
+    request[REQUEST_ID] = request_id = request_id_of(request)
     state = request.app[STATE]
     state.in_flight += 1
     try:

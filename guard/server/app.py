@@ -36,6 +36,7 @@ from guard.pool.replica import Replica
 from guard.pool.routing import CircuitBreaker, ModeMachine, Router
 from guard.pool.scheduling import profile_for
 from guard.pool.telemetry import TelemetrySubscriber
+from guard.records.log import DecisionLog
 from guard.server.monitor import monitor
 from guard.state.shared import SharedState
 
@@ -62,7 +63,8 @@ def create_app(config: GuardConfig, *, console: bool = True) -> web.Application:
     detector = Detector({t.name: t.weight for t in config.tenants})
     state = GuardState(config, KeyStore(config.tenants, config.secret), pool, profile, dispatcher, metrics,
                        ModeMachine(routing), Router(config.fallbacks, fallback_breakers), fallback_breakers,
-                       detector, Escalation(detector, dispatcher, pool, metrics, config.lanes), shared=shared)
+                       detector, Escalation(detector, dispatcher, pool, metrics, config.lanes), shared=shared,
+                       decision_log=DecisionLog(config.decision_log) if config.decision_log else None)
     for replica in pool:  # every replica's series exist from the start, at 0
         for counter in (metrics.routed, metrics.prefix_predicted, metrics.prefix_reported_hits,
                         metrics.prefix_reported_queries):
@@ -168,6 +170,8 @@ async def _cleanup(app: web.Application) -> None:
     await clients.session.close()
     if (shared := app[STATE].shared) is not None:
         await shared.close()
+    if (decisions := app[STATE].decision_log) is not None:
+        await asyncio.to_thread(decisions.close)  # what is still queued is written first
     # The exporter's last batch goes out on its own thread: a collector that is slow to answer must not
     # stall the event loop (nothing else runs on it any more, but the loop's shutdown waits for this).
     await asyncio.to_thread(tracing.shutdown)

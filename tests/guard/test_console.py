@@ -204,5 +204,14 @@ async def test_the_page_shows_live_tenants_and_pool_numbers_in_chromium(stack: S
         assert share == "100% vs 25%"
         assert "batch" in await page.evaluate("document.querySelector('[data-tenant=bulk]').innerText")
         assert await page.evaluate("document.getElementById('connection').textContent") == "live"
+        # The recent requests, bulk's among them; a click shows its decision record.
+        row = "document.querySelector('#requests tbody tr[data-request] td:nth-child(2)')"
+        await page.wait_for(f"{row} !== null && {row}.textContent === 'bulk'")
+        request_id = await page.evaluate(f"{row}.parentElement.dataset.request")
+        await page.evaluate(f"{row}.parentElement.click()")
+        await page.wait_for(f"document.getElementById('record').dataset.request === {json.dumps(request_id)}")
+        shown = json.loads(await page.evaluate("document.getElementById('record').textContent"))
+        assert shown["request_id"] == request_id and shown["tenant"] == "bulk" and shown["replica"] == "primary"
+        assert [stage["name"] for stage in shown["stages"]][-1] == "forward"
         assert_no_secret(await page.evaluate("document.documentElement.outerHTML"))
         assert page.errors == []

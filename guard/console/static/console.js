@@ -207,6 +207,36 @@ function renderEvents(snap) {
     el("span", { text: describe(e) }))));
 }
 
+// Recent requests (GET /requests): refreshed with each snapshot; a click shows the request's whole
+// decision record (GET /requests/{id}) as JSON text.
+let selected = null;
+
+function requestRow(r) {
+  const row = el("tr", { "data-request": r.request_id },
+    el("td", { text: r.request_id }), el("td", { text: r.tenant ?? "–" }), el("td", { text: r.lane ?? "–" }),
+    el("td", { class: "num", text: String(r.status ?? "–") }), el("td", { text: r.outcome }),
+    el("td", { text: r.replica ?? "–" }), el("td", { class: "num", text: r.ttft_ms == null ? "–" : r.ttft_ms.toFixed(1) }));
+  if (r.request_id === selected) row.classList.add("selected");
+  row.addEventListener("click", () => showRecord(r.request_id));
+  return row;
+}
+
+function showRecord(id) {
+  selected = id;
+  fetch(`/requests/${encodeURIComponent(id)}`).then((response) => response.json()).then((record) => {
+    const box = document.getElementById("record");
+    box.textContent = JSON.stringify(record, null, 2);
+    box.hidden = false;
+    box.dataset.request = id;
+  }).catch(() => {});
+}
+
+function renderRequests() {
+  fetch("/requests?limit=20").then((response) => response.json()).then((body) => {
+    document.querySelector("#requests tbody").replaceChildren(...body.requests.map(requestRow));
+  }).catch(() => {});
+}
+
 function render(snap) {
   if (snap.guard.event_seq < Math.max(0, ...events.keys())) events.clear();  // the guard restarted
   lastTime = snap.time;
@@ -215,6 +245,7 @@ function render(snap) {
   for (const t of snap.tenants) track(`tenant:${t.name}:service`, snap.time, t.service);  // before any share
   document.querySelector("#tenants tbody").replaceChildren(...snap.tenants.map((t) => tenantRow(snap, t)));
   renderEvents(snap);
+  renderRequests();
   document.body.dataset.updated = String(snap.time);  // when the page last heard from the guard
 }
 

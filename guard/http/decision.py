@@ -1,0 +1,51 @@
+"""A request's decision record (guard/records/), built from its ``Exchange`` once it has ended: kept in the
+guard's record store for ``GET /requests/{id}``, and written to ``decision_log`` when one is configured.
+
+Only names, numbers and the guard's own error codes go in: never the body, the prompt, an output or a key.
+A refusal's message is kept except at validation, where a message may quote what the client sent.
+"""
+
+from __future__ import annotations
+
+import time
+
+from aiohttp import web
+
+from guard.errors import GuardError
+from guard.http.exchange import Exchange
+from guard.records.record import DecisionRecord, Shed
+
+
+def keep_record(ex: Exchange, response: web.StreamResponse | None, refused: GuardError | None) -> None:
+    record = build_record(ex, response, refused)
+    ex.state.records.put(record)
+    if ex.state.decision_log is not None:
+        ex.state.decision_log.add(record)
+
+
+def build_record(ex: Exchange, response: web.StreamResponse | None, refused: GuardError | None) -> DecisionRecord:
+    now = time.monotonic()
+    tenant, parsed, ticket, observer, sizing = ex.tenant, ex.parsed, ex.ticket, ex.observer, ex.sizing
+    laps = ex.laps
+    stages = [(name, 1e3 * ((laps[i + 1][1] if i + 1 < len(laps) else now) - began))
+              for i, (name, began) in enumerate(laps)]
+    admitted = next((began for name, began in laps if name == "forward"), None)
+    record = DecisionRecord(
+        ex.request_id, tenant.name if tenant is not None else None, tenant.lane if tenant is not None else None,
+        parsed.model.model if parsed is not None else None, response.status if response is not None else None,
+        ex.outcome.value, ex.backend, None if admitted is None else 1e3 * (admitted - ex.arrived),
+        1e3 * (observer.first_at - ex.arrived) if observer is not None and observer.first_at else None,
+        stages, ticket.candidates if ticket is not None else (), time=time.time())
+    if ticket is not None and sizing is not None:
+        record.blocks, record.tokens, record.borrowed = ticket.blocks, ticket.max_tokens, ticket.borrowed
+        record.predicted_hit_tokens = ticket.hit_blocks * sizing.block_size if ticket.replica is not None else None
+    if ex.growth is not None:
+        record.growths = ex.growth.granted
+    if ex.limits is not None:
+        record.prompt_tokens = ex.limits.prompt_tokens
+    if observer is not None and ex.upstream is not None:
+        record.completion_tokens, record.reported_hit_tokens = observer.output_tokens, observer.cached_tokens
+    if refused is not None:
+        message = None if ex.stage == "validate" else refused.message
+        record.shed = Shed(ex.stage, refused.status, refused.code, message)
+    return record

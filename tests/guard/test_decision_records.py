@@ -1,0 +1,144 @@
+"""Decision records (guard/records/, guard/http/decision.py): every request's record on the admin listener,
+live through a guard in front of two real tiny engines, and the store, the log and the request-id rule on
+their own."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+from support.guard_server import GuardThread, guard_config
+from support.processes import EngineProcess, Processes
+from support.wait import until
+
+from guard.console.app import CONSOLE
+from guard.records.log import DecisionLog
+from guard.records.record import DecisionRecord, Shed
+from guard.records.store import RecordStore
+
+KEYS = {"request_id", "tenant", "lane", "model", "status", "outcome", "replica", "queue_ms", "ttft_ms", "stages",
+        "candidates", "reservation", "prefix", "usage", "shed", "time"}
+POOL_STAGES = ["auth", "validate", "route", "count", "size", "limits", "queue", "forward"]
+PROMPT = "a decision record keeps names and numbers, never the words of a prompt. " * 6  # 408 tokens
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[EngineProcess]]:
+    with Processes(tmp_path_factory.mktemp("records")) as processes:
+        spawned = [processes.engine("--num-blocks", "256", name=f"e{i}", wait=False) for i in range(2)]
+        yield [engine.wait_ready() for engine in spawned]
+
+
+def records_guard(engines: list[EngineProcess], tmp_path: Path) -> GuardThread:
+    tenants = [{"name": "acme", "api_keys": ["sk-acme"], "lane": "interactive"},
+               {"name": "limited", "api_keys": ["sk-limited"], "lane": "batch", "rpm": 1}]
+    return GuardThread(guard_config([e.url for e in engines], admin={"host": "127.0.0.1", "port": 0},
+                                    tenants=tenants, decision_log=str(tmp_path / "decisions.jsonl")))
+
+
+async def post(session: aiohttp.ClientSession, guard: GuardThread, body: dict, key: str = "sk-acme",
+               request_id: str | None = None) -> tuple[aiohttp.ClientResponse, bytes]:
+    headers = {"Authorization": f"Bearer {key}"} | ({"X-Request-Id": request_id} if request_id else {})
+    async with session.post(guard.url + "/v1/completions", json=body, headers=headers) as response:
+        return response, await response.read()
+
+
+async def record_of(session: aiohttp.ClientSession, guard: GuardThread, request_id: str) -> dict:
+    async with session.get(f"{guard.app[CONSOLE].url}/requests/{request_id}") as response:
+        assert response.status == 200, await response.text()
+        return await response.json()
+
+
+async def test_every_request_has_a_record_that_says_what_was_decided(engines, tmp_path: Path) -> None:
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8}
+    with records_guard(engines, tmp_path) as guard:
+        await until(lambda: guard.call(lambda: all(r.usable() and r.index.synced for r in guard.state.pool)),
+                    bool, 15.0)
+        async with aiohttp.ClientSession() as session:
+            for attempt in range(2):  # the second finds the prompt cached: both must report what the engine did
+                response, raw = await post(session, guard, body, request_id=f"client-id-{attempt}")
+                assert response.status == 200 and response.headers["X-Request-Id"] == f"client-id-{attempt}"
+                usage = json.loads(raw)["usage"]
+                record = await record_of(session, guard, f"client-id-{attempt}")
+                assert set(record) == KEYS
+                assert (record["tenant"], record["lane"], record["model"], record["status"], record["outcome"]) == \
+                    ("acme", "interactive", "tiny", 200, "completed")
+                assert record["replica"] == response.headers["X-Guard-Backend"]
+                assert [s["name"] for s in record["stages"]] == POOL_STAGES and all(s["ms"] >= 0 for s in record["stages"])
+                assert sorted(c["replica"] for c in record["candidates"]) == ["e0", "e1"]
+                assert all(set(c) == {"replica", "filtered_by", "scores", "total"} and
+                           set(c["scores"]) == {"prefix", "free_blocks", "idle"} for c in record["candidates"])
+                assert record["reservation"]["blocks"] > 0 and record["reservation"]["tokens"] == 8
+                assert record["reservation"]["borrowed"] >= 0 and record["reservation"]["growths"] == 0
+                assert record["prefix"]["reported_hit_tokens"] == usage["prompt_tokens_details"]["cached_tokens"]
+                assert record["usage"] == {"prompt_tokens": usage["prompt_tokens"],
+                                           "completion_tokens": usage["completion_tokens"]}
+                assert record["queue_ms"] >= 0 and record["ttft_ms"] is None and record["shed"] is None
+                text = json.dumps(record)
+                assert "decision record keeps" not in text and "sk-acme" not in text
+                index = guard.state.pool.by_name[record["replica"]].index
+                await until(lambda: guard.call(lambda: len(index)), lambda n: n >= 25, 10.0)  # noqa: B023
+            assert record["prefix"]["predicted_hit_tokens"] > 0  # the second: its replica's index had the prompt
+
+            async with session.post(guard.url + "/v1/completions", json={**body, "stream": True},
+                                    headers={"Authorization": "Bearer sk-acme"}) as response:
+                assert response.status == 200
+                streamed = response.headers["X-Request-Id"]
+                await response.read()
+            record = await record_of(session, guard, streamed)
+            assert record["ttft_ms"] > 0 and record["usage"]["completion_tokens"] == 8
+
+            await post(session, guard, body, key="sk-limited")
+            response, _ = await post(session, guard, body, key="sk-limited", request_id="over-rpm")
+            assert response.status == 429
+            shed = (await record_of(session, guard, "over-rpm"))["shed"]
+            assert (shed["stage"], shed["status"], shed["code"]) == ("limits", 429, "rate_limit_exceeded")
+            assert "rpm" in shed["message"]
+            response, _ = await post(session, guard, {"model": "tiny", "prompt": PROMPT, "max_tokens": -3},
+                                     request_id="invalid")
+            invalid = await record_of(session, guard, "invalid")
+            assert response.status == 400 and invalid["shed"]["stage"] == "validate"
+            assert invalid["shed"]["message"] is None and invalid["reservation"]["blocks"] is None
+            response, _ = await post(session, guard, body, key="sk-unknown", request_id="who")
+            assert response.status == 401 and (await record_of(session, guard, "who"))["shed"]["stage"] == "auth"
+
+            response, _ = await post(session, guard, body, request_id="not a sane id")
+            assert response.headers["X-Request-Id"].startswith("req-")
+            async with session.get(f"{guard.app[CONSOLE].url}/requests/nothing-by-that-id") as missing:
+                assert missing.status == 404
+            async with session.get(f"{guard.app[CONSOLE].url}/requests?limit=3") as recent:
+                listed = (await recent.json())["requests"]
+            assert [r["request_id"] for r in listed][1:] == ["who", "invalid"] and len(listed) == 3
+    lines = [json.loads(line) for line in (tmp_path / "decisions.jsonl").read_text().splitlines()]
+    assert len(lines) == 8 and lines[0]["request_id"] == "client-id-0" and set(lines[0]) == KEYS
+
+
+def a_record(request_id: str) -> DecisionRecord:
+    return DecisionRecord(request_id, "acme", "batch", "tiny", 429, "rejected_quota", None, None, None,
+                          [("auth", 0.01), ("limits", 0.2)], (), shed=Shed("limits", 429, "rate_limit_exceeded", "x"))
+
+
+def test_the_store_keeps_the_newest_and_a_reused_id_replaces_its_record() -> None:
+    store = RecordStore(capacity=3)
+    for i in range(5):
+        store.put(a_record(f"r{i}"))
+    assert len(store) == 3 and store.get("r1") is None and store.get("r2") is not None
+    store.put(a_record("r2"))
+    assert [r.request_id for r in store.recent(10)] == ["r2", "r4", "r3"]
+    assert [r.request_id for r in store.recent(1)] == ["r2"] and store.recent(0) == []
+
+
+def test_the_log_writes_one_line_per_record_and_rotates_by_size(tmp_path: Path) -> None:
+    log = DecisionLog(tmp_path / "d.jsonl", max_bytes=2000, backups=2)
+    for i in range(40):
+        log.add(a_record(f"r{i}"))
+    log.close()
+    files = sorted(tmp_path.iterdir())
+    assert [f.name for f in files] == ["d.jsonl", "d.jsonl.1", "d.jsonl.2"]
+    assert all(f.stat().st_size <= 2000 for f in files)
+    newest = [json.loads(line) for line in (tmp_path / "d.jsonl").read_text().splitlines()]
+    assert newest[-1]["request_id"] == "r39" and newest[-1]["shed"]["stage"] == "limits"
+    assert newest[-1]["stages"] == [{"name": "auth", "ms": 0.01}, {"name": "limits", "ms": 0.2}]
