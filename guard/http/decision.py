@@ -24,18 +24,12 @@ def keep_record(ex: Exchange, response: web.StreamResponse | None, refused: Guar
 
 
 def build_record(ex: Exchange, response: web.StreamResponse | None, refused: GuardError | None) -> DecisionRecord:
-    now = time.monotonic()
     tenant, parsed, ticket, observer, sizing = ex.tenant, ex.parsed, ex.ticket, ex.observer, ex.sizing
-    laps = ex.laps
-    stages = [(name, 1e3 * ((laps[i + 1][1] if i + 1 < len(laps) else now) - began))
-              for i, (name, began) in enumerate(laps)]
-    admitted = next((began for name, began in laps if name == "forward"), None)
     record = DecisionRecord(
         ex.request_id, tenant.name if tenant is not None else None, tenant.lane if tenant is not None else None,
         parsed.model.model if parsed is not None else None, response.status if response is not None else None,
-        ex.outcome.value, ex.backend, None if admitted is None else 1e3 * (admitted - ex.arrived),
-        1e3 * (observer.first_at - ex.arrived) if observer is not None and observer.first_at else None,
-        stages, ticket.candidates if ticket is not None else (), time=time.time())
+        ex.outcome.value, ex.backend, ex.arrived, time.monotonic(), observer.first_at if observer is not None else 0.0,
+        ex.laps, ticket.candidates if ticket is not None else (), time=time.time())
     if ticket is not None and sizing is not None:
         record.blocks, record.tokens, record.borrowed = ticket.blocks, ticket.max_tokens, ticket.borrowed
         record.predicted_hit_tokens = ticket.hit_blocks * sizing.block_size if ticket.replica is not None else None

@@ -1,8 +1,9 @@
 """One request's decision record, built once when the request ends (guard/http/pipeline.py).
 
-The fields are plain values taken from the request's ``Exchange``; ``candidates`` are the scheduling
-profile's ``Candidate`` objects as ranked, turned into dicts only by ``to_dict`` (when the record is read or
-logged), so that building a record costs the hot path one object.
+The fields are plain values taken from the request's ``Exchange``, the times as ``time.monotonic()`` readings:
+stage timings, queue time and TTFT, and the candidates (the scheduling profile's ``Candidate`` objects as
+ranked) become milliseconds and dicts only in ``to_dict``, when the record is read or logged, so that
+keeping a record costs the hot path one object.
 """
 
 from __future__ import annotations
@@ -35,9 +36,10 @@ class DecisionRecord:
     status: int | None  # the answer's HTTP status (None: the client left before one was sent)
     outcome: str  # guard_requests_total's outcome
     replica: str | None  # where it was served: a replica (X-Guard-Backend) or a fallback's name
-    queue_ms: float | None  # arrival to admission (None: never admitted to the pool)
-    ttft_ms: float | None  # arrival to the first streamed token
-    stages: Sequence[tuple[str, float]]  # (stage, ms) in the order they ran
+    arrived: float  # time.monotonic() of its arrival
+    ended: float  # and of its end
+    first_token: float  # of its first streamed token (0.0: none)
+    laps: Sequence[tuple[str, float]]  # (stage, when it began) in the order they ran
     candidates: Sequence[Candidate]
     blocks: int | None = None
     tokens: int | None = None  # the output the reservation covers, per sequence, at its end
@@ -50,12 +52,28 @@ class DecisionRecord:
     shed: Shed | None = None
     time: float = 0.0  # when it ended (Unix seconds)
 
+    @property
+    def queue_ms(self) -> float | None:
+        """Arrival to admission to the pool (the forward stage's start); None when never admitted."""
+        admitted = next((began for name, began in self.laps if name == "forward"), None)
+        return None if admitted is None else _ms(1e3 * (admitted - self.arrived))
+
+    @property
+    def ttft_ms(self) -> float | None:
+        """Arrival to the first streamed token; None for an answer that was not streamed."""
+        return _ms(1e3 * (self.first_token - self.arrived)) if self.first_token else None
+
+    def stages(self) -> list[dict[str, Any]]:
+        laps, ended = self.laps, self.ended
+        return [{"name": name, "ms": _ms(1e3 * ((laps[i + 1][1] if i + 1 < len(laps) else ended) - began))}
+                for i, (name, began) in enumerate(laps)]
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "request_id": self.request_id, "tenant": self.tenant, "lane": self.lane, "model": self.model,
             "status": self.status, "outcome": self.outcome, "replica": self.replica,
-            "queue_ms": _ms(self.queue_ms), "ttft_ms": _ms(self.ttft_ms), "time": round(self.time, 3),
-            "stages": [{"name": name, "ms": _ms(ms)} for name, ms in self.stages],
+            "queue_ms": self.queue_ms, "ttft_ms": self.ttft_ms, "time": round(self.time, 3),
+            "stages": self.stages(),
             "candidates": [candidate.as_record() for candidate in self.candidates],
             "reservation": {"blocks": self.blocks, "tokens": self.tokens, "borrowed": self.borrowed,
                             "growths": self.growths},
@@ -69,7 +87,7 @@ class DecisionRecord:
     def summary(self) -> dict[str, Any]:
         """The fields a list of recent requests shows."""
         return {"request_id": self.request_id, "tenant": self.tenant, "lane": self.lane, "status": self.status,
-                "outcome": self.outcome, "replica": self.replica, "ttft_ms": _ms(self.ttft_ms),
+                "outcome": self.outcome, "replica": self.replica, "ttft_ms": self.ttft_ms,
                 "time": round(self.time, 3)}
 
 

@@ -117,8 +117,8 @@ async def test_every_request_has_a_record_that_says_what_was_decided(engines, tm
 
 
 def a_record(request_id: str) -> DecisionRecord:
-    return DecisionRecord(request_id, "acme", "batch", "tiny", 429, "rejected_quota", None, None, None,
-                          [("auth", 0.01), ("limits", 0.2)], (), shed=Shed("limits", 429, "rate_limit_exceeded", "x"))
+    return DecisionRecord(request_id, "acme", "batch", "tiny", 429, "rejected_quota", None, 10.0, 10.00021, 0.0,
+                          [("auth", 10.0), ("limits", 10.00001)], (), shed=Shed("limits", 429, "rate_limit_exceeded", "x"))
 
 
 def test_the_store_keeps_the_newest_and_a_reused_id_replaces_its_record() -> None:

@@ -20,25 +20,22 @@ class Profile:
         self.filters = tuple(filters)
         self.scorers = tuple(scorers)
         self.picker = picker
+        # Whether a scorer reads prefix hits (the guard then hashes each prompt's blocks).
+        self.needs_hashes = any(scorer.reads_prefix for scorer, _ in self.scorers)
         self._turn = 0
-
-    @property
-    def needs_hashes(self) -> bool:
-        """Whether a scorer reads prefix hits (the guard then hashes each prompt's blocks)."""
-        return any(scorer.reads_prefix for scorer, _ in self.scorers)
 
     def rank(self, replicas: Sequence[Replica], blocks: int, hashes: Sequence[Sequence[bytes]]) -> list[Candidate]:
         """The usable replicas in the order to try. ``hashes``: each prompt's full-block hashes, empty when
         not computed."""
         usable = [r for r in replicas if r.usable()]
-        if len(usable) > 1:
-            self._turn = (self._turn + 1) % len(usable)
-            usable = usable[self._turn:] + usable[:self._turn]
+        if len(usable) < 2:  # nothing to choose between (and a pool of one follows no KV events)
+            return [Candidate(r, sum(r.index.leading_cached(h) for h in hashes) if self.needs_hashes else 0)
+                    for r in usable]
+        self._turn = (self._turn + 1) % len(usable)
+        usable = usable[self._turn:] + usable[:self._turn]
         read = self.needs_hashes and hashes
         hits = {r: sum(r.index.leading_cached(h) for h in hashes) if read else 0 for r in usable}
         candidates = [Candidate(r, hits[r]) for r in usable]
-        if len(candidates) < 2:  # nothing to choose between
-            return candidates
         loads = [r.in_flight for r in usable]
         ctx = Context(usable, blocks, hits, sum(len(h) for h in hashes), max(loads) or 1, min(loads))
         self._filter(candidates, ctx)
