@@ -139,10 +139,14 @@ def announce(config: GuardConfig, workers: int) -> None:
 
 
 def run(config: GuardConfig, path: Path, *, console: bool = True, reuse_port: bool = False,
-        metrics_port: int | None = None, name: str = "guard", loop: str = "auto") -> int:
+        metrics_port: int | None = None, name: str = "guard", loop: str = "auto", worker: int | None = None) -> int:
     """One guard process, serving until a signal ends it."""
     raise_descriptor_limit()  # before create_app, which sizes the connection cap from it
-    app = create_app(config, console=console)
+    try:
+        app = create_app(config, console=console, worker=worker)
+    except OSError as exc:  # a file the configuration names that cannot be opened (decision_log)
+        print(f"{name}: cannot start: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     if metrics_port is not None:
         serve_metrics(app, config.listen.host, metrics_port, name)
     reload_on_sighup(app, path)
@@ -191,10 +195,8 @@ def worker(config: GuardConfig, args: argparse.Namespace) -> int:
     """Worker ``args.worker_index`` of a supervisor: one guard on the shared port."""
     die_with(args.parent_pid)
     index = args.worker_index
-    if (path := config.decision_log) is not None:  # one file per process: rotation is not shared
-        config = config.model_copy(update={"decision_log": path.with_name(f"{path.stem}.worker{index}{path.suffix}")})
     return run(config, Path(args.config), console=index == 0, reuse_port=True, metrics_port=args.metrics_port,
-               name=f"guard worker {index}", loop=args.loop)
+               name=f"guard worker {index}", loop=args.loop, worker=index)
 
 
 def die_with(parent: int | None) -> None:

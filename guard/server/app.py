@@ -43,9 +43,9 @@ from guard.state.shared import SharedState
 log = logging.getLogger("guard")
 
 
-def create_app(config: GuardConfig, *, console: bool = True) -> web.Application:
+def create_app(config: GuardConfig, *, console: bool = True, worker: int | None = None) -> web.Application:
     """The guard's application; ``console`` False leaves out the admin listener even when ``admin`` is
-    configured (every worker but the first of ``--workers N``)."""
+    configured (every worker but the first of ``--workers N``); ``worker``: this process's index among them."""
     guard_tenants = {t.name for t in config.tenants}
     routing = config.routing
 
@@ -64,7 +64,7 @@ def create_app(config: GuardConfig, *, console: bool = True) -> web.Application:
     state = GuardState(config, KeyStore(config.tenants, config.secret), pool, profile, dispatcher, metrics,
                        ModeMachine(routing), Router(config.fallbacks, fallback_breakers), fallback_breakers,
                        detector, Escalation(detector, dispatcher, pool, metrics, config.lanes), shared=shared,
-                       decision_log=DecisionLog(config.decision_log) if config.decision_log else None)
+                       decision_log=DecisionLog(config.decision_log, worker=worker) if config.decision_log else None)
     for replica in pool:  # every replica's series exist from the start, at 0
         for counter in (metrics.routed, metrics.prefix_predicted, metrics.prefix_reported_hits,
                         metrics.prefix_reported_queries):

@@ -7,17 +7,26 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import aiohttp
 import pytest
+from multidict import CIMultiDict
+from support.admission_parts import BASE, write
 from support.guard_server import GuardThread, guard_config
 from support.processes import EngineProcess, Processes
 from support.wait import until
 
+from guard.config import ConfigError, load_config
 from guard.console.app import CONSOLE
+from guard.http.context import STATE
+from guard.http.routes import request_id_of
+from guard.pool.scheduling.plugin import Candidate
 from guard.records.log import DecisionLog
 from guard.records.record import DecisionRecord, Shed
 from guard.records.store import RecordStore
+from guard.server.app import create_app
+from guard.server.reload import restart_only_changes
 
 KEYS = {"request_id", "tenant", "lane", "model", "status", "outcome", "replica", "queue_ms", "ttft_ms", "stages",
         "candidates", "reservation", "prefix", "usage", "shed", "time"}
@@ -142,3 +151,74 @@ def test_the_log_writes_one_line_per_record_and_rotates_by_size(tmp_path: Path) 
     newest = [json.loads(line) for line in (tmp_path / "d.jsonl").read_text().splitlines()]
     assert newest[-1]["request_id"] == "r39" and newest[-1]["shed"]["stage"] == "limits"
     assert newest[-1]["stages"] == [{"name": "auth", "ms": 0.01}, {"name": "limits", "ms": 0.2}]
+
+
+def test_to_dict_has_exactly_the_contracts_keys() -> None:
+    candidate = Candidate(SimpleNamespace(name="e1"), 2, "saturation", {"prefix": 0.5, "idle": 1.0}, 2.0)
+    record = DecisionRecord("r", "acme", "interactive", "tiny", 200, "completed", "e0", 1.0, 1.5, 1.25,
+                            [("auth", 1.0), ("forward", 1.125)], [candidate], blocks=3, tokens=8, borrowed=0,
+                            predicted_hit_tokens=32, reported_hit_tokens=16, prompt_tokens=40, completion_tokens=8)
+    shown = record.to_dict()
+    assert set(shown) == KEYS and shown["shed"] is None
+    assert (shown["queue_ms"], shown["ttft_ms"]) == (125.0, 250.0)
+    assert shown["stages"] == [{"name": "auth", "ms": 125.0}, {"name": "forward", "ms": 375.0}]
+    assert shown["candidates"] == [{"replica": "e1", "filtered_by": "saturation", "scores": {"prefix": 0.5, "idle": 1.0},
+                                    "total": 2.0}]
+    assert shown["reservation"] == {"blocks": 3, "tokens": 8, "borrowed": 0, "growths": 0}
+    assert shown["prefix"] == {"predicted_hit_tokens": 32, "reported_hit_tokens": 16}
+    assert shown["usage"] == {"prompt_tokens": 40, "completion_tokens": 8}
+    assert set(a_record("r").to_dict()["shed"]) == {"stage", "status", "code", "message"}
+
+
+@pytest.mark.parametrize(("given", "kept"), [
+    ("abc-123", True), ("trace:1.2_x-Y", True), ("a" * 128, True),
+    ("a" * 129, False), ("has space", False), ("r\u00e9q-1", False), ("", False), ("a/b", False), ("a\tb", False),
+])
+def test_a_clients_request_id_is_kept_only_when_it_is_a_sane_token(given: str, kept: bool) -> None:
+    chosen = request_id_of(SimpleNamespace(headers=CIMultiDict({"x-request-id": given})))
+    assert (chosen == given) is kept
+    if not kept:
+        assert chosen.startswith("req-") and len(chosen) == 20
+
+
+def test_a_request_without_an_id_gets_a_fresh_one() -> None:
+    ids = {request_id_of(SimpleNamespace(headers=CIMultiDict())) for _ in range(3)}
+    assert len(ids) == 3 and all(i.startswith("req-") for i in ids)
+
+
+@pytest.mark.parametrize("where", ["{tmp}", "{tmp}/absent/d.jsonl"])  # a directory; a missing one
+def test_a_decision_log_path_is_checked_with_the_config(tmp_path: Path, where: str) -> None:
+    path = write(tmp_path, BASE + f"decision_log: {where.format(tmp=tmp_path)}\n")
+    with pytest.raises(ConfigError, match="decision_log: .*must be a file in an existing directory"):
+        load_config(path)
+
+
+def test_a_log_that_cannot_be_opened_names_the_key_and_the_path(tmp_path: Path) -> None:
+    (tmp_path / "taken").mkdir()  # a directory where the file should be
+    with pytest.raises(OSError, match=f"decision_log {tmp_path / 'taken'}: cannot open"):
+        DecisionLog(tmp_path / "taken")
+
+
+def test_a_record_that_cannot_be_written_does_not_stop_the_writer(tmp_path: Path) -> None:
+    class Broken:
+        def as_record(self) -> dict:
+            raise RuntimeError("broken")
+
+    log = DecisionLog(tmp_path / "d.jsonl")
+    bad = a_record("bad")
+    bad.candidates = [Broken()]
+    for record in (a_record("before"), bad, a_record("after")):
+        log.add(record)
+    log.close()
+    assert [json.loads(line)["request_id"] for line in (tmp_path / "d.jsonl").read_text().splitlines()] == \
+        ["before", "after"]
+
+
+def test_each_worker_writes_its_own_file_and_keeps_the_path_it_was_given(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, BASE + f"decision_log: {tmp_path / 'decisions.jsonl'}\n"))
+    state = create_app(config, worker=1)[STATE]
+    try:
+        assert state.decision_log.path == tmp_path / "decisions.worker1.jsonl" and state.decision_log.path.exists()
+        assert restart_only_changes(state.config, load_config(tmp_path / "guard.yaml")) == []  # a reload can apply
+    finally:
+        state.decision_log.close()
