@@ -158,9 +158,9 @@ def add_record_routes(app: web.Application, state: GuardState) -> None:
     async def record(request: web.Request) -> web.Response:
         found = state.records.get(request.match_info["request_id"])
         if found is None:
-            return web.json_response({"error": {"message": "no record of that request: unknown, or older than the "
-                                                "last 10,000", "type": "not_found_error", "code": "record_not_found"}},
-                                     status=404)
+            message = f"no record of that request: unknown, or older than the last {state.records.capacity:,}"
+            return web.json_response({"error": {"message": message, "type": "not_found_error",
+                                                "code": "record_not_found"}}, status=404)
         return _json(found.to_dict())
 
     async def recent(request: web.Request) -> web.Response:
