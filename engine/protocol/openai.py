@@ -1,11 +1,12 @@
-"""Pydantic models shared by the engine and the guard: the telemetry snapshot and the OpenAI API subset.
+"""OpenAI-compatible API subsets: the bodies of ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
+``/tokenize`` and ``/tokenizer``, and their answers.
 
-Importable without torch (the guard never loads it).
+Requests are strict about types ("12" is not a number) and ignore fields they do not know, as OpenAI does;
+fields OpenAI defines but this engine cannot honour are rejected when set, rather than silently ignored.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -14,85 +15,11 @@ from pydantic import (
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
-    ValidationError,
     ValidationInfo,
     field_validator,
     model_serializer,
     model_validator,
 )
-
-
-class TenantUsage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    blocks: int = 0  # distinct device blocks held by the tenant's running sequences
-    running: int = 0
-    waiting: int = 0
-    preemptions_total: int = 0
-    prompt_tokens_total: int = 0
-    generation_tokens_total: int = 0
-
-
-class StepProgress(BaseModel):
-    """The payload of the telemetry stream's busy heartbeat (``: busy {...}``, an SSE comment sent while one
-    step runs): the running step has run ``step_running_s``; ``step`` is the last snapshot this stream sent
-    (None before the first), and no step boundary has been published since."""
-
-    model_config = ConfigDict(extra="ignore")  # the engine may say more; these two are the contract
-
-    step: int | None
-    step_running_s: float = Field(ge=0)
-
-
-class TelemetrySnapshot(BaseModel):
-    """The engine's state after one step. Counters (``*_total``) only grow; rates cover the last second.
-
-    The device pool is partitioned exactly as the metric ``engine_kv_blocks{state}`` partitions it:
-    ``free_blocks + cached_blocks + used_blocks == num_blocks``. Free and cached blocks are both
-    reclaimable (a new request can take either); a cached one still holds a prefix a later request may reuse.
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    time: float = Field(description="unix time of the snapshot")
-    step: int
-    model: str
-    block_size: int
-    num_blocks: int
-    free_blocks: int = Field(description="device blocks that hold nothing: neither a running sequence's KV "
-                             "nor a cached prefix")
-    cached_blocks: int = Field(description="device blocks no running sequence holds that keep a reusable prefix")
-    swap_blocks: int
-    swap_used_blocks: int
-    num_running: int
-    num_waiting: int
-    num_swapped: int
-    preemptions_total: int
-    preemptions_recompute_total: int
-    preemptions_swap_total: int
-    prefix_cache_queries_total: int = Field(description="prompt tokens looked up in the prefix cache")
-    prefix_cache_hits_total: int = Field(description="prompt tokens served from the prefix cache")
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    step_time_s: float
-    itl_s: float
-    tokens_per_s: float
-    bytes_moved_per_s: float
-    peak_bandwidth_bytes_per_s: float
-    bandwidth_utilization: float = Field(ge=0.0, le=1.0)
-    healthy: bool
-    tenants: dict[str, TenantUsage] = Field(default_factory=dict)
-
-    @property
-    def used_blocks(self) -> int:
-        """Device blocks held by running sequences: what is not reclaimable."""
-        return self.num_blocks - self.free_blocks - self.cached_blocks
-
-
-# ---------------------------------------------------------------------------------------------------------
-# OpenAI-compatible API subsets (/v1/completions, /v1/chat/completions, /v1/models, errors).
-# Requests are strict about types ("12" is not a number) and ignore fields they do not know, as OpenAI does;
-# fields OpenAI defines but this engine cannot honour are rejected when set, rather than silently ignored.
 
 
 def _unsupported(value: Any) -> Any:
@@ -485,117 +412,3 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
-
-
-def error_type(status: int) -> str:
-    """OpenAI's error ``type`` for an answer with ``status``: the one table of the engine and the guard.
-
-    As OpenAI's API answers: a 4xx is ``invalid_request_error`` (a refused key and an unknown model too; their
-    ``code``, ``invalid_api_key`` or ``model_not_found``, tells them apart), except 429 ``rate_limit_error``;
-    a 5xx is ``server_error``, except 503 ``service_unavailable_error``. OpenAI's SDKs choose their exception
-    class by status alone, so ``type`` is for people and ``code`` for programs.
-    """
-    if status == 429:
-        return "rate_limit_error"
-    if status == 503:
-        return "service_unavailable_error"
-    return "invalid_request_error" if status < 500 else "server_error"
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorDetail
-
-    @classmethod
-    def of(cls, status: int, message: str, *, param: str | None = None, code: str | None = None) -> ErrorResponse:
-        return cls(error=ErrorDetail(message=message, type=error_type(status), param=param, code=code))
-
-
-# Server-sent events, framed one way by the engine and the guard. Each payload is one line (JSON is), so one
-# ``data:`` line carries it. A stream that completes ends with ``SSE_DONE``; one that fails after it started
-# ends with ``sse_error`` and no ``SSE_DONE``, so that a client can tell the two apart.
-SSE_DONE = b"data: [DONE]\n\n"
-
-
-def sse_data(payload: str) -> bytes:
-    return b"data: " + payload.encode() + b"\n\n"
-
-
-def sse_event(name: str, payload: str) -> bytes:
-    return b"event: " + name.encode() + b"\ndata: " + payload.encode() + b"\n\n"
-
-
-def sse_comment(text: str) -> bytes:
-    """A line every client skips: a heartbeat that keeps an idle stream (and the proxies on its way) open."""
-    return b": " + text.encode() + b"\n\n"
-
-
-def sse_error(error: ErrorResponse) -> bytes:
-    return sse_event("error", error.model_dump_json())
-
-
-# Tags pydantic puts in an error location for the union member (or constrained type) that was tried.
-_TYPE_TAGS = {"str", "int", "float", "bool", "none"}
-_FIELD = re.compile(r"[a-z_][a-z0-9_]*")
-
-
-def validation_error_param(exc: ValidationError) -> tuple[str | None, str]:
-    """The ``param`` (a path such as ``messages[0].content``, None for a body that is no JSON object) and
-    the message of a request's first validation error, for the OpenAI error shape.
-
-    A value that fails every member of a union has one error per member; the deepest is the most specific
-    (``content[0].type`` rather than "content is not a string").
-    """
-    errors = exc.errors(include_url=False)
-    field = errors[0]["loc"][:1]
-    error = max((e for e in errors if e["loc"][:1] == field), key=lambda e: len(e["loc"]))
-    if error["type"] in ("json_invalid", "json_type", "model_type", "model_attributes_type"):
-        return None, f"must be a JSON object: {error['msg']}"
-    param = ""
-    for part in error["loc"]:
-        if isinstance(part, int):
-            param += f"[{part}]"
-        elif _FIELD.fullmatch(part) and part not in _TYPE_TAGS:
-            param += f".{part}" if param else part
-    return param or None, str(error["msg"]).removeprefix("Value error, ")
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The KV-cache event stream, ``GET /kv/events`` (docs/kv_events.md): which full blocks an engine's prefix
-# cache holds, so that a router can count a request's exact prefix hits on each replica. A block hash is
-# the 16-byte digest of engine/kv/hashing.py, sent as 32 lowercase hex digits.
-
-KV_SNAPSHOT_EVENT = "snapshot"
-KV_BLOCKS_EVENT = "blocks"
-_KV_WIRE = ConfigDict(extra="ignore", ser_json_bytes="hex", val_json_bytes="hex")  # the engine may say more
-BlockHash = Annotated[bytes, Field(min_length=16, max_length=16)]
-
-
-class KVCacheSnapshot(BaseModel):
-    """The first event of every ``/kv/events`` stream: every hash in the prefix-cache index once the batches
-    up to ``seq`` are applied (0: none yet), and the engine's ``block_size``."""
-
-    model_config = _KV_WIRE
-
-    seq: int = Field(ge=0)
-    block_size: int = Field(gt=0)
-    hashes: list[BlockHash]
-
-
-class KVCacheBlocks(BaseModel):
-    """One step's net change of the index; a stream sends them with ``seq`` rising by exactly 1.
-
-    ``stored`` and ``removed`` are disjoint, each stored hash was absent before and each removed one present,
-    so the two lists may be applied in either order; one of them is not empty."""
-
-    model_config = _KV_WIRE
-
-    seq: int = Field(ge=1)
-    stored: list[BlockHash]
-    removed: list[BlockHash]
