@@ -1,2 +1,2 @@
-"""The engine's HTTP side: the aiohttp app, OpenAI endpoints, the async engine that drives the step loop
-from a thread, SSE, errors and Prometheus metrics. Never waits on a step."""
+"""The engine's HTTP side: the aiohttp app, OpenAI endpoints, SSE, errors, Prometheus metrics and tracing,
+over the ``AsyncEngine`` (engine/async_engine.py). Never waits on a step."""

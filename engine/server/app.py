@@ -38,15 +38,15 @@ import time
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.protocol import ModelCard, ModelList, StepProgress
+from engine.request_stream import EngineUnavailable
 from engine.server import tracing
-from engine.server.async_engine import AsyncEngine
 from engine.server.errors import ApiError, openai_errors
 from engine.server.kv_events import KVEventsHandler
 from engine.server.metrics import EngineReading
 from engine.server.openai_api import OpenAIHandlers
-from engine.server.request_stream import EngineUnavailable
 from engine.server.sse import open_stream, send_comment, send_data, send_error
 
 # The telemetry stream's cadence (see the module docstring): something every HEARTBEAT_S at most, a snapshot

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from engine.prompting.prompts import PromptError
 from engine.protocol import ErrorResponse, validation_error_param
-from engine.server.request_stream import EngineUnavailable, RequestFailed
+from engine.request_stream import EngineUnavailable, RequestFailed
 
 log = logging.getLogger("engine.server.app")
 

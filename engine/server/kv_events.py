@@ -38,8 +38,8 @@ from aiohttp import web
 
 from engine.kv.events import KVEventBatch
 from engine.protocol import KV_BLOCKS_EVENT, KV_SNAPSHOT_EVENT, KVCacheBlocks, KVCacheSnapshot, sse_event
+from engine.request_stream import EngineUnavailable
 from engine.server.errors import ApiError
-from engine.server.request_stream import EngineUnavailable
 from engine.server.sse import open_stream, send_comment, send_error
 
 # 4 MiB of unsent events: about 120,000 block hashes, far more than a subscriber that keeps up ever holds

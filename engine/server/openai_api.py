@@ -37,6 +37,7 @@ from typing import Protocol, TypeVar, cast
 from aiohttp import web
 from pydantic import ValidationError
 
+from engine.async_engine import AsyncEngine
 from engine.core import EngineCore
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.prompting.prompts import PromptCounter, check_context
@@ -59,12 +60,11 @@ from engine.protocol import (
     ToolCallDelta,
     Usage,
 )
+from engine.request_stream import EngineUnavailable, RequestFailed, RequestStream
 from engine.sampling_params import SamplingParams
 from engine.sched.request import Request
 from engine.server import tracing
-from engine.server.async_engine import AsyncEngine
 from engine.server.errors import ApiError
-from engine.server.request_stream import EngineUnavailable, RequestFailed, RequestStream
 from engine.server.sse import open_stream, send_data, send_done, send_error
 from engine.structured.spec import Grammar, GrammarSpec, response_format_grammar
 from engine.structured.tool_calls import ToolCalling

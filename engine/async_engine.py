@@ -54,10 +54,10 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.kv.events import KVEventBatch
 from engine.outputs import RequestOutput
+from engine.request_stream import EngineUnavailable, RequestFailed, RequestStream
 from engine.sched.request import Request
 from engine.server.kv_events import KVEventFeed
 from engine.server.metrics import EngineMetrics, EngineReading, LatencyRecorder
-from engine.server.request_stream import EngineUnavailable, RequestFailed, RequestStream
 from engine.server.tracing import Timeline, record_step
 
 log = logging.getLogger("engine.async")
