@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.triton_softmax import paged_online_softmax
+
 # Query heads of one KV head are padded to at least 16 rows: the smallest tile tensor cores take.
 MIN_HEAD_ROWS = 16
 
@@ -109,27 +111,10 @@ def _decode_partial_kernel(
 
     table = block_tables_ptr + seq.to(tl.int64) * table_stride
     head_base = cache_ptr + kv_head * cache_stride_head
-    best = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    total = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for tile in range(start, end, BLOCK_N):
-        pos = tile + tl.arange(0, BLOCK_N)
-        valid = pos < end
-        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        offsets = block * cache_stride_block + (pos % BLOCK_SIZE) * cache_stride_slot
-        kv_mask = valid[:, None] & dim_ok[None, :]
-        key = tl.load(head_base + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        scores = tl.dot(query, tl.trans(key), input_precision="ieee") * scale_log2
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        new_best = tl.maximum(best, tl.max(scores, 1))
-        probs = tl.math.exp2(scores - new_best[:, None])
-        rescale = tl.math.exp2(best - new_best)
-        total = total * rescale + tl.sum(probs, 1)
-        value = tl.load(
-            head_base + cache_stride_kv + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0
-        )
-        acc = acc * rescale[:, None] + tl.dot(probs.to(value.dtype), value, input_precision="ieee")
-        best = new_best
+    acc, best, total = paged_online_softmax(
+        query, table, head_base, start, end, None, scale_log2, cache_stride_kv, cache_stride_block,
+        cache_stride_slot, BLOCK_H, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, CAUSAL=False,
+    )
 
     out_rows = (
         seq.to(tl.int64) * partial_stride_seq + heads * partial_stride_head + split * partial_stride_split

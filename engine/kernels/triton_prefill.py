@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.triton_softmax import paged_online_softmax
+
 NUM_WARPS = 8
 
 
@@ -89,28 +91,10 @@ def _prefill_kernel(
     table = block_tables_ptr + seq.to(tl.int64) * table_stride
     head_base = cache_ptr + kv_head * cache_stride_head
     last = tl.minimum(context_start + first + BLOCK_Q, seq_len)
-    best = tl.full([BLOCK_Q * BLOCK_G], float("-inf"), tl.float32)
-    total = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_D], tl.float32)
-    for tile in range(0, last, BLOCK_N):
-        pos = tile + tl.arange(0, BLOCK_N)
-        key_ok = pos < last
-        block = tl.load(table + pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
-        offsets = block * cache_stride_block + (pos % BLOCK_SIZE) * cache_stride_slot
-        kv_mask = key_ok[:, None] & dim_ok[None, :]
-        key = tl.load(head_base + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        scores = tl.dot(query, tl.trans(key), input_precision="ieee") * scale_log2
-        visible = key_ok[None, :] & (pos[None, :] <= query_pos[:, None])
-        scores = tl.where(visible, scores, float("-inf"))
-        new_best = tl.maximum(best, tl.max(scores, 1))
-        probs = tl.math.exp2(scores - new_best[:, None])
-        rescale = tl.math.exp2(best - new_best)
-        total = total * rescale + tl.sum(probs, 1)
-        value = tl.load(
-            head_base + cache_stride_kv + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0
-        )
-        acc = acc * rescale[:, None] + tl.dot(probs.to(value.dtype), value, input_precision="ieee")
-        best = new_best
+    acc, _, total = paged_online_softmax(
+        query, table, head_base, 0, last, query_pos, scale_log2, cache_stride_kv, cache_stride_block,
+        cache_stride_slot, BLOCK_Q * BLOCK_G, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, CAUSAL=True,
+    )
 
     out_rows = (query_start + token).to(tl.int64) * out_stride_t + heads * out_stride_h
     tl.store(
