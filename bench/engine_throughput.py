@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import transformers
-from run_info import print_preamble, write_report
+from run_info import device_report, print_preamble, write_report
 
 from engine import LLM, SamplingParams
 from engine.core import EngineCore
@@ -340,10 +340,11 @@ def main() -> None:
             "num_blocks": ours["num_blocks"],
         })
         if path is not None:  # after every model: a run cut short (out of memory, out of time) keeps its figures
-            write_report(path, device, results, peak_bandwidth_gbps=peak_bandwidth(device) / 1e9,
-                         num_requests=args.num_requests, lengths=[args.min_len, args.max_len],
-                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                         hf_batch_size=args.hf_batch_size)
+            write_report(path, device_report(
+                device, results, peak_bandwidth_gbps=peak_bandwidth(device) / 1e9,
+                num_requests=args.num_requests, lengths=[args.min_len, args.max_len],
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                hf_batch_size=args.hf_batch_size))
     print(header)
     print("\n".join(rows))
     if path is not None:

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from guard_overhead import API_KEY, check_relays, measure, workloads
 from loadgen import generator
-from run_info import command, describe, write_report
+from run_info import command, describe, device_report, write_report
 from stack import REPO, Service, free_port, pinned, start, start_guard
 
 
@@ -116,8 +116,8 @@ def main() -> None:
         print(f"{name:9} {row['a_us']:>9,.0f} {row['b_us']:>9,.0f} {row['ratio_b_over_a']:>6.3f}")
     if args.json is not None:
         fields = {key: value for key, value in report.items() if key not in ("machine", "command", "summary")}
-        write_report(args.json, torch.device("cpu"),
-                     [{"workload": name, **row} for name, row in report["summary"].items()], **fields)
+        rows = [{"workload": name, **row} for name, row in report["summary"].items()]
+        write_report(args.json, device_report(torch.device("cpu"), rows, **fields))
         print(f"json: {args.json}")
 
 

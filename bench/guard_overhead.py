@@ -63,7 +63,7 @@ from loadgen import generator, run_load
 from nginx_proxy import available as nginx_available
 from nginx_proxy import start_nginx
 from proc_stats import sched_seconds
-from run_info import command, describe
+from run_info import command, describe, write_report
 from stack import REPO, Service, free_port, pinned, start, start_guard
 
 API_KEY = "sk-bench-overhead"
@@ -391,7 +391,7 @@ def main() -> None:
     print(f"guard added p99 at {args.connections} concurrent streams: "
           f"{v['guard_added_p99_ms_at_stream_load']:+.2f} ms (target <= {TARGET_ADDED_P99_MS:g} ms)")
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2))
+    write_report(args.json, report)
     print(f"json: {args.json}")
 
 

@@ -37,7 +37,6 @@ has a core of its own.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import socket
@@ -56,7 +55,7 @@ from guard_overhead import API_KEY, check_relays, measure, side_by_side, summari
 from loadgen import generator
 from nginx_proxy import available as nginx_available
 from nginx_proxy import start_nginx
-from run_info import command, describe
+from run_info import command, describe, write_report
 from stack import REPO, Service, free_port, guard_has_telemetry, pinned, start, start_guard
 
 from guard.state.scripts import OPS
@@ -289,7 +288,7 @@ def main() -> None:
         print("note: the second worker shares a core with the load generator, the upstream and Redis: the "
               "2-worker ratio is bounded by this machine's cores, not by the guard")
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2))
+    write_report(args.json, report)
     print(f"json: {args.json}")
 
 

@@ -33,7 +33,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from run_info import print_preamble, write_report
+from run_info import device_report, print_preamble, write_report
 
 from engine.kernels import AttentionMetadata
 from engine.kernels.triton_backend import TritonAttentionBackend
@@ -208,8 +208,8 @@ def main() -> None:
     print("tile: keys per tile x warps per program; * the engine's own launch")
     path = args.json or (GPU_REPORT if device.type == "cuda" and not args.smoke else None)
     if path is not None:
-        write_report(path, device, results, copy_gbps=copy / 1e9, copy_mib=copy_bytes >> 20,
-                     cache_dtype=cache_dtype, block_size=BLOCK_SIZE)
+        write_report(path, device_report(device, results, copy_gbps=copy / 1e9, copy_mib=copy_bytes >> 20,
+                                         cache_dtype=cache_dtype, block_size=BLOCK_SIZE))
         print(f"report: {path}")
 
 

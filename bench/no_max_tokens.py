@@ -69,7 +69,7 @@ import aiohttp
 import torch
 from latency import summarize
 from noisy_neighbour import wait_idle
-from run_info import command, describe
+from run_info import command, describe, write_report
 from soak import metric_samples, metric_sum
 from stack import REPO, Service, get_json, start_engine, start_guard
 
@@ -445,7 +445,7 @@ def main() -> None:
               **result}
     print_report(report)
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2))
+    write_report(args.json, report)
     print(f"json: {args.json}")
 
 

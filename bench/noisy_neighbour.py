@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import os
 import tempfile
 import time
@@ -44,7 +43,7 @@ from pathlib import Path
 import aiohttp
 import torch
 from latency import summarize
-from run_info import command, describe
+from run_info import command, describe, write_report
 from stack import REPO, Service, get_json, start_engine, start_guard
 from tenant_load import Result, Target, arrivals, engine_target, guard_target, send, status_counts
 
@@ -330,7 +329,7 @@ def main() -> None:
         print(f"A's p99 TTFT {v['label']}: {_times(v['p99_over_a'])} of (a) (want {v['bound']}: "
               f"{'met' if v['met'] else 'NOT met'})")
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2))
+    write_report(args.json, report)
     print(f"json: {args.json}")
 
 

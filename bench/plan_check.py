@@ -44,7 +44,7 @@ from pathlib import Path
 import aiohttp
 import torch
 import yaml
-from run_info import command, describe
+from run_info import command, describe, write_report
 from soak import metric_samples
 from stack import REPO, Service, get_json, start_engine, start_guard
 
@@ -259,7 +259,7 @@ def main() -> None:
               "command": command(), "load_average_1m_at_start": started_load, **result}
     print_report(report)
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2))
+    write_report(args.json, report)
     print(f"json: {args.json}")
 
 

@@ -22,7 +22,7 @@ import torch
 
 # Before anything imports triton: off CUDA, kernel_bandwidth switches Triton to its interpreter.
 from kernel_bandwidth import BLOCK_SIZE, INTERPRETED, SHAPES, measure_tile, parse_tile, timer
-from run_info import print_preamble, write_report
+from run_info import device_report, print_preamble, write_report
 
 from engine.kernels.triton_prefill import NUM_WARPS, default_tiles, prefill_attention
 
@@ -102,7 +102,8 @@ def main() -> None:
                 torch.cuda.empty_cache()
     print(f"tile: {TILE_FORM}; * the engine's default")
     if args.json is not None:
-        write_report(args.json, device, results, dtype=str(dtype).removeprefix("torch."), block_size=BLOCK_SIZE)
+        write_report(args.json, device_report(device, results, dtype=str(dtype).removeprefix("torch."),
+                                              block_size=BLOCK_SIZE))
         print(f"report: {args.json}")
 
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import shlex
 import statistics
@@ -52,7 +51,7 @@ import torch
 from bench.conversations import ChatWorkload, Turn, plan, run_conversations
 from bench.latency import summarize
 from bench.routing_plots import write_plots
-from bench.run_info import describe
+from bench.run_info import describe, write_report
 from bench.stack import REPO, Service, backend_series, get_json, start_engine, start_guard
 
 POLICIES = ("round_robin", "least_loaded", "prefix", "kvguard")
@@ -331,7 +330,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="routing-") as workdir:
         report = asyncio.run(run(args, Path(workdir)))
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "routing.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_report(args.out / "routing.json", report)
     plots = write_plots(report, args.out)
     print(f"machine: {report['machine']}; load average {report['load_average_1m']:.2f}")
     print(f"command: {report['command']}")

@@ -1,4 +1,5 @@
-"""What a benchmark ran on, printed at the top of every report so a figure never travels without it."""
+"""What a benchmark ran on, printed at the top of every report so a figure never travels without it, and
+``write_report``, which writes every benchmark's raw report."""
 
 from __future__ import annotations
 
@@ -52,10 +53,28 @@ def print_preamble(device: torch.device, smoke: bool, cpu_run: str | None = None
         print(f"CPU RUN: {cpu_run}")
 
 
-def write_report(path: Path, device: torch.device, results: list[dict], **fields: object) -> None:
-    """The raw report of a run as JSON: ``device`` (``torch.cuda.get_device_name()``, else the CPU's name),
+def device_report(device: torch.device, results: list[dict], **fields: object) -> dict:
+    """The report of an engine benchmark: ``device`` (``torch.cuda.get_device_name()``, else the CPU's name),
     the machine and command lines the printed report starts with, ``fields``, then ``results``."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
-    report = {"device": name, "machine": describe(device), "command": command(), **fields, "results": results}
+    return {"device": name, "machine": describe(device), "command": command(), **fields, "results": results}
+
+
+def write_report(path: Path, report: dict, *, table_rows_on_one_line: bool = False) -> None:
+    """Write a benchmark's raw report to ``path`` as indented JSON: the one writer of every benchmark.
+
+    ``table_rows_on_one_line``: each row of a table (a list of lists) takes one line, so that long timelines
+    stay small enough to commit and still read as tables."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
+    text = _rows_on_one_line(report, "") if table_rows_on_one_line else json.dumps(report, indent=2)
+    path.write_text(text + "\n")
+
+
+def _rows_on_one_line(value: object, pad: str) -> str:
+    inner = pad + " "
+    if isinstance(value, dict) and value:
+        items = (f"{inner}{json.dumps(key)}: {_rows_on_one_line(item, inner)}" for key, item in value.items())
+        return "{\n" + ",\n".join(items) + "\n" + pad + "}"
+    if isinstance(value, list) and value and all(isinstance(row, list) for row in value):
+        return "[\n" + ",\n".join(inner + json.dumps(row) for row in value) + "\n" + pad + "]"
+    return json.dumps(value)

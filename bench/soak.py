@@ -48,7 +48,7 @@ from pathlib import Path
 import aiohttp
 import torch
 import yaml
-from run_info import command, describe
+from run_info import command, describe, write_report
 
 REPO = Path(__file__).resolve().parent.parent
 DEADLINE_S = 120.0
@@ -388,7 +388,7 @@ def main() -> int:
         result = asyncio.run(soak(args.minutes, logs, args.seed))
     print_report(result)
     if args.report is not None:
-        args.report.write_text(json.dumps(result, indent=2))
+        write_report(args.report, result)
     problems = lost(result)
     for problem in problems:
         print(f"LOST: {problem}", file=sys.stderr)

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from run_info import print_preamble, write_report
+from run_info import device_report, print_preamble, write_report
 
 import engine.worker.runner as runner_module
 from engine import SamplingParams
@@ -157,7 +157,7 @@ def main() -> None:
         print(f"{r['batch']:5d} {r['step_ms']:8.2f} {r['host_ms']:7.3f} {r['host_us_per_seq']:7.2f}  {phases}"
               f"  {r['longest_step_ms']:8.1f}  {full['collections']:>4} ({full['ms']:4.0f})  {young_gc:>11}")
     if args.json:
-        write_report(args.json, torch.device(args.device), results)
+        write_report(args.json, device_report(torch.device(args.device), results))
 
 
 if __name__ == "__main__":

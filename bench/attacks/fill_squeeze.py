@@ -56,7 +56,7 @@ from bench.attacks.client import Outcome, Target, engine_target, guard_target, s
 from bench.attacks.plots import write_plots
 from bench.attacks.timeline import Sample, sample_until, table, telemetry
 from bench.attacks.victims import VictimLoad, VictimRequest, victim_traffic
-from bench.run_info import describe
+from bench.run_info import describe, write_report
 from bench.stack import REPO, Service, start_engine, start_guard
 
 VICTIMS = ("victim-1", "victim-2")
@@ -266,7 +266,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="fill-squeeze-") as workdir:
         report = asyncio.run(run(args, Path(workdir)))
     args.out.mkdir(parents=True, exist_ok=True)
-    figures.write_json(report, args.out / "report.json")
+    write_report(args.out / "report.json", report, table_rows_on_one_line=True)
     plots = write_plots(report, args.out)
     print(f"machine: {report['machine']}; load average {report['load_average_1m']:.2f}")
     print(f"command: {report['command']}")

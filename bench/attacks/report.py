@@ -1,5 +1,5 @@
-"""The Fill-and-Squeeze report: figures from the raw runs, verdicts against issue 8's targets, the text
-table, and the JSON file.
+"""The Fill-and-Squeeze report: figures from the raw runs, verdicts against issue 8's targets, and the text
+table (bench/run_info.py writes the JSON file).
 
 A victim's TTFT runs from its scheduled arrival to its first token. One still without a token when the run
 is cut waited at least until then and counts with that lower bound; one refused (429, 503) has no TTFT and
@@ -8,10 +8,8 @@ shows up in the statuses instead.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from itertools import pairwise
-from pathlib import Path
 
 from bench.attacks.timeline import Sample
 from bench.attacks.victims import VictimRequest
@@ -139,19 +137,3 @@ def _s(value: float | None) -> str:
 
 def _mark(passed: bool) -> str:
     return "PASS" if passed else "MISS"
-
-
-def write_json(report: dict, path: Path) -> None:
-    """Indented, except that each row of a table (a list of lists) takes one line: the timelines stay small
-    enough to commit and still read as tables."""
-    path.write_text(_dumps(report, "") + "\n")
-
-
-def _dumps(value: object, pad: str) -> str:
-    inner = pad + " "
-    if isinstance(value, dict) and value:
-        items = (f"{inner}{json.dumps(key)}: {_dumps(item, inner)}" for key, item in value.items())
-        return "{\n" + ",\n".join(items) + "\n" + pad + "}"
-    if isinstance(value, list) and value and all(isinstance(row, list) for row in value):
-        return "[\n" + ",\n".join(inner + json.dumps(row) for row in value) + "\n" + pad + "]"
-    return json.dumps(value)
