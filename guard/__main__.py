@@ -85,7 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = load_config(args.config)
-        profile_for(config.routing)  # its plugin names are checked where the plugins are registered
+        try:  # its plugin names are checked where the plugins are registered (config sits below them)
+            profile_for(config.routing)
+        except ConfigError as exc:
+            raise ConfigError(f"{args.config}: {exc}") from None
     except ConfigError as exc:
         print(f"guard: invalid configuration: {exc}", file=sys.stderr)
         return 2

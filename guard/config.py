@@ -161,7 +161,8 @@ class SchedulingProfile(Strict):
 
 
 class Routing(Strict):
-    """Replica choice, a ``policy`` preset or a ``profile`` of plugins (guard/pool/scheduling/), and the mode
+    """Replica choice, a ``policy`` preset or a ``profile`` of plugins (guard/pool/scheduling/; a profile is
+    used instead of the preset, and naming another preset than the default beside it is an error), and the mode
     thresholds on saturation = (committed + queued blocks) / the blocks of the replicas that are up
     (guard/pool/routing.py)."""
 
@@ -178,8 +179,9 @@ class Routing(Strict):
 
     @model_validator(mode="after")
     def _ordered(self) -> Routing:
-        if self.profile is not None and "policy" in self.model_fields_set:
-            raise ValueError("give routing.policy (a preset) or routing.profile, not both")
+        if self.profile is not None and self.policy != "kvguard":
+            raise ValueError(f"routing.policy {self.policy!r} (a preset) and routing.profile: give one of them "
+                             "(a profile replaces the default preset, kvguard, alone)")
         if not self.pressure_exit < self.pressure_enter <= self.degraded_exit < self.degraded_enter:
             raise ValueError("need pressure_exit < pressure_enter <= degraded_exit < degraded_enter")
         return self

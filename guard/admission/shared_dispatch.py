@@ -31,13 +31,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+from collections.abc import Sequence
 
 from guard.admission.dispatch import Dispatcher, Ticket, TicketState
 from guard.admission.fairness import INPUT_COST, OUTPUT_COST, TenantQueue
 from guard.config import GuardConfig
 from guard.pool.pool import ReplicaPool
-from guard.pool.replica import Replica
-from guard.pool.scheduling import Profile
+from guard.pool.scheduling import Candidate, Profile
 from guard.state.shared import Holdings, SharedState
 
 RETRY_S = 0.02  # how soon a blocked head is tried again: other guards' releases are not announced
@@ -77,12 +77,11 @@ class SharedDispatcher(Dispatcher):
         charge = (INPUT_COST * ticket.prompt_tokens + OUTPUT_COST * ticket.max_tokens) / ticket.tenant.weight
         ranked = self.profile.rank(self.pool.replicas, ticket.blocks, ticket.hashes)
         for candidate in ranked:
-            replica, hit_blocks = candidate.replica, candidate.hit_blocks
-            ticket.candidates = ranked
+            replica = candidate.replica
             threshold_room, pool_room = replica.gate.rooms()
             deciding = self.shared.ask("ADMIT", replica.name, queue.name, ticket.blocks, borrowed, threshold_room,
                                        pool_room, charge, SLACK_TOKENS / ticket.tenant.weight,
-                                       on_answer=functools.partial(self._granted, queue, ticket, replica, hit_blocks))
+                                       on_answer=functools.partial(self._granted, queue, ticket, candidate, ranked))
             try:
                 answer = await asyncio.shield(deciding)
             except asyncio.CancelledError:  # what the ledger grants is given back as soon as it answers
@@ -96,13 +95,14 @@ class SharedDispatcher(Dispatcher):
                 return "fair"
         return "full"
 
-    def _granted(self, queue: TenantQueue[Ticket], ticket: Ticket, replica: Replica, hit_blocks: int,
-                 answer: list | None) -> None:
+    def _granted(self, queue: TenantQueue[Ticket], ticket: Ticket, candidate: Candidate,
+                 ranked: Sequence[Candidate], answer: list | None) -> None:
         """The ledger's answer, the moment it arrives: a grant is recorded on the replica's gate at once, so
-        that no resync can write back holdings without it."""
+        that no resync can write back holdings without it; the ticket keeps the ranking that admitted it."""
         if answer is not None and answer[0] == 1:
+            replica = candidate.replica
             replica.gate.record(ticket.request_id, queue.name, ticket.blocks, ticket.borrowed)
-            ticket.replica, ticket.hit_blocks = replica, hit_blocks
+            ticket.replica, ticket.hit_blocks, ticket.candidates = replica, candidate.hit_blocks, ranked
             replica.admitted()
 
     def pump(self) -> None:

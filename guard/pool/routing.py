@@ -10,7 +10,7 @@ committed plus blocks queued in the guard, over the blocks of the replicas that 
 Moving up is immediate (an engine that died must not be waited on); moving down waits ``min_dwell_s`` in
 the current mode and needs the lower exit threshold, so the mode does not flap at a boundary.
 
-- normal: everything goes to the pool (which replica: guard/pool/picker.py).
+- normal: everything goes to the pool (which replica: its scheduling profile, guard/pool/scheduling/).
 - pressure: sheddable lanes and tenants holding more than their weighted share go to a fallback first.
 - degraded: new requests go to the fallbacks in config order (an engine fallback while its breaker is
   closed, then a static message); lanes with ``on_degraded: reject`` get 503 instead.

@@ -83,11 +83,34 @@ def test_random_weighted_draws_in_proportion_to_the_totals():
     assert picker.order(list(candidates), ctx)[-1].filtered_by == "overload"
 
 
+def test_lexicographic_ranks_scorer_by_scorer_and_keeps_the_rotation_on_ties():
+    """The ``least_loaded`` and ``prefix`` presets: an exact tie goes round (as the policies always did), not
+    to the replica admitted to longest ago as ``max_score`` breaks it; weights play no part in the order."""
+    pool = pool_of([100, 100, 100])
+    pool.by_name["e0"].last_admitted = -1.0  # max_score's tie-break would send every request to e0
+    for policy in ("least_loaded", "prefix"):
+        preset = profile_for(Routing(policy=policy))
+        assert sorted(preset.rank(pool.replicas, 4, [])[0].replica.name for _ in range(3)) == ["e0", "e1", "e2"]
+    assert profile_for(Routing(policy="kvguard")).rank(pool.replicas, 4, [])[0].replica.name == "e0"
+    profile = profile_for(custom(scorers=[{"name": "idle", "weight": 0}, {"name": "free_blocks", "weight": 100}],
+                                 picker="lexicographic"))
+    pool = pool_of([100, 100, 30])
+    pool.by_name["e0"].in_flight = 1
+    assert [c.replica.name for c in profile.rank(pool.replicas, 4, [])] == ["e1", "e2", "e0"]
+
+
+@pytest.mark.parametrize(("policy", "hashes"), [("kvguard", True), ("prefix", True), ("least_loaded", False),
+                                                ("round_robin", False)])
+def test_a_preset_reads_prefix_hits_only_when_a_scorer_does(policy: str, hashes: bool):
+    assert profile_for(Routing(policy=policy)).needs_hashes is hashes
+
+
 @pytest.mark.parametrize(("profile", "message"), [
     ({"scorers": [{"name": "free_blocks"}, {"name": "prefx"}]},
      "routing.profile.scorers[1].name: unknown scorer 'prefx' (known: free_blocks, idle, prefix)"),
     ({"filters": ["saturated"]}, "routing.profile.filters[0]: unknown filter 'saturated' (known: overload, saturation)"),
-    ({"picker": "best"}, "routing.profile.picker: unknown picker 'best' (known: max_score, random_weighted, round_robin)"),
+    ({"picker": "best"},
+     "routing.profile.picker: unknown picker 'best' (known: lexicographic, max_score, random_weighted, round_robin)"),
 ])
 def test_an_unknown_plugin_is_a_config_error_naming_it_and_its_key(profile: dict, message: str):
     with pytest.raises(ConfigError) as info:
@@ -105,7 +128,7 @@ def test_a_bad_profile_stops_the_guard_at_start_up(tmp_path: Path):
 
 
 @pytest.mark.parametrize(("routing", "problem"), [
-    ('{policy: prefix, profile: {scorers: [{name: prefix}]}}', "routing.policy (a preset) or routing.profile"),
+    ('{policy: prefix, profile: {scorers: [{name: prefix}]}}', "routing.policy 'prefix' (a preset) and routing.profile"),
     ('{profile: {scorers: [{name: idle, weight: -1}]}}', "routing.profile.scorers.0.weight"),
     ('{profile: {scorers: [{name: idle, weight: .inf}]}}', "routing.profile.scorers.0.weight"),
 ])
@@ -115,3 +138,12 @@ def test_a_profile_that_does_not_validate_names_the_key(tmp_path: Path, routing:
                     f"routing: {routing}\n")
     with pytest.raises(ConfigError, match=problem.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
         load_config(path)
+
+
+def test_a_profile_replaces_the_default_preset_even_when_it_is_named(tmp_path: Path):
+    """DESIGN.md's example names ``policy: kvguard`` beside a profile: the profile is what routes."""
+    path = tmp_path / "guard.yaml"
+    path.write_text('secret: s\nengine: {url: "http://127.0.0.1:9"}\ntenants: [{name: a, api_keys: [k]}]\n'
+                    "routing: {policy: kvguard, profile: {filters: [overload], scorers: [{name: idle}]}}\n")
+    profile = profile_for(load_config(path).routing)
+    assert [f.name for f in profile.filters] == ["overload"] and [s.name for s, _ in profile.scorers] == ["idle"]

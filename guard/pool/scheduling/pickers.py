@@ -17,6 +17,16 @@ class MaxScore:
         return sorted(candidates, key=lambda c: (c.filtered_by is not None, -c.total, c.replica.last_admitted))
 
 
+@register_picker("lexicographic")
+class Lexicographic:
+    """Highest value of the first scorer first, the next scorer's breaking its ties, and so on (weights play
+    no part); exact ties keep the rotating order. The ``least_loaded`` and ``prefix`` presets: a strict order
+    of signals, which no choice of weights can state exactly."""
+
+    def order(self, candidates: list[Candidate], ctx: Context) -> list[Candidate]:
+        return sorted(candidates, key=lambda c: (c.filtered_by is not None, *[-v for v in c.scores.values()]))
+
+
 @register_picker("round_robin")
 class RoundRobin:
     """The replicas in turn (the candidates come in a rotating order), scores aside."""

@@ -3,10 +3,12 @@ plugins live: an unknown one is a ``ConfigError`` naming it and its key path).
 
 - ``kvguard`` (the default): filters saturation and overload; scores 2 x prefix + free_blocks + idle.
 - ``round_robin``: the replicas in turn.
-- ``least_loaded``: the fewest guard requests in flight, then the most budget left (the small weight only
-  breaks ties between equally idle replicas).
+- ``least_loaded``: the fewest guard requests in flight, then the most budget left.
 - ``prefix``: the most cached leading prompt blocks, then the least loaded, whatever the load: cache
   affinity alone, the baseline that shows the hot spot.
+
+The last two rank their scorers lexicographically, as the policies always did; their small weights only make
+a decision record's totals order the replicas as the picker does.
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ PRESETS: dict[str, SchedulingProfile] = {
         filters=["saturation", "overload"],
         scorers=[PluginRef(name="prefix", weight=2), PluginRef(name="free_blocks"), PluginRef(name="idle")]),
     "round_robin": SchedulingProfile(picker="round_robin"),
-    "least_loaded": SchedulingProfile(scorers=[PluginRef(name="idle"), PluginRef(name="free_blocks", weight=1e-6)]),
-    "prefix": SchedulingProfile(scorers=[PluginRef(name="prefix"), PluginRef(name="idle", weight=1e-5),
-                                         PluginRef(name="free_blocks", weight=1e-10)]),
+    "least_loaded": SchedulingProfile(
+        scorers=[PluginRef(name="idle"), PluginRef(name="free_blocks", weight=1e-6)], picker="lexicographic"),
+    "prefix": SchedulingProfile(
+        scorers=[PluginRef(name="prefix"), PluginRef(name="idle", weight=1e-5), PluginRef(name="free_blocks", weight=1e-10)],
+        picker="lexicographic"),
 }
 
 
