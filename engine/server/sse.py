@@ -1,5 +1,5 @@
 """Server-sent events onto an aiohttp response: data events, heartbeat comments, the error event and the
-OpenAI stream ending, framed by engine/protocol.py (the guard frames its events with the same functions).
+OpenAI stream ending, framed by engine/protocol/sse.py (the guard frames its events with the same functions).
 
 A stream that completes ends with ``data: [DONE]``; one that fails after it started ends with an ``error``
 event carrying the OpenAI error body, and no ``[DONE]``, so a client can tell the two apart.
