@@ -62,6 +62,8 @@ async def completion(request: web.Request) -> web.StreamResponse:
     finally:
         ex.count_outcome()
         keep_record(ex, response, refused)
+        if ex.ticket is not None:  # the ticket calls back into the exchange that holds it: break the cycle,
+            ex.ticket.on_revoke = None  # so that both go as soon as the request does, not at the next collection
         if ex.trace is not None:
             end_trace(ex, response)
 

@@ -4,7 +4,9 @@ their own."""
 
 from __future__ import annotations
 
+import gc
 import json
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -123,6 +125,31 @@ async def test_every_request_has_a_record_that_says_what_was_decided(engines, tm
             assert [r["request_id"] for r in listed][1:] == ["who", "invalid"] and len(listed) == 3
     lines = [json.loads(line) for line in (tmp_path / "decisions.jsonl").read_text().splitlines()]
     assert len(lines) == 8 and lines[0]["request_id"] == "client-id-0" and set(lines[0]) == KEYS
+
+
+async def test_a_finished_request_leaves_nothing_to_the_cycle_collector(engines, tmp_path: Path) -> None:
+    """Every guard object of a request is freed when it ends, by reference counting: a cycle (the context
+    holding its ticket, the ticket calling back into the context) made each wait for the collector, and
+    cost a fifth more CPU per request (docs/benchmarks.md, "Guard cost")."""
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4}
+    with records_guard(engines, tmp_path) as guard:
+        async with aiohttp.ClientSession() as session:
+            for _ in range(3):  # warm: first-request caches, lazily built objects
+                await post(session, guard, body)
+            gc.collect()
+            gc.disable()
+            gc.set_debug(gc.DEBUG_SAVEALL)
+            try:
+                for stream in (False, True, False, True):
+                    response, _ = await post(session, guard, {**body, "stream": stream})
+                    assert response.status == 200
+                gc.collect()
+                left = Counter(type(o).__qualname__ for o in gc.garbage if type(o).__module__.startswith("guard."))
+            finally:
+                gc.set_debug(0)
+                gc.garbage.clear()
+                gc.enable()
+    assert left == Counter()
 
 
 def a_record(request_id: str) -> DecisionRecord:
