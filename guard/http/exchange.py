@@ -48,16 +48,19 @@ class Exchange:
     upstream: aiohttp.ClientResponse | None = None  # the answer being relayed, once the engine sent headers
     backend: str | None = None  # the replica or fallback it was last sent to (X-Guard-Backend)
     revoked: GuardError | None = None  # why the guard took the request's blocks back, if it did
-    stage: str = ""  # the stage running now
     laps: list[tuple[str, float]] = field(default_factory=list)
 
     @property
     def request_id(self) -> str:
         return self.request[REQUEST_ID]
 
+    @property
+    def stage(self) -> str:
+        """The stage running now (the last one entered)."""
+        return self.laps[-1][0] if self.laps else ""
+
     def enter(self, stage: str, now: float) -> None:
         """``stage`` begins at ``now`` (time.monotonic()); the one before it ends there."""
-        self.stage = stage
         self.laps.append((stage, now))
 
     def revoke(self, reason: GuardError) -> None:
