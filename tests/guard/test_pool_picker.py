@@ -7,30 +7,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from support.admission_parts import snapshot
+from support.admission_parts import POOL_CONFIG, pool_of
 
 from engine.kv.hashing import extend_block_hashes
 from guard.admission.dispatch import Dispatcher, Ticket, TicketState
-from guard.config import Admission, GuardConfig, Routing
-from guard.pool.gate import AdmissionGate
+from guard.config import GuardConfig, Routing
 from guard.pool.pool import ReplicaPool
-from guard.pool.replica import Replica
-from guard.pool.routing import CircuitBreaker
 from guard.pool.scheduling import Profile, profile_for
-
-CONFIG = GuardConfig.model_validate({
-    "engines": [{"name": f"e{i}", "url": f"http://127.0.0.1:{9000 + i}"} for i in range(3)], "secret": "s",
-    "tenants": [{"name": "acme", "api_keys": ["sk-a"]}, {"name": "bulk", "api_keys": ["sk-b"]}]})
-
-
-def pool_of(free: list[int], num_blocks: int = 100) -> ReplicaPool:
-    """Replicas e0, e1, ... with ``num_blocks`` blocks each (budget 85), of which ``free[i]`` are free."""
-    replicas = []
-    for backend, idle in zip(CONFIG.pool, free):
-        gate = AdmissionGate(Admission(safe_utilization=0.85), {"acme", "bulk"})
-        gate.update(snapshot(num_blocks=num_blocks, free=idle))
-        replicas.append(Replica(backend, gate, CircuitBreaker(backend.name, 3, 1.0)))
-    return ReplicaPool(replicas)
 
 
 def preset(policy: str) -> Profile:
@@ -126,11 +109,11 @@ def test_kvguard_spreads_new_conversations_that_arrive_while_the_pool_is_idle() 
 
 async def test_one_fair_queue_feeds_whichever_replica_frees_first() -> None:
     pool = pool_of([100, 100], num_blocks=100)
-    dispatcher = Dispatcher(CONFIG, pool, preset("kvguard"))
-    acme, bulk = CONFIG.tenants
+    dispatcher = Dispatcher(POOL_CONFIG, pool, preset("kvguard"))
+    acme, bulk = POOL_CONFIG.tenants
 
     def ticket(rid: str, tenant, blocks: int) -> Ticket:
-        return Ticket(rid, tenant, CONFIG.lanes[tenant.lane], 10, 10, blocks)
+        return Ticket(rid, tenant, POOL_CONFIG.lanes[tenant.lane], 10, 10, blocks)
 
     big = [ticket(f"big{i}", bulk, 80) for i in range(2)]
     for t in big:

@@ -10,30 +10,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from support.admission_parts import snapshot
+from support.admission_parts import pool_of
 from support.processes import run_command
 
-from guard.config import Admission, ConfigError, GuardConfig, Routing, load_config
-from guard.pool.gate import AdmissionGate
-from guard.pool.pool import ReplicaPool
-from guard.pool.replica import Replica
-from guard.pool.routing import CircuitBreaker
+from guard.config import ConfigError, Routing, load_config
 from guard.pool.scheduling import Candidate, profile_for
 from guard.pool.scheduling.pickers import RandomWeighted
 from guard.pool.scheduling.plugin import Context
-
-CONFIG = GuardConfig.model_validate({
-    "engines": [{"name": f"e{i}", "url": f"http://127.0.0.1:{9000 + i}"} for i in range(3)], "secret": "s",
-    "tenants": [{"name": "acme", "api_keys": ["sk-a"]}]})
-
-
-def pool_of(free: list[int]) -> ReplicaPool:
-    replicas = []
-    for backend, idle in zip(CONFIG.pool, free):
-        gate = AdmissionGate(Admission(safe_utilization=0.85), {"acme"})
-        gate.update(snapshot(num_blocks=100, free=idle))
-        replicas.append(Replica(backend, gate, CircuitBreaker(backend.name, 3, 1.0)))
-    return ReplicaPool(replicas)
 
 
 def custom(**profile: object) -> Routing:

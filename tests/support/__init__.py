@@ -24,6 +24,10 @@ Integrity checks and purpose-built parts
 - ``prometheus_tools``: the Prometheus/Alertmanager binaries (``binary(name)``) and ``ALERTS``.
 - ``grafana_queries``: the committed dashboards' queries with their template variables substituted.
 - ``triton_aot.py``: a script (run by path, in a subprocess) compiling every Triton kernel for a GPU target.
+- ``admission_parts``: the guard's admission without engines: ``snapshot`` (a telemetry snapshot),
+  ``make_dispatcher``/``ticket`` (one replica), ``pool_of`` (three replicas on real gates, ``POOL_CONFIG``).
+- ``detector_script``: the Fill-and-Squeeze detector on a synthetic clock (``run``, ``squeeze``).
+- ``hf_reference`` also holds ``SMALL`` and ``save_hf_model`` (a small random checkpoint saved by HF).
 - ``invariants``: the engine's block accounting after any operation (``check_block_accounting``, built on
   ``KVCacheManager.check``) and ``assert_all_blocks_back`` once nothing is live.
 - ``single_sequence``: runs one sequence through the model without the scheduler, for attention tests.

@@ -1,5 +1,6 @@
 """The guard's admission parts built without engines: a snapshot as an engine would send it, a one-replica
-dispatcher over a real gate, tickets, and the small config they come from."""
+dispatcher over a real gate, tickets, the small config they come from, and a pool of three replicas on real
+gates (``pool_of``, ``POOL_CONFIG``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 from engine.protocol import TelemetrySnapshot, TenantUsage
 from guard.admission.dispatch import Dispatcher, Ticket
-from guard.config import GuardConfig, load_config
+from guard.config import Admission, GuardConfig, load_config
 from guard.pool.gate import AdmissionGate
 from guard.pool.pool import ReplicaPool
 from guard.pool.replica import Replica
@@ -57,3 +58,19 @@ def ticket(config: GuardConfig, tenant: int, blocks: int, rid: str, timeout: flo
     if timeout is not None:
         lane = lane.model_copy(update={"timeout": timeout})
     return Ticket(rid, t, lane, prompt_tokens=10, max_tokens=10, blocks=blocks)
+
+
+POOL_CONFIG = GuardConfig.model_validate({
+    "engines": [{"name": f"e{i}", "url": f"http://127.0.0.1:{9000 + i}"} for i in range(3)], "secret": "s",
+    "tenants": [{"name": "acme", "api_keys": ["sk-a"]}, {"name": "bulk", "api_keys": ["sk-b"]}]})
+
+
+def pool_of(free: list[int], num_blocks: int = 100) -> ReplicaPool:
+    """Replicas e0, e1, ... of ``POOL_CONFIG`` with ``num_blocks`` blocks each (budget 85), of which
+    ``free[i]`` are free."""
+    replicas = []
+    for backend, idle in zip(POOL_CONFIG.pool, free):
+        gate = AdmissionGate(Admission(safe_utilization=0.85), {"acme", "bulk"})
+        gate.update(snapshot(num_blocks=num_blocks, free=idle))
+        replicas.append(Replica(backend, gate, CircuitBreaker(backend.name, 3, 1.0)))
+    return ReplicaPool(replicas)
