@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import aiohttp
 from aiohttp import web
 
 from guard import tracing
@@ -23,6 +22,7 @@ from guard.errors import GuardError, Outcome
 from guard.http.context import REQUEST_ID, TENANT, Clients, GuardState
 from guard.http.relay import StreamObserver
 from guard.http.tokens import TokenLimits
+from guard.http.upstream import Answer
 from guard.http.validate import ParsedRequest
 
 
@@ -45,7 +45,7 @@ class Exchange:
     charge: Charge | None = None  # once charged to its tenant's rate limits (None: a tenant without any)
     outcome: Outcome = Outcome.CANCELLED  # until a stage knows better: a client that left ends here
     trace: tracing.GuardTrace | None = None  # only while tracing is on
-    upstream: aiohttp.ClientResponse | None = None  # the answer being relayed, once the engine sent headers
+    upstream: Answer | None = None  # the answer being relayed, once the engine sent headers
     backend: str | None = None  # the replica or fallback it was last sent to (X-Guard-Backend)
     revoked: GuardError | None = None  # why the guard took the request's blocks back, if it did
     laps: list[tuple[str, float]] = field(default_factory=list)

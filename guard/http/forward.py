@@ -12,13 +12,13 @@ from __future__ import annotations
 import dataclasses
 import time
 
-import aiohttp
 from aiohttp import web
 
 from guard.admission.dispatch import TicketState
 from guard.errors import Outcome
 from guard.http.exchange import Exchange, stamp_headers
 from guard.http.relay import StreamObserver, UpstreamUnavailable, cached_tokens
+from guard.http.upstream import Answer, UpstreamError
 from guard.pool.gate import BORROWED_PRIORITY
 
 
@@ -82,7 +82,7 @@ def _breaker(ex: Exchange, backend: str):
 
 
 async def _open(ex: Exchange, url: str, backend: str, body: bytes
-                ) -> aiohttp.ClientResponse | tuple[web.StreamResponse, Outcome]:
+                ) -> Answer | tuple[web.StreamResponse, Outcome]:
     """The upstream answer's headers, or the client's 502/504 when the engine failed on the way."""
     state, relay, parsed, tenant = ex.state, ex.clients.relay, ex.parsed, ex.tenant
     assert parsed is not None and tenant is not None
@@ -100,7 +100,7 @@ async def _open(ex: Exchange, url: str, backend: str, body: bytes
         if trace is not None:
             trace.unavailable += ((time.monotonic(), backend),)
         raise
-    except (TimeoutError, aiohttp.ClientError) as exc:
+    except (TimeoutError, UpstreamError) as exc:
         metrics.child(metrics.upstream_requests, backend, "error").inc()
         breaker.record_failure()
         if isinstance(exc, TimeoutError):  # as relay.stream says it when the headers came but no token
@@ -119,7 +119,7 @@ async def _open(ex: Exchange, url: str, backend: str, body: bytes
     return upstream
 
 
-async def _relay_unary(ex: Exchange, upstream: aiohttp.ClientResponse, headers: dict[str, str],
+async def _relay_unary(ex: Exchange, upstream: Answer, headers: dict[str, str],
                        observer: StreamObserver) -> tuple[web.StreamResponse, Outcome]:
     response, answer = await ex.clients.relay.unary(upstream, headers)
     if ex.trace is not None:
@@ -133,7 +133,7 @@ async def _relay_unary(ex: Exchange, upstream: aiohttp.ClientResponse, headers: 
     return response, Outcome.COMPLETED if response.status == 200 else Outcome.UPSTREAM_ERROR
 
 
-async def _relay_stream(ex: Exchange, upstream: aiohttp.ClientResponse, headers: dict[str, str],
+async def _relay_stream(ex: Exchange, upstream: Answer, headers: dict[str, str],
                         observer: StreamObserver) -> tuple[web.StreamResponse, Outcome]:
     response = await ex.clients.relay.stream(ex.request, upstream, headers, observer)
     if (trace := ex.trace) is not None:

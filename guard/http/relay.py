@@ -23,18 +23,19 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import aiohttp
 import pydantic_core
 from aiohttp import web
 
 from guard.config import Upstream
 from guard.errors import GuardError
 from guard.http.errors import error_response, sse_error_event
+from guard.http.upstream import Answer, ConnectFailed, UpstreamClient, UpstreamError
 
 SHUTTING_DOWN = "the guard is shutting down; retry shortly"
-# asyncio's transports buffer this much before a writer has to wait for the peer to read (the default high
-# water mark): a request body no bigger is handed over at once.
-WRITE_NEVER_WAITS_BYTES = 64 * 1024
+# A client transport pauses its writers once it buffers more than its high-water mark (64 KiB by default),
+# and resumes them below its low-water mark (16 KiB): a chunk that leaves the buffer below this cannot make
+# a write wait, so it needs no stall timer.
+WRITE_NEVER_WAITS_BYTES = 16 * 1024
 
 
 class ClientGone(Exception):
@@ -109,14 +110,14 @@ class StreamObserver:
         """Take one complete line into account; True when it is the usage-only line to drop."""
         if not line.startswith(b"data:"):
             return False
-        if line[5:].strip() == b"[DONE]":
+        if len(line) < 32 and line[5:].strip() == b"[DONE]":
             self.finished = True
             return False
-        compact = line.replace(b" ", b"")
-        if compact.startswith(b'data:{"error":{'):
+        # Spaces are taken out (a copy of the line) only where the plain test says the line may match.
+        if b'"error"' in line and line.replace(b" ", b"").startswith(b'data:{"error":{'):
             return False  # the engine's error event ends the stream: no token, no gap between tokens
         now = time.monotonic()
-        if b'"usage":{' in compact:
+        if b'"usage"' in line and b'"usage":{' in line.replace(b" ", b""):
             try:
                 chunk = json.loads(line[5:])
             except ValueError:
@@ -142,31 +143,23 @@ class StreamObserver:
 
 
 class Relay:
-    def __init__(self, session: aiohttp.ClientSession, config: Upstream) -> None:
-        self.session = session
+    def __init__(self, client: UpstreamClient, config: Upstream) -> None:
+        self.client = client
         self.config = config
         self.closing = False  # the guard is shutting down and drops its upstream connections itself
-        self._open: set[aiohttp.ClientResponse] = set()  # answers being relayed, for close_all
-        self._revoked: dict[aiohttp.ClientResponse, GuardError] = {}  # ended by the guard, and why
-        self.stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout,
-                                                    sock_read=config.idle_timeout)
-        self.unary_timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout,
-                                                   sock_read=config.unary_timeout)
+        self._open: set[Answer] = set()  # answers being relayed, for close_all
+        self._revoked: dict[Answer, GuardError] = {}  # ended by the guard, and why
 
-    async def open(self, url: str, body: bytes, headers: dict[str, str], stream: bool) -> aiohttp.ClientResponse:
-        """Send the request and wait for the answer's headers: within the first-token timeout for a stream,
-        within the unary timeout for an answer that comes whole once generated."""
-        first_byte, timeout = ((self.config.first_token_timeout, self.stream_timeout) if stream
-                               else (self.config.unary_timeout, self.unary_timeout))
+    async def open(self, url: str, body: bytes, headers: dict[str, str], stream: bool) -> Answer:
+        """Send the request and wait for the answer's headers: within the first-token timeout for a stream
+        (each later read within the idle timeout), within the unary timeout for an answer that comes whole
+        once generated (and each read of its body too)."""
+        config = self.config
+        first_byte, read = ((config.first_token_timeout, config.idle_timeout) if stream
+                            else (config.unary_timeout, config.unary_timeout))
         try:
-            if not stream and len(body) <= WRITE_NEVER_WAITS_BYTES:
-                # The body goes out without waiting, and the session's sock_read bound (the unary timeout),
-                # armed as soon as it has, covers the wait for the headers: no second timer per request.
-                upstream = await self.session.post(url, data=body, headers=headers, timeout=timeout)
-            else:  # a stream's first byte has its own deadline; a big body may wait on an engine not reading
-                async with asyncio.timeout(first_byte):
-                    upstream = await self.session.post(url, data=body, headers=headers, timeout=timeout)
-        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+            upstream = await self.client.post(url, body, headers, first_byte, read)
+        except ConnectFailed as exc:
             # Refused, or not accepted within connect_timeout: no byte of the request left, so another
             # backend may take it (a hung host must not cost the client more than the connect budget).
             raise UpstreamUnavailable(str(exc)) from exc
@@ -174,25 +167,26 @@ class Relay:
         return upstream
 
     def close_all(self) -> None:
-        """Shutdown: end every answer being relayed now (each stream with its error event). Closing the
-        session would not do: aiohttp drops a closed connection's reader without waking it."""
+        """Shutdown: end every answer being relayed now (each stream with its error event), and every request
+        still waiting for its answer's headers."""
         self.closing = True
         for upstream in list(self._open):
             upstream.close()
+        self.client.close()
 
-    def revoke(self, upstream: aiohttp.ClientResponse, reason: GuardError) -> None:
+    def revoke(self, upstream: Answer, reason: GuardError) -> None:
         """End an answer being relayed: the engine sees the disconnect and aborts, the client gets ``reason``
         (a stream as its error event)."""
         if upstream in self._open:
             self._revoked[upstream] = reason
             upstream.close()
 
-    async def unary(self, upstream: aiohttp.ClientResponse, headers: dict[str, str]) -> tuple[web.Response, dict | None]:
+    async def unary(self, upstream: Answer, headers: dict[str, str]) -> tuple[web.Response, dict | None]:
         """A non-streaming answer: forwarded as is when it is JSON, else a 502. Returns the parsed body too."""
         try:
             async with upstream:
                 raw = await upstream.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:  # the engine died or went quiet mid-body
+        except (UpstreamError, TimeoutError) as exc:  # the engine died or went quiet mid-body
             return self.failure(502, f"the engine's answer broke off: {type(exc).__name__}", "upstream_error",
                                 headers, upstream), None
         finally:
@@ -206,12 +200,12 @@ class Relay:
             message = f"the engine answered {upstream.status} with a body that is not a JSON object"
             return error_response(502, message, code="bad_upstream_response", headers=headers), None
         if upstream.status in (429, 503):  # the guard's contract: every 429 and 503 says when to come back
-            headers = {**headers, "Retry-After": upstream.headers.get("Retry-After", "1")}
+            headers = {**headers, "Retry-After": upstream.headers.get("retry-after", "1")}
         return web.Response(body=raw, status=upstream.status, content_type="application/json",
                             headers=headers), parsed
 
     async def stream(
-        self, client: web.Request, upstream: aiohttp.ClientResponse, headers: dict[str, str],
+        self, client: web.Request, upstream: Answer, headers: dict[str, str],
         observer: StreamObserver,
     ) -> web.StreamResponse:
         """Copy an SSE answer to the client as ``observer`` passes it on (whatever it held back is written
@@ -239,7 +233,7 @@ class Relay:
             else:
                 upstream.release()
 
-    async def _first_chunk(self, upstream: aiohttp.ClientResponse, headers: dict[str, str]
+    async def _first_chunk(self, upstream: Answer, headers: dict[str, str]
                            ) -> bytes | web.StreamResponse:
         """The stream's first bytes, or the whole answer when it is no stream or fails before them."""
         if upstream.status != 200 or not upstream.content_type.startswith("text/event-stream"):
@@ -250,15 +244,15 @@ class Relay:
             return response
         try:
             async with asyncio.timeout(self.config.first_token_timeout):
-                return await upstream.content.readany()
+                return await upstream.readany()
         except TimeoutError:
             return error_response(504, "the engine sent no token within the first-token timeout",
                                   code="upstream_timeout", headers=headers)
-        except aiohttp.ClientError as exc:  # nothing reached the client yet: a plain 502 says it best
+        except UpstreamError as exc:  # nothing reached the client yet: a plain 502 says it best
             return self.failure(502, f"the engine failed before its first token: {type(exc).__name__}",
                                 "upstream_error", headers, upstream)
 
-    async def _copy(self, client: web.Request, response: web.StreamResponse, upstream: aiohttp.ClientResponse,
+    async def _copy(self, client: web.Request, response: web.StreamResponse, upstream: Answer,
                     chunk: bytes, observer: StreamObserver) -> bool:
         """Relay the stream from ``chunk`` on; True when it reached its natural end. A failure mid-stream
         ends the client's stream with an error event."""
@@ -266,14 +260,14 @@ class Relay:
             while chunk:
                 if relayed := observer.feed(chunk):  # nothing when the chunk only began a line
                     await self._write(client, response, relayed)
-                chunk = await upstream.content.readany()
-            completed = upstream.content.is_eof()
+                chunk = await upstream.readany()
+            completed = upstream.is_eof()
             if completed and (held := observer.flush()):
                 await self._write(client, response, held)
         except ClientGone:
             observer.client_gone = True
             return False
-        except (aiohttp.ClientError, TimeoutError) as exc:  # the engine failed or went quiet mid-stream
+        except (UpstreamError, TimeoutError) as exc:  # the engine failed or went quiet mid-stream
             observer.failed = True
             await _try_write(response, observer.flush() + self.failure_event(
                 f"the engine stream failed: {type(exc).__name__}", upstream))
@@ -290,7 +284,7 @@ class Relay:
         return True
 
     def failure(self, status: int, message: str, code: str, headers: dict[str, str] | None = None,
-                upstream: aiohttp.ClientResponse | None = None) -> web.Response:
+                upstream: Answer | None = None) -> web.Response:
         """The answer to a request whose upstream failed before its first byte reached the client."""
         if (revoked := self._revoked.get(upstream)) is not None:
             return error_response(revoked.status, revoked.message, code=revoked.code,
@@ -299,7 +293,7 @@ class Relay:
             return error_response(503, SHUTTING_DOWN, code="shutting_down", retry_after=1, headers=headers)
         return error_response(status, message, code=code, headers=headers)
 
-    def failure_event(self, message: str, upstream: aiohttp.ClientResponse | None = None) -> bytes:
+    def failure_event(self, message: str, upstream: Answer | None = None) -> bytes:
         """The event that ends a stream whose upstream failed after it started."""
         if (revoked := self._revoked.get(upstream)) is not None:
             return sse_error_event(revoked.status, revoked.message, revoked.code)
@@ -309,9 +303,13 @@ class Relay:
 
     async def _write(self, client: web.Request, response: web.StreamResponse, chunk: bytes) -> None:
         """Write one chunk; raises ``ClientGone`` if the client left or read nothing for the stall timeout."""
+        transport = client.transport
         try:
-            async with asyncio.timeout(self.config.client_stall_timeout):
+            if transport is not None and transport.get_write_buffer_size() + len(chunk) < WRITE_NEVER_WAITS_BYTES:
                 await response.write(chunk)
+            else:
+                async with asyncio.timeout(self.config.client_stall_timeout):
+                    await response.write(chunk)
         except ConnectionError:
             raise ClientGone("the client left") from None
         except TimeoutError:

@@ -28,6 +28,7 @@ from guard.http.pipeline import completion
 from guard.http.relay import SHUTTING_DOWN, Relay
 from guard.http.routes import health, identify, metrics_endpoint, models
 from guard.http.tokens import TokenCounter
+from guard.http.upstream import UpstreamClient
 from guard.metrics import GuardMetrics
 from guard.pool.gate import AdmissionGate
 from guard.pool.kv_events import KVEventSubscriber
@@ -98,7 +99,8 @@ async def _start(app: web.Application) -> None:
     # No cookie jar: cookies an engine sets must never be stored and sent with another tenant's request
     # (and a jar costs a lookup per request).
     session = aiohttp.ClientSession(connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar())
-    clients = app[CLIENTS] = Clients(session, Relay(session, config.upstream),
+    relay = Relay(UpstreamClient(config.upstream.connect_timeout), config.upstream)
+    clients = app[CLIENTS] = Clients(session, relay,
                                       TokenCounter(session, state.pool.url, config.upstream.connect_timeout))
     stale_s = config.admission.telemetry_stale_s
     for replica in state.pool:
@@ -157,7 +159,6 @@ async def _shutdown(app: web.Application) -> None:
         log.warning("shutdown: %d requests still running after %g s; ending them", state.in_flight,
                     state.config.limits.shutdown_timeout)
         clients.relay.close_all()
-        await clients.session.close()  # requests still waiting for their answer's headers
 
 
 async def _cleanup(app: web.Application) -> None:
@@ -168,6 +169,7 @@ async def _cleanup(app: web.Application) -> None:
         task.cancel()
     await asyncio.gather(*clients.tasks, return_exceptions=True)
     await clients.session.close()
+    clients.relay.client.close()
     if (shared := app[STATE].shared) is not None:
         await shared.close()
     if (decisions := app[STATE].decision_log) is not None:
