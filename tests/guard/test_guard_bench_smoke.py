@@ -89,3 +89,18 @@ def test_no_max_tokens_quick(tmp_path: Path) -> None:
                                            "no_max_fallback_routes", "exact_fallback_routes"}
     assert report["configs"]["queue"]["verdicts"]["no_max_fallback_routes"] == 0, "no fallback to go to"
     assert "p99 TTFT no_max / exact" in out
+
+
+def test_guard_ab_quick(tmp_path: Path) -> None:
+    """The guard's A/B benchmark (the check that the guard's CPU per request never grows unnoticed): this
+    tree against its own HEAD, checked out beside it, each workload measured on both guards."""
+    result_file = tmp_path / "result.json"
+    done = run_command(sys.executable, ROOT / "bench" / "guard_ab.py", "--baseline", "HEAD", "--quick", "--json",
+                       result_file, timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "QUICK RUN" in done.stdout
+    report = json.loads(result_file.read_text())
+    assert [row["workload"] for row in report["results"]] == ["unary", "stream", "firehose"]
+    for row in report["results"]:
+        assert row["a_us"] > 0 and row["b_us"] > 0 and row["ratio_b_over_a"] > 0, row
+    assert report["rounds"] == 1 and report["load_generator"] == ("wrk" if shutil.which("wrk") else "python")
