@@ -82,6 +82,8 @@ class StreamObserver:
     def feed(self, chunk: bytes) -> bytes:
         """Observe ``chunk``; returns what the client gets of it now."""
         data = self._partial + chunk
+        if not self._dropped and b'"usage"' not in data and b'"error"' not in data and b"[DONE]" not in data:
+            return self._feed_tokens(chunk, data)
         lines = data.split(b"\n")
         self._partial = lines.pop()
         kept: list[bytes] | None = None  # the lines relayed, once one was dropped (None: all of them)
@@ -99,6 +101,17 @@ class StreamObserver:
         if kept is None:
             return data[:len(data) - len(self._partial)]
         return b"".join(line + b"\n" for line in kept)
+
+    def _feed_tokens(self, chunk: bytes, data: bytes) -> bytes:
+        """``feed`` where no line can be usage, an error or the end: each complete ``data:`` line is a token
+        (the common case, taken without splitting the chunk into lines)."""
+        end = data.rfind(b"\n") + 1  # past the last complete line
+        self._partial = data[end:]
+        if end:
+            now = time.monotonic()  # the events of one chunk arrived together
+            for _ in range(data.count(b"\ndata:", 0, end) + data.startswith(b"data:")):
+                self._token(now)
+        return data[:end] if self.strip_usage else chunk
 
     def flush(self) -> bytes:
         """The stream ended: what is still held back, as it came. A last line without its newline is no SSE
@@ -127,6 +140,10 @@ class StreamObserver:
                 self.cached_tokens = cached_tokens(usage)
                 if chunk.get("choices") == []:  # the usage-only chunk carries no token
                     return self.strip_usage
+        self._token(now)
+        return False
+
+    def _token(self, now: float) -> None:
         if self.events == 0:
             self.first_at = now
             self.on_first_token(now)
@@ -134,7 +151,6 @@ class StreamObserver:
             self.on_gap(now - self._last)
         self._last = now
         self.events += 1
-        return False
 
     @property
     def output_tokens(self) -> int:
