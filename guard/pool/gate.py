@@ -142,8 +142,12 @@ class AdmissionGate:
     @property
     def alive(self) -> bool:
         """The engine is up as far as its telemetry tells (see the module docstring)."""
-        return (self.snapshot is not None and self.snapshot.healthy
-                and time.monotonic() - self.heard_at <= self.config.telemetry_stale_s and not self.hung())
+        snapshot = self.snapshot
+        if snapshot is None or not snapshot.healthy:
+            return False
+        now = time.monotonic()  # asked several times per request: one clock read, ``hung`` inlined
+        return (now - self.heard_at <= self.config.telemetry_stale_s
+                and (self.step_started is None or now - self.step_started <= self.config.step_hang_s))
 
     @property
     def usable(self) -> bool:
