@@ -68,13 +68,26 @@ class StaticFallback(Strict):
     message: str
 
 
+class Slo(Strict):
+    """A lane's latency objective (guard/admission/slo.py): first token within ``ttft_ms`` of arrival, and
+    ``tpot_ms`` per output token after it; either may be left out. Requests may tighten it, never loosen it."""
+
+    ttft_ms: float | None = Field(None, gt=0)
+    tpot_ms: float | None = Field(None, gt=0)
+
+
 class Lane(Strict):
-    """A class of work inside a tenant: lower ``priority`` is served first; ``timeout`` bounds queueing."""
+    """A class of work inside a tenant: lower ``priority`` is served first; ``timeout`` bounds queueing.
+    ``priority_class`` orders lanes across tenants (critical first, then by fairness) and says what a lane
+    may lose: a sheddable request that cannot meet its ``slo`` is refused at once, and its blocks are lent,
+    so critical work reclaims them."""
 
     priority: int = 0
     timeout: PositiveSeconds = 30.0
     sheddable: bool = False  # in pressure mode, served by a fallback first
     on_degraded: Literal["fallback", "reject"] = "fallback"
+    slo: Slo | None = None
+    priority_class: Literal["critical", "standard", "sheddable"] = "standard"
 
 
 DEFAULT_LANES = {

@@ -29,6 +29,7 @@ class GuardMetrics:
         self._mode_series(r)
         self._backend_series(r)
         self._connection_series(r)
+        self._slo_series(r)
         # (metric, label values) -> its child; label values come from the configuration and fixed sets only
         self._children: dict[tuple[MetricWrapperBase, tuple[str, ...]], MetricWrapperBase] = {}
         for mode in MODES:
@@ -58,6 +59,17 @@ class GuardMetrics:
                                   "client sees it.", ["tenant"], LATENCY_BUCKETS, r)
         self.itl = LoopHistogram("guard_inter_token_latency_seconds", "Gap between streamed tokens.", ["tenant"],
                                  ITL_BUCKETS, r)
+
+    def _slo_series(self, r: CollectorRegistry) -> None:
+        """Latency objectives (guard/admission/slo.py, guard/http/objectives.py)."""
+        self.slo_requests = Counter("guard_slo_requests_total", "Requests with a latency objective, by lane, "
+                                    "objective (ttft, tpot) and whether it was met; refusals miss it.",
+                                    ["lane", "objective", "met"], registry=r)
+        self.ttft_predicted = LoopHistogram("guard_ttft_predicted_seconds", "Predicted arrival to first token of "
+                                            "requests with an objective.", ["lane"], LATENCY_BUCKETS, r)
+        self.ttft_prediction_error = LoopHistogram("guard_ttft_prediction_error_seconds", "Absolute error of the "
+                                                   "predicted TTFT of streams that got a first token.", ["lane"],
+                                                   LATENCY_BUCKETS, r)
 
     def _admission_series(self, r: CollectorRegistry) -> None:
         """The KV budget, fairness, shared state."""

@@ -38,6 +38,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from guard.admission import slo
 from guard.admission.fairness import FairQueue, TenantQueue
 from guard.config import GuardConfig, Lane, Tenant
 from guard.errors import GuardError
@@ -75,6 +76,14 @@ class Ticket:
     revoked: GuardError | None = None  # why the guard took its blocks back, once it did
     output_tokens: int = 0  # what it generated, once it ended
     candidates: Sequence[Candidate] = ()  # the ranking that admitted it, for its decision record
+    arrived: float = 0.0  # time.monotonic() of the request's arrival at the guard
+    objective: slo.Objective | None = None  # its latency objective (guard/admission/slo.py), if it has one
+    predicted_ttft: float | None = None  # seconds from arrival, predicted when it reached the dispatcher
+    predicted_tpot: float | None = None  # seconds per output token on the best replica, predicted then too
+    verdicts: dict[str, bool] | None = None  # objective ("ttft", "tpot") -> met, once it ended
+    admitted_at: float = 0.0  # time.monotonic() of its admission
+    uncached: int = 0  # its prompt tokens the replica has to prefill, until its first token (latency model)
+    work: int = 0  # prefill tokens ahead of it on its replica when admitted, its own included
 
 
 class Dispatcher:
@@ -109,10 +118,12 @@ class Dispatcher:
             self._count_as_ours()
         return queue
 
-    def blocks_queued(self) -> int:
+    def blocks_queued(self, priority_class: str | None = None) -> int:
+        """Blocks of the queued tickets (of ``priority_class`` only, when given)."""
         if not self.fair.queued:
             return 0  # the usual case, asked on every request
-        return sum(t.blocks for q in self.fair.tenants.values() for lane in q.lanes.values() for t in lane)
+        return sum(t.blocks for q in self.fair.tenants.values() for lane in q.lanes.values() for t in lane
+                   if priority_class is None or t.lane.priority_class == priority_class)
 
     def blocks_ahead_of(self, ticket: Ticket) -> int:
         """Blocks queued that this ticket surely waits for: its own tenant's, in lanes served before or with
@@ -121,10 +132,22 @@ class Dispatcher:
         return sum(t.blocks for priority, lane in queue.lanes.items() if priority <= ticket.lane.priority
                    for t in lane)
 
+    def blocks_before(self, ticket: Ticket) -> int:
+        """Queued blocks to be admitted before the ticket, by its class: a critical one waits only for the
+        critical tickets (they go first), a standard one for those and ``blocks_ahead_of`` it, a sheddable
+        one for everything queued."""
+        priority_class = ticket.lane.priority_class
+        if priority_class == slo.SHEDDABLE:
+            return self.blocks_queued()
+        critical = self.blocks_queued(slo.CRITICAL)
+        return critical if priority_class == slo.CRITICAL else critical + self.blocks_ahead_of(ticket)
+
     async def submit(self, ticket: Ticket) -> None:
         """Queue ``ticket`` and wait for admission. Raises ``GuardError``; on cancellation nothing is held."""
         if self.closed is not None:
             raise self.closed
+        if ticket.objective is not None:
+            slo.judge(self.pool, ticket, self.blocks_before(ticket))
         queue = self.queue_of(ticket.tenant)
         if not self.fair.queued and self._within_cap(queue, ticket) and await self._place_now(queue, ticket):
             self._admitted(queue, ticket)  # nobody waits, so VTC order has nothing to say: no queue, no future
@@ -163,7 +186,7 @@ class Dispatcher:
         if not self.fair.queued:
             return  # the usual case after a release
         capped: set[str] = set()
-        while (queue := self.fair.next_tenant(capped)) is not None:
+        while (queue := self._next_tenant(capped)) is not None:
             ticket = queue.head()
             assert ticket is not None
             if not self._within_cap(queue, ticket):
@@ -177,6 +200,15 @@ class Dispatcher:
             self.fair.pop(queue)
             self._admitted(queue, ticket)
 
+    def _next_tenant(self, skip: set[str]) -> TenantQueue[Ticket] | None:
+        """The priority band before fairness: the tenants whose next ticket is critical, by VTC among them,
+        go before the rest (by VTC)."""
+        critical = [q for q in self.fair.backlogged() if q.name not in skip
+                    and (head := q.head()) is not None and head.lane.priority_class == slo.CRITICAL]
+        if not critical:
+            return self.fair.next_tenant(skip)
+        return min(critical, key=lambda q: q.counter)
+
     async def _place_now(self, queue: TenantQueue[Ticket], ticket: Ticket) -> bool:
         """``_place`` for a ticket that nobody queues before (a dispatcher whose placement asks elsewhere
         overrides this)."""
@@ -185,8 +217,11 @@ class Dispatcher:
     def _place(self, queue: TenantQueue[Ticket], ticket: Ticket) -> bool:
         """Reserve the ticket's blocks on the first replica, in the profile's order, whose gate admits them;
         ``ticket.borrowed`` says how many of them are (or would be) borrowed."""
-        ticket.borrowed = self._borrowed(ticket.tenant, ticket.blocks)
-        ranked = self.profile.rank(self.pool.replicas, ticket.blocks, ticket.hashes)
+        ticket.borrowed = self._lent(ticket, ticket.blocks)
+        objective = ticket.objective
+        ttft_left = None if objective is None or objective.ttft_s is None else \
+            objective.ttft_s - (time.monotonic() - ticket.arrived)
+        ranked = self.profile.rank(self.pool.replicas, ticket.blocks, ticket.hashes, ticket.prompt_tokens, ttft_left)
         for candidate in ranked:
             replica = candidate.replica
             if replica.gate.try_reserve(ticket.request_id, queue.name, ticket.blocks, ticket.borrowed):
@@ -201,6 +236,15 @@ class Dispatcher:
         if tenant.name in self.retired or not self.total_weight:
             return 0
         return int(tenant.weight / self.total_weight * self.pool.budget())
+
+    def _lent(self, ticket: Ticket, blocks: int) -> int:
+        """Of ``blocks`` more for the ticket, those it borrows: none for a critical one (it reclaims what
+        others borrowed), all for a sheddable one (lent, so critical work reclaims it and the engine preempts
+        it first), past its tenant's guarantee for the rest."""
+        priority_class = ticket.lane.priority_class
+        if priority_class == slo.CRITICAL:
+            return 0
+        return blocks if priority_class == slo.SHEDDABLE else self._borrowed(ticket.tenant, blocks)
 
     def _borrowed(self, tenant: Tenant, blocks: int) -> int:
         """Of ``blocks`` more for the tenant, those past its guarantee."""
@@ -217,6 +261,12 @@ class Dispatcher:
         """The ticket's reservation is committed: charge its input and wake its request."""
         self.fair.charge(queue, input_tokens=ticket.prompt_tokens)
         ticket.state = TicketState.ADMITTED
+        if ticket.replica is not None:  # the prefill now ahead of later requests there (guard/pool/latency.py)
+            ticket.admitted_at = time.monotonic()
+            snapshot = ticket.replica.gate.snapshot
+            cached = ticket.hit_blocks * snapshot.block_size if snapshot is not None else 0
+            ticket.uncached = max(0, ticket.prompt_tokens - cached)
+            ticket.work = ticket.replica.latency.admitted(ticket.uncached)
         self.running.setdefault(queue.name, set()).add(ticket)
         if ticket.admitted is not None:  # None while submit is admitting it itself
             ticket.admitted.set_result(None)
@@ -227,12 +277,23 @@ class Dispatcher:
         if ticket.state is not TicketState.ADMITTED or ticket.replica is None:
             return False
         more = blocks - ticket.blocks
-        borrowed = self._borrowed(ticket.tenant, more)
+        borrowed = self._lent(ticket, more)
         if not ticket.replica.gate.try_grow(ticket.request_id, more, borrowed):
             return False
         ticket.blocks, ticket.max_tokens = blocks, max_tokens
         ticket.borrowed += borrowed
         return True
+
+    def started(self, ticket: Ticket, after_s: float | None = None) -> None:
+        """The ticket's first token came ``after_s`` seconds after its admission (None: it ended without
+        one): its replica's latency model learns it, and its prefill leaves the work ahead there. Once."""
+        if ticket.replica is None or not ticket.uncached and not ticket.work:
+            return
+        latency = ticket.replica.latency
+        latency.started(ticket.uncached)
+        if after_s is not None:
+            latency.observe_ttft(ticket.work, after_s)
+        ticket.uncached = ticket.work = 0
 
     def charge_output(self, ticket: Ticket, output_tokens: int) -> None:
         ticket.output_tokens = output_tokens
@@ -244,6 +305,7 @@ class Dispatcher:
             self._dequeue(ticket)
         elif ticket.state is TicketState.ADMITTED:
             assert ticket.replica is not None  # set with the reservation
+            self.started(ticket)  # ended without a first token: its prefill is ahead of nobody now
             ticket.replica.gate.release(ticket.request_id)
             ticket.replica.finished()
             running = self.running[ticket.tenant.name]

@@ -15,6 +15,7 @@ import time
 from guard.admission.dispatch import Ticket, TicketState
 from guard.admission.sizing import Growth, size_reservation
 from guard.errors import GuardError, Outcome
+from guard.http import objectives
 from guard.http.exchange import Exchange
 from guard.http.relay import StreamObserver, UpstreamUnavailable
 from guard.http.tokens import TokenLimits
@@ -73,7 +74,7 @@ def make_ticket(ex: Exchange) -> Ticket:
     hashes = ([prompt_block_hashes(ids, sizing.block_size, salt) for ids in limits.ids]
               if state.profile.needs_hashes and len(state.pool) > 1 and limits.ids is not None else [])
     ex.ticket = Ticket(ex.request_id, tenant, ex.lane, limits.prompt_tokens, sizing.reserve, sizing.blocks,
-                       hashes, on_revoke=ex.revoke)
+                       hashes, on_revoke=ex.revoke, arrived=ex.arrived, objective=objectives.resolve(ex))
     return ex.ticket
 
 
@@ -93,9 +94,14 @@ def observe(ex: Exchange) -> StreamObserver:
             if (granted := growth.on_tokens(observer.events)) is not None:
                 metrics.child(metrics.reservation_growths, "granted" if granted else "denied").inc()
 
-    arrived = ex.arrived
-    observer = ex.observer = StreamObserver(on_first_token=lambda now: ttft.observe(now - arrived),
-                                            on_gap=on_gap, strip_usage=parsed.adds_usage)
+    arrived, dispatcher = ex.arrived, state.dispatcher
+
+    def on_first_token(now: float) -> None:
+        ttft.observe(now - arrived)
+        dispatcher.started(ticket, now - ticket.admitted_at)  # the replica's latency model learns it
+
+    observer = ex.observer = StreamObserver(on_first_token=on_first_token, on_gap=on_gap,
+                                            strip_usage=parsed.adds_usage)
     return observer
 
 

@@ -11,6 +11,7 @@ import time
 
 from aiohttp import web
 
+from guard.admission.dispatch import Ticket
 from guard.errors import GuardError
 from guard.http.exchange import Exchange
 from guard.records.record import DecisionRecord, Shed
@@ -35,6 +36,8 @@ def build_record(ex: Exchange, response: web.StreamResponse | None, refused: Gua
         record.predicted_hit_tokens = ticket.hit_blocks * sizing.block_size if ticket.replica is not None else None
     if ex.growth is not None:
         record.growths = ex.growth.granted
+    if ticket is not None and ticket.objective is not None:
+        record.slo = slo_record(ticket)
     if ex.limits is not None:
         record.prompt_tokens = ex.limits.prompt_tokens
     if observer is not None and ex.upstream is not None:
@@ -43,3 +46,13 @@ def build_record(ex: Exchange, response: web.StreamResponse | None, refused: Gua
         message = None if ex.stage == "validate" else refused.message
         record.shed = Shed(ex.stage, refused.status, refused.code, message)
     return record
+
+
+def slo_record(ticket: Ticket) -> dict:
+    """The objective, the predictions it was judged by (a refusal's ``shed`` says the rest) and the verdicts."""
+    assert ticket.objective is not None
+    predicted_tpot = ticket.predicted_tpot
+    return {**ticket.objective.as_record(),
+            "predicted_ttft_ms": None if ticket.predicted_ttft is None else round(1e3 * ticket.predicted_ttft, 3),
+            "predicted_tpot_ms": None if predicted_tpot is None else round(1e3 * predicted_tpot, 3),
+            "met": ticket.verdicts}

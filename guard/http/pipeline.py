@@ -24,7 +24,7 @@ from aiohttp import web
 from guard import tracing
 from guard.config import Tenant
 from guard.errors import GuardError, Outcome
-from guard.http import admit
+from guard.http import admit, objectives
 from guard.http.context import CLIENTS, REQUEST_ID, STATE, TENANT
 from guard.http.decision import keep_record
 from guard.http.errors import error_response
@@ -61,6 +61,7 @@ async def completion(request: web.Request) -> web.StreamResponse:
         return response
     finally:
         ex.count_outcome()
+        objectives.account(ex)
         keep_record(ex, response, refused)
         if ex.ticket is not None:  # the ticket calls back into the exchange that holds it: break the cycle,
             ex.ticket.on_revoke = None  # so that both go as soon as the request does, not at the next collection

@@ -153,6 +153,11 @@ class StreamObserver:
         self.events += 1
 
     @property
+    def last_at(self) -> float:
+        """time.monotonic() of the last token event so far (0.0: none yet)."""
+        return self._last
+
+    @property
     def output_tokens(self) -> int:
         """Tokens the client received: the usage figure when there is one, else one per token event."""
         return self.completion_tokens if self.completion_tokens is not None else self.events

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from engine.protocol import TelemetrySnapshot
 from guard.config import Backend
 from guard.pool.gate import AdmissionGate
+from guard.pool.latency import LatencyModel
 from guard.pool.prefix_index import PrefixIndex
 from guard.pool.routing import CircuitBreaker
 
@@ -26,6 +27,7 @@ class Replica:
     gate: AdmissionGate
     breaker: CircuitBreaker
     index: PrefixIndex = field(default_factory=PrefixIndex)
+    latency: LatencyModel = field(default_factory=LatencyModel)  # predicted TTFT and TPOT, learned online
     in_flight: int = 0  # the guard's requests admitted here and not finished: the picker's load signal
     last_admitted: float = 0.0  # when (monotonic) the guard last admitted a request here: the picker's tie-break
     started_at: float = field(default_factory=time.monotonic)  # reset when the guard starts serving
@@ -69,6 +71,7 @@ class Replica:
         """Take a snapshot; returns the engine-reported prefix-cache (hit, query) tokens since the last one
         (none for the first). Totals that went down mean the engine restarted: they count from zero again."""
         self.gate.update(snapshot)
+        self.latency.on_snapshot(snapshot)
         self.heard.set()
         hits, queries = snapshot.prefix_cache_hits_total, snapshot.prefix_cache_queries_total
         before_hits, before_queries = self._hits_total, self._queries_total

@@ -51,6 +51,8 @@ class DecisionRecord:
     completion_tokens: int | None = None
     shed: Shed | None = None
     time: float = 0.0  # when it ended (Unix seconds)
+    # Its latency objective, what was predicted for it and the verdicts (guard/admission/slo.py); None: none.
+    slo: dict[str, Any] | None = None
 
     @property
     def queue_ms(self) -> float | None:
@@ -82,6 +84,7 @@ class DecisionRecord:
             "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens},
             "shed": None if self.shed is None else {"stage": self.shed.stage, "status": self.shed.status,
                                                     "code": self.shed.code, "message": self.shed.message},
+            "slo": self.slo,
         }
 
     def summary(self) -> dict[str, Any]:

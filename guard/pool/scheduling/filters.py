@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from guard.pool.scheduling.plugin import Context, free_share, register_filter
+from guard.pool.scheduling.plugin import Context, free_share, predicted_ttft, register_filter
 
 if TYPE_CHECKING:
     from guard.pool.replica import Replica
@@ -31,3 +31,13 @@ class Overload:
 
     def holds_back(self, replica: Replica, ctx: Context) -> bool:
         return replica.in_flight >= ctx.least + OVERLOAD_ABS and replica.in_flight >= OVERLOAD_REL * ctx.least
+
+
+@register_filter("slo")
+class SloFilter:
+    """A replica predicted to miss the request's TTFT objective (what is left of it after queueing):
+    requests without one pass. Failing open as every filter does, a request that no replica can serve in
+    time still goes to the best of them; refusing it instead is admission's call (guard/admission/slo.py)."""
+
+    def holds_back(self, replica: Replica, ctx: Context) -> bool:
+        return ctx.ttft_left_s is not None and predicted_ttft(replica, ctx) > ctx.ttft_left_s

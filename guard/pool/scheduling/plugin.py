@@ -49,6 +49,8 @@ class Context:
     prompt_blocks: int  # full blocks of the request's prompts
     busiest: int  # the most requests in flight on any candidate (at least 1)
     least: int  # the fewest
+    prompt_tokens: int = 0  # the request's prompt tokens, all prompts together
+    ttft_left_s: float | None = None  # what its TTFT objective leaves after its wait so far (None: none)
 
 
 class Filter(Protocol):
@@ -103,3 +105,11 @@ def free_share(replica: Replica, blocks: int) -> float:
     """The share of the replica's budget left after reserving ``blocks`` there (0 when it would not fit)."""
     budget = replica.gate.budget
     return max(0.0, (budget - replica.gate.committed() - blocks) / budget) if budget else 0.0
+
+
+def predicted_ttft(replica: Replica, ctx: Context) -> float:
+    """Seconds from admission on the replica to the request's first token (guard/pool/latency.py), its
+    prompts' blocks cached there not counted."""
+    snapshot = replica.gate.snapshot
+    cached = ctx.hits.get(replica, 0) * snapshot.block_size if snapshot is not None else 0
+    return replica.latency.predict_ttft(max(0, ctx.prompt_tokens - cached))

@@ -1,7 +1,8 @@
 """``routing.policy`` presets as profiles, and the profile a config asks for (names checked here, where the
 plugins live: an unknown one is a ``ConfigError`` naming it and its key path).
 
-- ``kvguard`` (the default): filters saturation and overload; scores 2 x prefix + free_blocks + idle.
+- ``kvguard`` (the default): filters saturation, overload and slo (only requests with a TTFT objective);
+  scores 2 x prefix + free_blocks + idle.
 - ``round_robin``: the replicas in turn.
 - ``least_loaded``: the fewest guard requests in flight, then the most budget left.
 - ``prefix``: the most cached leading prompt blocks, then the least loaded, whatever the load: cache
@@ -22,7 +23,7 @@ from guard.pool.scheduling.profile import Profile
 
 PRESETS: dict[str, SchedulingProfile] = {
     "kvguard": SchedulingProfile(
-        filters=["saturation", "overload"],
+        filters=["saturation", "overload", "slo"],
         scorers=[PluginRef(name="prefix", weight=2), PluginRef(name="free_blocks"), PluginRef(name="idle")]),
     "round_robin": SchedulingProfile(picker="round_robin"),
     "least_loaded": SchedulingProfile(

@@ -1,0 +1,63 @@
+"""A request's latency objective on the HTTP side: read from its lane and headers, and judged at its end.
+
+The objective itself, the prediction and early shedding are guard/admission/slo.py's. Here, once the request
+has ended (guard/http/pipeline.py), its verdicts are counted: ``guard_slo_requests_total{lane, objective,
+met}`` once per objective it has, with
+
+- TTFT met when the first token reached the client within the objective of its arrival. A unary answer's
+  first token is the whole answer, so its TTFT is its end-to-end time, as its client sees it;
+- TPOT met when the mean gap between the stream's tokens was within the objective (a unary answer or a
+  stream of one token has no gaps: no TPOT verdict);
+- a refusal (``slo_unattainable``, overload, a queue timeout) or an upstream failure misses every objective
+  of its request: the client got no answer in time. A request its client cancelled before the end gets no
+  verdict: nobody waited for it.
+
+The prediction is scored too (``guard_ttft_predicted_seconds``, and ``guard_ttft_prediction_error_seconds``,
+the absolute error, for requests that got a first token), and each replica's latency model learns the
+streams' TPOT (guard/pool/latency.py).
+"""
+
+from __future__ import annotations
+
+import time
+
+from guard.admission.slo import Objective, objective_for
+from guard.errors import Outcome
+from guard.http.exchange import Exchange
+
+
+def resolve(ex: Exchange) -> Objective | None:
+    """The request's objective: its lane's, tightened by its headers (400 for a malformed one)."""
+    assert ex.lane is not None
+    return objective_for(ex.lane, ex.request.headers)
+
+
+def account(ex: Exchange) -> None:
+    """Count the ended request's verdicts and score its prediction (requests without an objective: nothing)."""
+    ticket, observer = ex.ticket, ex.observer
+    if ticket is None or (objective := ticket.objective) is None or ex.outcome is Outcome.CANCELLED:
+        return
+    metrics, lane = ex.state.metrics, ticket.tenant.lane
+    streamed = observer is not None and observer.events > 0
+    ttft: float | None = None  # seconds from arrival to the client's first token (None: no answer)
+    if ex.outcome is Outcome.COMPLETED and ex.upstream is not None:
+        ttft = (observer.first_at if streamed and observer is not None else time.monotonic()) - ex.arrived
+    verdicts: dict[str, bool] = {}
+    if objective.ttft_s is not None:
+        verdicts["ttft"] = ttft is not None and ttft <= objective.ttft_s
+    if objective.tpot_s is not None:
+        gaps = observer.events - 1 if ttft is not None and streamed and observer is not None else 0
+        if gaps > 0 and observer is not None:
+            tpot = (observer.last_at - observer.first_at) / gaps
+            verdicts["tpot"] = tpot <= objective.tpot_s
+            if ticket.replica is not None:
+                ticket.replica.latency.observe_tpot(tpot)
+        elif ttft is None:
+            verdicts["tpot"] = False
+    for which, met in verdicts.items():
+        metrics.child(metrics.slo_requests, lane, which, "true" if met else "false").inc()
+    ticket.verdicts = verdicts
+    if ticket.predicted_ttft is not None:
+        metrics.child(metrics.ttft_predicted, lane).observe(ticket.predicted_ttft)
+        if ttft is not None and streamed:
+            metrics.child(metrics.ttft_prediction_error, lane).observe(abs(ticket.predicted_ttft - ttft))
