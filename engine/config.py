@@ -40,6 +40,13 @@ class EngineConfig:
     # torch intra-op threads on CPU. One is right for small models and shared machines: with more threads
     # than free cores, OpenMP's spin-waits slowed the tiny model's steps 14x (15 ms -> 210 ms) here.
     cpu_threads: int = 1
+    # LoRA adapters (engine/model/lora.py): name -> PEFT directory, loaded at start; at most ``max_loras`` of
+    # them resident on the device at once (least recently used evicted beyond), each of rank <= max_lora_rank.
+    # ``allow_runtime_lora`` lets the server load and unload adapters while it runs.
+    loras: dict[str, str] | None = None
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    allow_runtime_lora: bool = False
 
     def __post_init__(self) -> None:
         cuda = isinstance(self.device, str) and (self.device == "cuda" or self.device.startswith("cuda:"))
@@ -68,9 +75,20 @@ class EngineConfig:
              and 0.0 < self.gpu_memory_utilization <= 1.0, "a number in (0, 1]"),
             ("cpu_kv_cache_bytes", _positive(self.cpu_kv_cache_bytes), "a positive integer"),
             ("cpu_threads", _positive(self.cpu_threads), "a positive integer"),
+            ("loras", self.loras is None or (isinstance(self.loras, dict) and all(
+                isinstance(k, str) and k.strip() and isinstance(v, str) and v for k, v in self.loras.items())),
+             "a mapping of adapter names to PEFT directories, or None"),
+            ("max_loras", _positive(self.max_loras), "a positive integer"),
+            ("max_lora_rank", _positive(self.max_lora_rank), "a positive integer"),
+            ("allow_runtime_lora", isinstance(self.allow_runtime_lora, bool), "a boolean"),
         ]
         for name, ok, expected in checks:
             require(ok, name, expected, getattr(self, name))
+
+    @property
+    def lora_enabled(self) -> bool:
+        """Whether any request may name an adapter: the device slots are allocated only then."""
+        return bool(self.loras) or self.allow_runtime_lora
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

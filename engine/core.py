@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections import Counter
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,6 +28,8 @@ from engine.kv.block_pool import BlockPool
 from engine.kv.manager import KVCacheManager
 from engine.kv.swap import SwapSpace
 from engine.model import load_model
+from engine.model.lora import LoraRegistry
+from engine.model.lora_slots import LoraSlots, attach
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.protocol import TelemetrySnapshot
@@ -64,12 +67,18 @@ class EngineCore:
         swap_blocks = config.swap_blocks
         if swap_blocks is None:
             swap_blocks = num_blocks if config.preemption_mode == "swap" else 0
+        self.loras: LoraRegistry | None = None  # None: LoRA disabled, no device slots
+        self.lora_slots: LoraSlots | None = None
+        self.lora_requests: Counter[str] = Counter()
+        if config.lora_enabled:
+            self._enable_lora()
         self.kv = KVCacheManager(BlockPool(num_blocks, config.enable_prefix_caching), SwapSpace(swap_blocks),
                                  self.block_size)
         self.output_processor = OutputProcessor(self.tokenizer, self.loaded.config.eos_token_ids)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.preemption_mode, self.output_processor.check_stop)
-        self.runner = ModelRunner(self.loaded, num_blocks, self.block_size, swap_blocks, self.device, self.dtype)
+                                   config.preemption_mode, self.output_processor.check_stop, config.max_loras)
+        self.runner = ModelRunner(self.loaded, num_blocks, self.block_size, swap_blocks, self.device, self.dtype,
+                                  self.lora_slots)
         block_bytes = self.loaded.config.kv_bytes_per_token(self.dtype) * self.block_size
         self.stats = EngineStats(block_bytes, self.scheduler.stats, peak_bandwidth(self.device))
         self.requests: dict[str, Request] = {}
@@ -101,12 +110,13 @@ class EngineCore:
         priority: int = 0,
         stream: bool = False,
         grammar: Grammar | None = None,
+        lora: str | None = None,
     ) -> Request:
         """Validate one prompt and build its request; nothing is queued yet (see ``add``).
 
         ``stream=True`` keeps every completion's ``text`` current token by token, for a server that sends
         text deltas; otherwise text is decoded once, when the completion finishes. ``grammar`` (from
-        ``compile_grammar``) holds every completion to it.
+        ``compile_grammar``) holds every completion to it. ``lora`` names a served adapter (None: the base).
         """
         require(isinstance(params, SamplingParams), "sampling_params", "a SamplingParams", params)
         text, ids = self._tokenize(prompt)
@@ -132,9 +142,13 @@ class EngineCore:
         require(isinstance(stream, bool), "stream", "a boolean", stream)
         require(grammar is None or isinstance(grammar, Grammar), "grammar", "a Grammar from compile_grammar",
                 grammar)
+        adapter = None if lora is None or self.loras is None else self.loras.get(lora)
+        require(lora is None or adapter is not None, "lora",
+                f"one of the adapters served here {self.loras.names() if self.loras else []}", lora)
         request_id = request_id if request_id is not None else f"req-{next(self._request_ids)}"
         require(request_id not in self.requests, "request_id", "unique among running requests", request_id)
-        return Request(request_id, text, ids, params, max_tokens, tenant, cache_salt, priority, stream, grammar)
+        return Request(request_id, text, ids, params, max_tokens, tenant, cache_salt, priority, stream, grammar,
+                       adapter)
 
     def compile_grammar(self, spec: GrammarSpec) -> Grammar:
         """Compile ``spec`` for this model's vocabulary (cached per distinct schema); ``ValueError`` naming
@@ -164,6 +178,8 @@ class EngineCore:
             assert self._structured is not None  # it compiled the grammar
             request.matchers = self._structured.matchers(request.grammar, params.n)
         self.requests[request.request_id] = request
+        if request.lora is not None:
+            self.lora_requests[request.lora.name] += 1
         self.scheduler.add_request(request)
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -198,7 +214,22 @@ class EngineCore:
         return outputs
 
     def telemetry(self, healthy: bool = True) -> TelemetrySnapshot:
-        return self.stats.snapshot(self.model_name, self.kv, self.scheduler.load(), healthy)
+        snapshot = self.stats.snapshot(self.model_name, self.kv, self.scheduler.load(), healthy)
+        if self.loras is not None and self.lora_slots is not None:
+            snapshot.loras, snapshot.loras_available = self.lora_slots.names(), self.loras.names()
+            snapshot.lora_requests_total = dict(self.lora_requests)
+        return snapshot
+
+    def _enable_lora(self) -> None:
+        """The registry with the configured adapters (each checked: a bad one stops start-up with its one-line
+        error) and the device slots, attached to every decoder layer."""
+        config = self.config
+        self.loras = LoraRegistry(self.loaded.config, config.max_lora_rank)
+        for name, path in (config.loras or {}).items():
+            self.loras.load(name, path, reserved={self.model_name})
+        self.lora_slots = LoraSlots(self.loaded.config, config.max_loras, config.max_lora_rank, self.device,
+                                    self.dtype)
+        attach(self.loaded.model, self.lora_slots)
 
     def _tokenize(self, prompt: object) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

@@ -41,10 +41,12 @@ class LLM:
         cache_salt: str | None | list[str | None] = None,
         priority: int | list[int] = 0,
         grammar: GrammarSpec | None | list[GrammarSpec | None] = None,
+        lora: str | None | list[str | None] = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text, or a list of token ids) and return outputs in prompt order.
 
         ``grammar`` holds a prompt's completions to a JSON schema (``GrammarSpec.of(schema, "grammar")``).
+        ``lora`` names the adapter a prompt runs with (one of ``LLM(loras={name: peft_dir})``; None: the base).
         All prompts are validated before the first one is queued: a bad one raises ``ValueError`` naming
         the field and leaves the engine untouched.
         """
@@ -60,9 +62,10 @@ class LLM:
         priorities = _per_prompt(priority, count, "priority")
         grammars = [g if g is None else self.core.compile_grammar(g)
                     for g in _per_prompt(grammar, count, "grammar")]
+        loras = _per_prompt(lora, count, "lora")
         requests = [
-            self.core.make_request(p, sp, tenant=t, cache_salt=s, priority=pr, grammar=g)
-            for p, sp, t, s, pr, g in zip(prompts, params, tenants, salts, priorities, grammars)
+            self.core.make_request(p, sp, tenant=t, cache_salt=s, priority=pr, grammar=g, lora=a)
+            for p, sp, t, s, pr, g, a in zip(prompts, params, tenants, salts, priorities, grammars, loras)
         ]
         for request in requests:
             self.core.add(request)

@@ -167,4 +167,4 @@ class KVCacheManager:
         return self.tables.pop(seq_id, [])
 
     def _hash_full_blocks(self, seq: KVSequence) -> None:
-        extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, seq.cache_salt)
+        extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, seq.cache_salt, seq.lora)

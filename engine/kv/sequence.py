@@ -1,6 +1,6 @@
 """The view of a sequence that the KV cache manager works with, and nothing more.
 
-The manager needs a sequence's identity (its block tables are keyed by it), its tokens and salt (to hash
+The manager needs a sequence's identity (its block tables are keyed by it), its tokens, salt and adapter (to hash
 full blocks), how many of its tokens have KV, and the chained hashes computed for it so far. It reads all of
 these and only ever extends ``block_hashes`` in place; requests, sampling and queue state stay out of
 ``engine.kv``, so that the KV layer stands without the scheduler that drives it.
@@ -30,3 +30,8 @@ class KVSequence(Protocol):
 
     @property
     def cache_salt(self) -> str | None: ...
+
+    @property
+    def lora(self) -> str | None:
+        """The adapter's name, None for the base model: it enters the block hashes with the salt."""
+        ...

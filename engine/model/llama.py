@@ -19,6 +19,7 @@ from torch import nn
 from engine.kernels.backend import AttentionBackend
 from engine.kernels.metadata import AttentionMetadata
 from engine.model.config import LinearRopeScaling, Llama3RopeScaling, ModelConfig, RopeScaling
+from engine.model.lora_slots import NO_LORA
 
 
 class RMSNorm(nn.Module):
@@ -104,6 +105,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, kv_size, bias=config.attention_bias)
         self.v_proj = nn.Linear(hidden, kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(q_size, hidden, bias=config.attention_output_bias)
+        self.lora = NO_LORA  # adds each token's adapter delta (engine/model/lora_slots.py attaches it)
 
     def forward(
         self,
@@ -114,14 +116,15 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        query = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
-        key = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
-        value = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        query = self.lora("q_proj", hidden, self.q_proj(hidden)).view(num_tokens, self.num_heads, self.head_dim)
+        key = self.lora("k_proj", hidden, self.k_proj(hidden)).view(num_tokens, self.num_kv_heads, self.head_dim)
+        value = self.lora("v_proj", hidden, self.v_proj(hidden)).view(num_tokens, self.num_kv_heads, self.head_dim)
         query, key = rotary(positions, query, key)
         kv_cache = kv_caches[self.layer_index]
         self.attn_backend.store_kv(key, value, kv_cache, meta.slot_mapping)
         attended = self.attn_backend.forward(query, kv_cache, meta, scale=self.head_dim**-0.5)
-        return self.o_proj(attended.reshape(num_tokens, self.num_heads * self.head_dim))
+        attended = attended.reshape(num_tokens, self.num_heads * self.head_dim)
+        return self.lora("o_proj", attended, self.o_proj(attended))
 
 
 class MLP(nn.Module):
@@ -130,9 +133,11 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.lora = NO_LORA  # as Attention's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gated = F.silu(self.lora("gate_proj", x, self.gate_proj(x))) * self.lora("up_proj", x, self.up_proj(x))
+        return self.lora("down_proj", gated, self.down_proj(gated))
 
 
 class DecoderLayer(nn.Module):

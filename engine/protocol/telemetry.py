@@ -66,6 +66,10 @@ class TelemetrySnapshot(BaseModel):
     bandwidth_utilization: float = Field(ge=0.0, le=1.0)
     healthy: bool
     tenants: dict[str, TenantUsage] = Field(default_factory=dict)
+    loras: list[str] = Field(default_factory=list, description="LoRA adapters resident on the device now")
+    loras_available: list[str] = Field(default_factory=list,
+                                       description="LoRA adapters served here (a request names one as model)")
+    lora_requests_total: dict[str, int] = Field(default_factory=dict, description="requests admitted per adapter")
 
     @property
     def used_blocks(self) -> int:

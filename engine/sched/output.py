@@ -17,6 +17,7 @@ from engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from engine.model.lora import LoraAdapter
     from engine.sched.request import Sequence
 
 
@@ -37,6 +38,7 @@ class ScheduledChunk:
     start: int  # tokens of the sequence already in the KV cache
     block_table: list[int]  # device blocks holding positions 0 .. start + len(token_ids) - 1, in order
     sample: bool  # its last token's logits are wanted: a row of the step's logits
+    lora: LoraAdapter | None = None  # the adapter its tokens run with; None: the base model
 
 
 @dataclass(slots=True)

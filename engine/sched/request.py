@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     import torch
     import xgrammar
 
+    from engine.model.lora import LoraAdapter
     from engine.prompting.detokenizer import IncrementalDetokenizer
     from engine.structured.spec import Grammar
 
@@ -45,6 +46,7 @@ class Request:
     priority: int = 0  # lower runs first, as in vLLM
     stream: bool = False  # detokenize as tokens arrive, so a server can send text deltas
     grammar: Grammar | None = None  # what every completion must match (engine/structured); None: anything
+    lora: LoraAdapter | None = None  # the adapter it runs with (held, so an unload cannot pull it); None: base
     arrival_time: float = field(default_factory=time.monotonic)
     # Completion index -> its own random stream (seeded ``seed + index``, None when greedy or unseeded), so
     # that a seeded completion draws the same tokens whatever else is in the batch. Set by ``EngineCore.add``.
@@ -85,6 +87,10 @@ class Sequence:
     @property
     def cache_salt(self) -> str | None:
         return self.request.cache_salt
+
+    @property
+    def lora(self) -> str | None:
+        return self.request.lora.name if self.request.lora is not None else None
 
     @property
     def sort_key(self) -> tuple[int, float, int]:

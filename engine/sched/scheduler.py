@@ -10,7 +10,8 @@ Each step has a token budget (``max_num_batched_tokens``) shared by decodes and 
 2. Only if nobody was preempted: swapped sequences come back, then waiting ones are admitted in priority
    order, starting from their longest cached prefix, while the budget, ``max_num_seqs`` and the pool allow.
    Admission stops at the first sequence that does not fit, so a large request is not starved by small
-   ones behind it.
+   ones behind it. A sequence of a LoRA adapter fits only while the running sequences use fewer than
+   ``max_loras`` adapters or already use its own, so every step's adapters fit the device slots.
 
 Invariant: every sequence is in exactly one of ``waiting``, ``running``, ``swapped`` or finished; only
 running sequences hold device blocks, only swapped ones hold host blocks.
@@ -41,12 +42,14 @@ class Scheduler:
         max_num_batched_tokens: int,
         preemption_mode: str,
         check_stop: StopCheck,
+        max_loras: int = 1,
     ) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.preemption_mode = preemption_mode
         self.check_stop = check_stop
+        self.max_loras = max_loras
         self.stats = SchedulerStats()
         # Admitting into the very last blocks only to preempt at the next decode is thrashing; keep a margin
         # free whenever something is already running.
@@ -161,7 +164,7 @@ class Scheduler:
         while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.swapped[0]
             num_new = min(seq.num_uncomputed_tokens, budget)
-            if not self.kv.can_swap_in(seq, num_new):
+            if not self._adapter_fits(seq) or not self.kv.can_swap_in(seq, num_new):
                 break
             self.swapped.pop(0)
             before = len(out.copies.swap_in)
@@ -174,7 +177,8 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         admitted = 0
         for seq in self.waiting:
-            if budget == 0 or len(self.running) + 1 + seq.forks_pending > self.max_num_seqs:
+            if (budget == 0 or len(self.running) + 1 + seq.forks_pending > self.max_num_seqs
+                    or not self._adapter_fits(seq)):
                 break
             cached = self.kv.find_cached_prefix(seq) if seq.num_computed_tokens == 0 else []
             num_cached = len(cached) * self.kv.block_size
@@ -195,6 +199,13 @@ class Scheduler:
             admitted += 1
         del self.waiting[:admitted]
 
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        lora = seq.request.lora
+        if lora is None:
+            return True
+        running = {s.request.lora for s in self.running} - {None}
+        return lora in running or len(running) < self.max_loras
+
     def _start(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
@@ -207,7 +218,8 @@ class Scheduler:
         end = start + num_new
         num_samples = 1 + seq.forks_pending if end == seq.num_tokens else 0
         out.scheduled.append(ScheduledSeq(seq, num_new, num_samples))
-        out.chunks.append(ScheduledChunk(seq.token_ids[start:end], start, self.kv.block_ids(seq), num_samples > 0))
+        out.chunks.append(ScheduledChunk(seq.token_ids[start:end], start, self.kv.block_ids(seq), num_samples > 0,
+                                         seq.request.lora))
         if num_samples:
             request = seq.request
             out.sampling.add(request.params, request.generators, seq.index, num_samples)

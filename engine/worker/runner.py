@@ -19,6 +19,7 @@ import torch
 
 from engine.kv.copies import BlockCopies
 from engine.model import LoadedModel
+from engine.model.lora_slots import LoraSlots
 from engine.sched.output import SchedulerOutput
 from engine.worker.batch import HostBatch
 from engine.worker.cuda_graphs import DecodeGraphs
@@ -46,8 +47,10 @@ class ModelRunner:
         swap_blocks: int,
         device: torch.device,
         dtype: torch.dtype,
+        lora_slots: LoraSlots | None = None,
     ) -> None:
         self.model = loaded.model
+        self.lora_slots = lora_slots
         self.block_size = block_size
         self.device = device
         cfg = loaded.config
@@ -70,8 +73,11 @@ class ModelRunner:
         self._apply_copies(out.copies)
         batch = HostBatch.build(out.chunks, self.block_size)
         inputs = batch.to_device(self.device)
+        # A step with adapters runs eagerly: the captured graphs hold no adapter layout.
+        lora = self.lora_slots is not None and self.lora_slots.prepare([c.lora for c in out.chunks],
+                                                                        batch.query_lens)
         hidden = None
-        if self.graphs is not None and batch.max_query_len == 1:
+        if self.graphs is not None and batch.max_query_len == 1 and not lora:
             hidden = self.graphs.run(inputs)
         if hidden is None:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
