@@ -22,11 +22,19 @@ from dataclasses import fields
 from engine.config import DTYPES, PREEMPTION_MODES, EngineConfig
 from engine.kernels.backend import ATTENTION_BACKENDS
 from engine.model.errors import ModelLoadError
+from engine.model.lora import LoraError
 from engine.server.app import EngineServer
 
 
 def _optional_int(text: str) -> int | None:
     return None if text.lower() == "none" else int(text)
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name.strip() or not path:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=PATH (a PEFT adapter directory)")
+    return name, path
 
 
 # EngineConfig field -> (parser of the flag's value, help). A field missing here fails at startup (and in
@@ -55,6 +63,11 @@ _OPTIONS: dict[str, tuple[Callable[[str], object] | None, str]] = {
     "gpu_memory_utilization": (float, "share of GPU memory the engine may use when sizing the pool"),
     "cpu_kv_cache_bytes": (int, "bytes of KV cache when sizing the pool on CPU"),
     "cpu_threads": (int, "torch intra-op threads on CPU (1 suits small models and shared machines)"),
+    "loras": (_lora_module, ("repeatable: serve the PEFT LoRA adapter in directory PATH "
+                             "(adapter_config.json, adapter_model.safetensors) as model NAME")),
+    "max_loras": (int, "LoRA adapters resident on the device at once (least recently used evicted beyond)"),
+    "max_lora_rank": (int, "largest LoRA rank accepted (device slots are sized for it)"),
+    "allow_runtime_lora": (None, "allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter"),
 }
 _CHOICES: dict[str, Sequence[str]] = {"dtype": sorted(DTYPES), "preemption_mode": PREEMPTION_MODES,
                                       "attention_backend": ATTENTION_BACKENDS}
@@ -78,7 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     for option in fields(EngineConfig):
         parse, text = _OPTIONS[option.name]
         flag = "--" + option.name.replace("_", "-")
-        if parse is None:
+        if option.name == "loras":  # one flag per adapter, as vLLM's --lora-modules takes NAME=PATH
+            engine.add_argument("--lora", dest="loras", type=parse, action="append", default=None,
+                                metavar="NAME=PATH", help=text)
+        elif parse is None:
             engine.add_argument(flag, dest=option.name, action=argparse.BooleanOptionalAction,
                                 default=option.default, help=text)
         else:
@@ -102,7 +118,7 @@ async def serve(config: EngineConfig, host: str, port: int) -> int:
         if ready.done():
             if (error := ready.exception()) is not None:
                 print(f"engine: failed to load {config.model!r}: {error}", file=sys.stderr, flush=True)
-                return 2 if isinstance(error, ModelLoadError) else 1
+                return 2 if isinstance(error, (ModelLoadError, LoraError)) else 1
             core = server.engine.core
             print(f"engine: ready: model {core.model_name!r} on {core.device} ({core.dtype}), "
                   f"{core.kv.pool.num_blocks} KV blocks of {core.block_size} tokens; OpenAI API at {url}/v1, "
@@ -122,6 +138,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.loras is not None:
+        names = [name for name, _ in args.loras]
+        if len(set(names)) != len(names):
+            parser.error(f"--lora: each adapter name once, got {names}")
+        args.loras = dict(args.loras)
     try:
         config = EngineConfig(**{option.name: getattr(args, option.name) for option in fields(EngineConfig)})
     except ValueError as exc:

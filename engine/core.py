@@ -216,7 +216,9 @@ class EngineCore:
     def telemetry(self, healthy: bool = True) -> TelemetrySnapshot:
         snapshot = self.stats.snapshot(self.model_name, self.kv, self.scheduler.load(), healthy)
         if self.loras is not None and self.lora_slots is not None:
-            snapshot.loras, snapshot.loras_available = self.lora_slots.names(), self.loras.names()
+            available = self.loras.names()  # an unloaded adapter may stay in a slot until evicted: not listed
+            snapshot.loras = [name for name in self.lora_slots.names() if name in available]
+            snapshot.loras_available = available
             snapshot.lora_requests_total = dict(self.lora_requests)
         return snapshot
 

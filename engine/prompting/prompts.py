@@ -15,6 +15,8 @@ size, the model's vocabulary).
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import tokenizers
 
 from engine.prompting.chat_template import ChatTemplate, ChatTemplateError
@@ -42,8 +44,11 @@ class PromptError(ValueError):
 class PromptCounter:
     """Turns a completion prompt or chat messages into the token ids the model will see."""
 
-    def __init__(self, model: str, max_model_len: int, tokenizer: Tokenizer | None, template: ChatTemplate) -> None:
+    def __init__(self, model: str, max_model_len: int, tokenizer: Tokenizer | None, template: ChatTemplate,
+                 adapters: Collection[str] = ()) -> None:
         self.model = model
+        # LoRA adapter names a request may send as its model (the engine's live registry): same tokenizer.
+        self.adapters = adapters
         self.max_model_len = max_model_len  # the context window: prompt plus output tokens
         self.tokenizer = tokenizer  # None: the model takes token ids only, and no chat
         self.template = template
@@ -97,7 +102,7 @@ class PromptCounter:
         return [self.prompt_ids(prompt) for prompt in request.prompts]
 
     def check_model(self, model: str) -> None:
-        if model != self.model:
+        if model != self.model and model not in self.adapters:
             raise PromptError(f"model: {model!r} is not served here; this engine serves {self.model!r}",
                               param="model", code="model_not_found", status=404)
 

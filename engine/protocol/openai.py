@@ -407,6 +407,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "kvguard"
     max_model_len: int
+    parent: str | None = None  # a LoRA adapter's base model, as vLLM lists adapters; None for the base
 
 
 class ModelList(BaseModel):

@@ -45,6 +45,7 @@ from engine.request_stream import EngineUnavailable
 from engine.server import tracing
 from engine.server.errors import ApiError, openai_errors
 from engine.server.kv_events import KVEventsHandler
+from engine.server.lora_api import LoraHandlers
 from engine.server.metrics import EngineReading
 from engine.server.openai_api import OpenAIHandlers
 from engine.server.sse import open_stream, send_comment, send_data, send_error
@@ -78,6 +79,9 @@ def create_app(engine: AsyncEngine) -> web.Application:
     app.router.add_get("/telemetry/stream", telemetry.stream)
     app.router.add_get("/metrics", telemetry.metrics)
     app.router.add_get("/kv/events", KVEventsHandler(engine.kv_events).stream)
+    lora = LoraHandlers(engine)
+    app.router.add_post("/v1/load_lora_adapter", lora.load)
+    app.router.add_post("/v1/unload_lora_adapter", lora.unload)
 
     async def start(_: web.Application) -> None:
         engine.start()
@@ -102,19 +106,24 @@ class TelemetryHandlers:
         return web.json_response({"status": status}, status=200 if self.engine.healthy else 503)
 
     async def models(self, _: web.Request) -> web.Response:
-        return web.Response(text=ModelList(data=[self._card()]).model_dump_json(), content_type="application/json")
+        return web.Response(text=ModelList(data=self._cards()).model_dump_json(), content_type="application/json")
 
     async def model(self, http: web.Request) -> web.Response:
-        """One model's card, as OpenAI's ``GET /v1/models/{id}``: only the served model has one."""
-        card, model_id = self._card(), http.match_info["id"]
-        if model_id != card.id:
-            raise ApiError(404, f"model: {model_id!r} is not served here; this engine serves {card.id!r}",
+        """One model's card, as OpenAI's ``GET /v1/models/{id}``: the served model and its adapters have one."""
+        cards, model_id = self._cards(), http.match_info["id"]
+        card = next((card for card in cards if card.id == model_id), None)
+        if card is None:
+            raise ApiError(404, f"model: {model_id!r} is not served here; this engine serves {cards[0].id!r}",
                            param="model", code="model_not_found")
         return web.Response(text=card.model_dump_json(), content_type="application/json")
 
-    def _card(self) -> ModelCard:
+    def _cards(self) -> list[ModelCard]:
+        """The base model's card, then each LoRA adapter's with ``parent`` naming the base, as vLLM lists them."""
         core = self.engine.core
-        return ModelCard(id=core.model_name, created=self.started, max_model_len=core.max_model_len)
+        base = ModelCard(id=core.model_name, created=self.started, max_model_len=core.max_model_len)
+        adapters = core.loras.names() if core.loras is not None else []
+        return [base] + [ModelCard(id=name, created=self.started, max_model_len=core.max_model_len,
+                                   parent=core.model_name) for name in adapters]
 
     async def snapshot(self, _: web.Request) -> web.Response:
         reading = await self.engine.recent_reading(SCRAPE_WAIT_S)

@@ -144,6 +144,15 @@ class _StateCollector(Collector):
             preemptions.add_metric([tenant], usage.preemptions_total)
         yield blocks
         yield preemptions
+        lora_requests = CounterMetricFamily("engine_lora_requests", "Requests admitted per LoRA adapter",
+                                            labels=["lora"])
+        resident = GaugeMetricFamily("engine_lora_resident", "1 for each LoRA adapter resident on the device",
+                                     labels=["lora"])
+        for name in snap.loras_available:
+            lora_requests.add_metric([name], snap.lora_requests_total.get(name, 0))
+            resident.add_metric([name], int(name in snap.loras))
+        yield lora_requests
+        yield resident
         yield GaugeMetricFamily("engine_healthy", "1 when the engine serves requests", value=int(snap.healthy))
         yield InfoMetricFamily("engine", "The served model and how it runs",
                                value={"model": snap.model, "block_size": str(snap.block_size),

@@ -105,7 +105,7 @@ class OpenAIHandlers:
         grammar = await _compile(core, response_format_grammar(body.response_format))
         requests = [_make_request(core, request_id, prompt_ids, body, body.max_tokens, tenant, {}, grammar)
                     for request_id, prompt_ids in zip(ids, batch, strict=True)]
-        return await self._respond(http, requests, body, _CompletionFormat(completion_id, core.model_name))
+        return await self._respond(http, requests, body, _CompletionFormat(completion_id, body.model))
 
     async def chat_completions(self, http: web.Request) -> web.StreamResponse:
         body = await _parse(http, ChatCompletionRequest)
@@ -118,7 +118,7 @@ class OpenAIHandlers:
                                  response_format_grammar(body.response_format))
         request = _make_request(core, f"chatcmpl-{uuid.uuid4().hex}", prompt_ids, body, body.max_output_tokens,
                                 tenant, rename, grammar)
-        return await self._respond(http, [request], body, _ChatFormat(request.request_id, core.model_name, tools))
+        return await self._respond(http, [request], body, _ChatFormat(request.request_id, body.model, tools))
 
     async def tokenize(self, http: web.Request) -> web.Response:
         """``POST /tokenize``: the prompt's token ids exactly as a completion or chat request would see them
@@ -140,7 +140,7 @@ class OpenAIHandlers:
         core = self.engine.core
         if self._counter is None:
             self._counter = PromptCounter(core.model_name, core.max_model_len, core.tokenizer,
-                                          core.loaded.chat_template)
+                                          core.loaded.chat_template, core.loras.adapters if core.loras else ())
         return core, self._counter
 
     async def _respond(self, http: web.Request, requests: list[Request], body: SamplingRequest,
@@ -266,7 +266,8 @@ def _make_request(core: EngineCore, request_id: str, prompt: list[int], body: Sa
                                 top_p=1.0 if greedy else body.top_p, top_k=body.top_k, seed=body.seed,
                                 stop=body.stop, ignore_eos=body.ignore_eos)
         return core.make_request(prompt, params, request_id=request_id, tenant=tenant, cache_salt=body.cache_salt,
-                                 priority=body.priority, stream=body.stream, grammar=grammar)
+                                 priority=body.priority, stream=body.stream, grammar=grammar,
+                                 lora=None if body.model == core.model_name else body.model)  # checked: served
     except ValueError as exc:
         raise ApiError.invalid(exc, rename) from None
 
