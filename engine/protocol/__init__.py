@@ -3,6 +3,7 @@
 - ``telemetry``: ``TelemetrySnapshot`` (one step's state), ``TenantUsage``, ``StepProgress`` (the busy heartbeat)
 - ``openai``: the OpenAI API subsets, requests and answers, and ``/tokenize``, ``/tokenizer``
 - ``errors``: OpenAI's error ``type`` of a status, ``ErrorResponse``, the ``param`` of a validation error
+- ``responses``: the Responses API subset (``ResponsesRequest``, which runs as a chat, and the response object)
 - ``sse``: server-sent event framing, with ``SSE_DONE`` and the ``error`` event
 - ``kv_events``: the KV-cache event stream's ``snapshot`` and ``blocks`` events
 
@@ -32,6 +33,7 @@ from engine.protocol.openai import (
     CompletionResponse,
     FinishReason,
     FunctionCall,
+    FunctionCallDelta,
     FunctionDefinition,
     FunctionName,
     JsonObjectFormat,
@@ -63,6 +65,7 @@ from engine.protocol.openai import (
     Unsupported,
     Usage,
 )
+from engine.protocol.responses import DeletedResponse, ResponseObject, ResponsesRequest
 from engine.protocol.sse import SSE_DONE, sse_comment, sse_data, sse_error, sse_event
 from engine.protocol.telemetry import StepProgress, TelemetrySnapshot, TenantUsage
 
@@ -83,10 +86,12 @@ __all__ = [
     "CompletionChoice",
     "CompletionRequest",
     "CompletionResponse",
+    "DeletedResponse",
     "ErrorDetail",
     "ErrorResponse",
     "FinishReason",
     "FunctionCall",
+    "FunctionCallDelta",
     "FunctionDefinition",
     "FunctionName",
     "JsonObjectFormat",
@@ -105,6 +110,8 @@ __all__ = [
     "Prompt",
     "PromptTokensDetails",
     "ResponseFormat",
+    "ResponseObject",
+    "ResponsesRequest",
     "SamplingRequest",
     "StepProgress",
     "StreamOptions",

@@ -368,11 +368,25 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
-class ToolCallDelta(ToolCall):
-    """A tool call in a stream: sent whole in one chunk, so it carries all of a complete call and its place
-    (``index``) among the message's calls."""
+class FunctionCallDelta(BaseModel):
+    name: str | None = None  # in a call's first delta only
+    arguments: str = ""  # what the call's arguments gained: a call's deltas concatenate to its arguments
+
+
+class ToolCallDelta(BaseModel):
+    """A tool call in a stream, as OpenAI streams one: its first delta carries its place among the message's
+    calls (``index``), ``id``, ``type`` and the function's name; each later one only more of its arguments."""
 
     index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = {key: value for key, value in handler(self).items() if value is not None}
+        data["function"] = {key: value for key, value in data["function"].items() if value is not None}
+        return data
 
 
 class ChatDelta(BaseModel):

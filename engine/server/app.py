@@ -1,6 +1,7 @@
 """The engine's HTTP server: the aiohttp app, its telemetry endpoints, and its lifecycle.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /tokenize``, ``GET /tokenizer`` (``openai_api``),
+``POST /v1/responses``, ``GET|DELETE /v1/responses/{id}`` (``responses``, tenant-scoped stored responses),
 ``GET /v1/models``, ``GET /v1/models/{id}`` (404 ``model_not_found`` for any id but the served one), ``GET /health`` (200 ready, 503 loading/degraded/failed/stopped), ``GET /telemetry``
 (one snapshot), ``GET /telemetry/stream`` (SSE snapshots), ``GET /kv/events`` (SSE of the prefix cache's block
 hashes, ``kv_events``) and ``GET /metrics`` (Prometheus). ``/telemetry`` and ``/metrics`` answer within
@@ -48,6 +49,8 @@ from engine.server.kv_events import KVEventsHandler
 from engine.server.lora_api import LoraHandlers
 from engine.server.metrics import EngineReading
 from engine.server.openai_api import OpenAIHandlers
+from engine.server.response_store import ResponseStore
+from engine.server.responses import ResponsesHandlers
 from engine.server.sse import open_stream, send_comment, send_data, send_error
 
 # The telemetry stream's cadence (see the module docstring): something every HEARTBEAT_S at most, a snapshot
@@ -72,6 +75,10 @@ def create_app(engine: AsyncEngine) -> web.Application:
     app.router.add_post("/v1/chat/completions", openai.chat_completions)
     app.router.add_post("/tokenize", openai.tokenize)
     app.router.add_get("/tokenizer", openai.tokenizer)
+    responses = ResponsesHandlers(openai, ResponseStore())
+    app.router.add_post("/v1/responses", responses.create)
+    app.router.add_get("/v1/responses/{id}", responses.retrieve)
+    app.router.add_delete("/v1/responses/{id}", responses.delete)
     app.router.add_get("/v1/models", telemetry.models)
     app.router.add_get("/v1/models/{id:.+}", telemetry.model)  # ids may hold a slash ("org/name")
     app.router.add_get("/health", telemetry.health)

@@ -21,8 +21,10 @@ Structured outputs (engine/structured): ``response_format`` and forced tool call
 the event loop (a new schema takes milliseconds, the engine's first one a second or two), and a schema the
 engine cannot follow is a 400 before anything is queued. A tool-call choice is read from its finished text
 (``message.tool_calls``, ``content`` null, finish_reason ``tool_calls``); streamed, it opens with a chunk
-carrying the role at its first token and sends its calls whole, in the chunk that ends it. A choice cut
-before its calls are complete (``length``) comes back as text.
+carrying the role at its first token, then each call's arguments as deltas as the model writes them (the
+call's first delta names it), as OpenAI streams calls (engine/structured/call_stream.py). A choice cut by
+``max_tokens`` ends with finish_reason ``length`` and the calls as far as written; one in which no call had
+begun comes back as text.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from engine.protocol import (
     CompletionRequest,
     CompletionResponse,
     FinishReason,
+    FunctionCallDelta,
     PromptTokensDetails,
     SamplingRequest,
     TokenizeRequest,
@@ -66,6 +69,7 @@ from engine.sched.request import Request
 from engine.server import tracing
 from engine.server.errors import ApiError
 from engine.server.sse import open_stream, send_data, send_done, send_error
+from engine.structured.call_stream import CallScanner
 from engine.structured.spec import Grammar, GrammarSpec, response_format_grammar
 from engine.structured.tool_calls import ToolCalling
 
@@ -76,12 +80,10 @@ Body = TypeVar("Body", bound=SamplingRequest)
 
 
 class _Format(Protocol):
-    """How one endpoint shapes its answers: a stream chunk, the usage chunk, or the whole response."""
+    """How one endpoint shapes its answers: a stream chunk (None: the text so far says nothing new to the
+    client yet), the usage chunk, or the whole response."""
 
-    # A choice's text is sent whole, in the chunk that ends it (after one that opens it), not as it grows.
-    whole_choices: bool
-
-    def chunk(self, index: int, text: str, finish_reason: FinishReason | None) -> str: ...
+    def chunk(self, index: int, text: str, finish_reason: FinishReason | None) -> str | None: ...
 
     def usage_chunk(self, usage: Usage) -> str: ...
 
@@ -94,12 +96,12 @@ class OpenAIHandlers:
         self._counter: PromptCounter | None = None  # built from the core once the model has loaded
 
     async def completions(self, http: web.Request) -> web.StreamResponse:
-        body = await _parse(http, CompletionRequest)
+        body = await parse_body(http, CompletionRequest)
         core, counter = self._ready()
         batch = counter.batch_ids(body)
         for prompt_ids in batch:
             check_context(body, len(prompt_ids), counter.max_model_len)
-        tenant, completion_id = _tenant(http), f"cmpl-{uuid.uuid4().hex}"
+        tenant, completion_id = tenant_of(http), f"cmpl-{uuid.uuid4().hex}"
         # A batch's engine requests are told apart by a suffix; the answer carries the one id.
         ids = [completion_id] if len(batch) == 1 else [f"{completion_id}-{p}" for p in range(len(batch))]
         grammar = await _compile(core, response_format_grammar(body.response_format))
@@ -108,22 +110,28 @@ class OpenAIHandlers:
         return await self._respond(http, requests, body, _CompletionFormat(completion_id, body.model))
 
     async def chat_completions(self, http: web.Request) -> web.StreamResponse:
-        body = await _parse(http, ChatCompletionRequest)
+        body = await parse_body(http, ChatCompletionRequest)
+        request, tools = await self.chat_request(body, tenant_of(http), f"chatcmpl-{uuid.uuid4().hex}")
+        return await self._respond(http, [request], body, _ChatFormat(request.request_id, body.model, tools))
+
+    async def chat_request(self, body: ChatCompletionRequest, tenant: str | None, request_id: str
+                           ) -> tuple[Request, ToolCalling | None]:
+        """The engine request that answers a chat, and how its text becomes tool calls (None: it is text):
+        counted, checked against the context window, its grammar compiled. /v1/responses comes this way too."""
         core, counter = self._ready()
         prompt_ids = counter.request_ids(body)
         check_context(body, len(prompt_ids), counter.max_model_len)
         rename = {"prompt": "messages", "max_tokens": body.max_output_tokens_field}
-        tenant, tools = _tenant(http), ToolCalling.of(body)
+        tools = ToolCalling.of(body)
         grammar = await _compile(core, tools.grammar() if tools is not None else
                                  response_format_grammar(body.response_format))
-        request = _make_request(core, f"chatcmpl-{uuid.uuid4().hex}", prompt_ids, body, body.max_output_tokens,
-                                tenant, rename, grammar)
-        return await self._respond(http, [request], body, _ChatFormat(request.request_id, body.model, tools))
+        return _make_request(core, request_id, prompt_ids, body, body.max_output_tokens, tenant, rename,
+                             grammar), tools
 
     async def tokenize(self, http: web.Request) -> web.Response:
         """``POST /tokenize``: the prompt's token ids exactly as a completion or chat request would see them
         (a client without ``GET /tokenizer``'s counter can count with it)."""
-        body = await _parse(http, TokenizeRequest)
+        body = await parse_body(http, TokenizeRequest)
         _, counter = self._ready()
         ids = counter.request_ids(body)
         answer = TokenizeResponse(count=len(ids), max_model_len=counter.max_model_len, tokens=ids)
@@ -148,12 +156,12 @@ class OpenAIHandlers:
         timelines = tracing.timelines_for(http, requests)
         if body.stream:
             return await self._stream(http, requests, timelines, body.include_usage, fmt)
-        async with self._generate(requests, timelines) as streams:
+        async with self.generate(requests, timelines) as streams:
             outputs = list(await asyncio.gather(*(stream.final() for stream in streams)))
         return web.Response(text=fmt.whole(outputs, _usage(outputs)), content_type="application/json")
 
     @asynccontextmanager
-    async def _generate(self, requests: list[Request], timelines: list[tracing.Timeline | None]
+    async def generate(self, requests: list[Request], timelines: list[tracing.Timeline | None]
                         ) -> AsyncIterator[list[RequestStream]]:
         """``generate`` for all of ``requests`` at once: each is added before any step can run, and leaving
         the block early (an error, one request failing, a cancelled handler) aborts every one still running."""
@@ -165,13 +173,13 @@ class OpenAIHandlers:
                       include_usage: bool, fmt: _Format) -> web.StreamResponse:
         response = await open_stream(http)
         stops = requests[0].params.stop or []
-        holdback = None if fmt.whole_choices else max((len(s) for s in stops), default=1) - 1
+        holdback = max((len(s) for s in stops), default=1) - 1
         n = requests[0].params.n
         sent: dict[int, int] = {}  # the answer's choice index -> characters of its text already sent
         ended: set[int] = set()
         finals: dict[int, RequestOutput] = {}  # prompt index -> its request's final output
         try:
-            async with self._generate(requests, timelines) as streams, aclosing(_merged(streams)) as merged:
+            async with self.generate(requests, timelines) as streams, aclosing(_merged(streams)) as merged:
                 async for prompt, output in merged:
                     for completion in output.outputs:
                         index = prompt * n + completion.index
@@ -194,19 +202,15 @@ class OpenAIHandlers:
 
     @staticmethod
     async def _send_delta(response: web.StreamResponse, fmt: _Format, index: int, completion: CompletionOutput,
-                          sent: dict[int, int], holdback: int | None) -> None:
-        """Send what choice ``index`` gained, but its last ``holdback`` characters; with ``holdback`` None,
-        an empty chunk that opens the choice, then all of it when it ends."""
+                          sent: dict[int, int], holdback: int) -> None:
+        """Send what choice ``index`` gained, but its last ``holdback`` characters (all of it once it ends)."""
         start = sent.get(index, 0)
         final = completion.finish_reason is not None
-        if final:
-            end = len(completion.text)
-        else:
-            end = start if holdback is None else max(start, len(completion.text) - holdback)
-        opens = holdback is None and index not in sent
-        if end > start or final or opens:
-            await send_data(response, fmt.chunk(index, completion.text[start:end], _finish_reason(completion)))
+        end = len(completion.text) if final else max(start, len(completion.text) - holdback)
+        if end > start or final:
             sent[index] = end
+            if (chunk := fmt.chunk(index, completion.text[start:end], _finish_reason(completion))) is not None:
+                await send_data(response, chunk)
 
 
 async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -228,7 +232,7 @@ async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Requ
             wait.cancel()
 
 
-async def _parse(http: web.Request, model: type[Body]) -> Body:
+async def parse_body(http: web.Request, model: type[Body]) -> Body:
     raw = await http.read()
     try:
         return model.model_validate_json(raw)
@@ -236,7 +240,7 @@ async def _parse(http: web.Request, model: type[Body]) -> Body:
         raise ApiError.from_validation(exc) from None
 
 
-def _tenant(http: web.Request) -> str | None:
+def tenant_of(http: web.Request) -> str | None:
     """The tenant named by the trusted ``X-Tenant-Id`` header (only the guard sets it)."""
     tenant = http.headers.get(TENANT_HEADER)
     if tenant is not None and not (0 < len(tenant) <= MAX_TENANT_LENGTH and tenant.isprintable()):
@@ -287,8 +291,6 @@ def _finish_reason(completion: CompletionOutput) -> FinishReason | None:
 
 
 class _CompletionFormat:
-    whole_choices = False
-
     def __init__(self, request_id: str, model: str) -> None:
         self.request_id = request_id
         self.model = model
@@ -313,29 +315,48 @@ class _CompletionFormat:
 
 class _ChatFormat:
     """Chat chunks; a choice's first chunk also carries ``role`` (no separate empty role-only chunk, so the
-    first event a client sees is its first token). With ``tools``, the choices are tool calls, sent whole."""
+    first event a client sees is its first token). With ``tools``, the choices are tool calls, their
+    arguments streamed as deltas."""
 
     def __init__(self, request_id: str, model: str, tools: ToolCalling | None) -> None:
         self.request_id = request_id
         self.model = model
         self.created = int(time.time())
         self.tools = tools
-        self.whole_choices = tools is not None
         self._started: set[int] = set()
+        self._scanners: dict[int, CallScanner] = {}  # with tools: each choice's calls as far as written
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
         return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=choices,
                                    usage=usage).model_dump_json()
 
-    def chunk(self, index: int, text: str, finish_reason: FinishReason | None) -> str:
+    def chunk(self, index: int, text: str, finish_reason: FinishReason | None) -> str | None:
         role = None if index in self._started else "assistant"
         self._started.add(index)
         delta = ChatDelta(role=role, content=text or None)
-        if self.tools is not None and finish_reason is not None:
-            message, finish_reason = _chat_message(text, finish_reason, self.tools)
-            calls = [ToolCallDelta(index=i, **call.model_dump()) for i, call in enumerate(message.tool_calls or [])]
-            delta = ChatDelta(role=role, content=message.content or None, tool_calls=calls or None)
+        if self.tools is not None:
+            delta, finish_reason = self._call_delta(index, text, finish_reason)
+            if delta.tool_calls is None and delta.content is None and finish_reason is None and role is None:
+                return None  # the text so far opens no call and adds to none
+            delta.role = role
         return self._chunk([ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason)])
+
+    def _call_delta(self, index: int, text: str, finish_reason: FinishReason | None
+                    ) -> tuple[ChatDelta, FinishReason | None]:
+        """What choice ``index``'s calls gained from ``text``; as it ends, its finish reason, or its whole
+        text as content if not one call had begun."""
+        assert self.tools is not None
+        scanner = self._scanners.get(index) or self._scanners.setdefault(index, self.tools.scanner())
+        calls = [ToolCallDelta(index=d.index, id=d.call.id if d.opened else None,
+                               type="function" if d.opened else None,
+                               function=FunctionCallDelta(name=d.call.name if d.opened else None,
+                                                          arguments=d.arguments))
+                 for d in scanner.feed(text)]
+        content = None
+        if finish_reason is not None:
+            message, finish_reason = _chat_message(scanner, finish_reason)
+            content = message.content
+        return ChatDelta(content=content, tool_calls=calls or None), finish_reason
 
     def usage_chunk(self, usage: Usage) -> str:
         return self._chunk([], usage)
@@ -344,17 +365,24 @@ class _ChatFormat:
         [output] = outputs  # a chat has one conversation
         choices = []
         for c in output.outputs:
-            message, finish_reason = _chat_message(c.text, _finish_reason(c), self.tools)
+            if self.tools is None:
+                message, finish_reason = AssistantMessage(content=c.text), _finish_reason(c)
+            else:
+                scanner = self.tools.scanner()
+                scanner.feed(c.text)
+                message, finish_reason = _chat_message(scanner, _finish_reason(c))
             choices.append(ChatChoice(index=c.index, message=message, finish_reason=finish_reason))
         return ChatCompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=choices,
                                       usage=usage).model_dump_json()
 
 
-def _chat_message(text: str, finish_reason: FinishReason | None,
-                  tools: ToolCalling | None) -> tuple[AssistantMessage, FinishReason | None]:
-    """A finished choice's message and finish reason: its tool calls (``tool_calls``) when the request forces
-    a call and the completion ended in its grammar, else its text."""
-    calls = tools.tool_calls(text) if tools is not None and finish_reason == "stop" else None
-    if calls is None:
-        return AssistantMessage(content=text), finish_reason
-    return AssistantMessage(content=None, tool_calls=calls), "tool_calls"
+def _chat_message(scanner: CallScanner, finish_reason: FinishReason | None
+                  ) -> tuple[AssistantMessage, FinishReason | None]:
+    """A finished tool-call choice's message and finish reason: its calls as far as written, ``tool_calls``
+    when they are complete (a ``length`` cut keeps its reason); its text when not one call had begun."""
+    calls = scanner.tool_calls()
+    if not calls:
+        return AssistantMessage(content=scanner.text), finish_reason
+    if finish_reason == "stop" and scanner.complete():
+        finish_reason = "tool_calls"
+    return AssistantMessage(content=None, tool_calls=calls), finish_reason

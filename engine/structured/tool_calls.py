@@ -11,17 +11,17 @@ Our models have no tool-call format of their own, so the grammar is the format:
   so the arguments are written knowing which schema they follow.
 
 The model sees the conversation only (the chat templates render messages, not tool definitions); the
-grammar alone makes the output a valid call.
+grammar alone makes the output a valid call. engine/structured/call_stream.py reads the calls back from the
+text, as it grows or whole, so a streamed call's arguments go out as deltas.
 """
 
 from __future__ import annotations
 
-import json
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from engine.protocol import ChatCompletionRequest, FunctionCall, FunctionDefinition, NamedToolChoice, ToolCall
+from engine.protocol import ChatCompletionRequest, FunctionDefinition, NamedToolChoice, ToolCall
+from engine.structured.call_stream import CallScanner
 from engine.structured.spec import GrammarSpec
 
 
@@ -58,16 +58,17 @@ class ToolCalling:
             calls["maxItems"] = 1
         return GrammarSpec.of(calls, "tools")
 
-    def tool_calls(self, text: str) -> list[ToolCall] | None:
-        """The calls a finished completion's text makes; None when the text is not the whole of them (a
-        completion cut by ``max_tokens`` or a stop string), so the caller can hand it back as text."""
-        try:
-            value = json.loads(text)
-        except ValueError:
-            return None
-        if self.named is not None:
-            return [_tool_call(self.named, text)]
-        return [_tool_call(call["name"], json.dumps(call["arguments"], ensure_ascii=False)) for call in value]
+    def scanner(self) -> CallScanner:
+        """A reader of this request's completion text, as it grows (streamed calls) or whole."""
+        return CallScanner(self.named)
+
+    def tool_calls(self, text: str) -> list[ToolCall]:
+        """The calls a completion's text makes, each with its arguments as the model wrote them (as far as
+        it wrote them: a completion cut by ``max_tokens`` leaves partial arguments); empty when not one call
+        had begun."""
+        scanner = self.scanner()
+        scanner.feed(text)
+        return scanner.tool_calls()
 
 
 def _call_schema(function: FunctionDefinition) -> dict[str, Any]:
@@ -79,5 +80,3 @@ def _call_schema(function: FunctionDefinition) -> dict[str, Any]:
     }
 
 
-def _tool_call(name: str, arguments: str) -> ToolCall:
-    return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=name, arguments=arguments))

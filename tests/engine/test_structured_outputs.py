@@ -170,7 +170,8 @@ def test_required_lets_the_model_pick_among_two_tools(client: openai.OpenAI) -> 
 
 
 def test_a_streamed_tool_call_reaches_the_sdk_stream_helper(client: openai.OpenAI) -> None:
-    """``"required"`` without parallel calls: exactly one, sent whole in the chunk that ends the choice."""
+    """``"required"`` without parallel calls: exactly one, its arguments streamed as deltas (OpenAI's way):
+    the first names the call, the rest concatenate to arguments that validate."""
     fields = {"tools": [WEATHER, ADD], "tool_choice": "required", "parallel_tool_calls": False}
     with client.chat.completions.stream(model=MODEL, messages=ASK_WEATHER, temperature=0, max_tokens=40,
                                         **fields) as stream:
@@ -178,12 +179,15 @@ def test_a_streamed_tool_call_reaches_the_sdk_stream_helper(client: openai.OpenA
         final = stream.get_final_completion()
     # The first chunk opens the choice (at its first token, unless the reader only woke at its end).
     assert chunks[0].choices[0].delta.role == "assistant"
-    assert not any(chunk.choices[0].delta.tool_calls for chunk in chunks[:-1]), "the calls come whole, at the end"
-    last = chunks[-1].choices[0]
-    assert last.finish_reason == "tool_calls" and last.delta.tool_calls[0].index == 0
+    deltas = [call for chunk in chunks for call in chunk.choices[0].delta.tool_calls or []]
+    assert len(deltas) > 1 and deltas[0].id and deltas[0].function.name, deltas
+    assert all(call.index == 0 and call.id is None for call in deltas[1:]), deltas
+    arguments = "".join(call.function.arguments or "" for call in deltas)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
     assert final.choices[0].finish_reason == "tool_calls"
     assert_valid_calls(final.choices[0].message, {"get_weather", "add"})
     assert len(final.choices[0].message.tool_calls) == 1
+    assert final.choices[0].message.tool_calls[0].function.arguments == arguments
 
 
 @pytest.mark.parametrize("fields", [{"tool_choice": "auto"}, {}], ids=["auto", "absent"])

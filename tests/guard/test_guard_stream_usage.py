@@ -4,8 +4,8 @@ client that did not ask for usage gets the stream less the usage event, as if th
 
 First the observer alone, on the engine's own SSE framing cut into chunks at every byte position (and at
 any set of them): what it relays is the input less the usage event, every complete line as soon as its
-chunk arrives. Then the real guard in front of the real tiny engine: a forced tool call streamed, whose
-calls come whole in one event, so that counting events (two) would undercharge its tokens.
+chunk arrives. Then the real guard in front of the real tiny engine: a forced tool call streamed, its
+arguments in deltas that may each carry several tokens, charged what the engine's usage says.
 """
 
 from __future__ import annotations
@@ -153,14 +153,16 @@ def events(raw: bytes) -> list[bytes]:
     return raw.split(b"\n\n")[:-1]
 
 
-def same_answer(raw: bytes) -> list[bytes]:
-    """A stream's events, less what differs between two answers to the same request."""
-    return [UNIQUE.sub(b"", event) for event in events(raw)]
-
-
 def service(guard: GuardThread) -> float:
     """The service the fair queue has charged tenant acme so far (``guard_service_tokens_total``)."""
     return guard.call(lambda: guard.state.dispatcher.fair.tenants["acme"].service)
+
+
+def streamed_call(answer: list[bytes]) -> tuple[str, str | None]:
+    """A streamed tool call's arguments (its deltas concatenated) and the stream's finish reason."""
+    chunks = [json.loads(event.removeprefix(b"data: ")) for event in answer]
+    deltas = [call for c in chunks for call in c["choices"][0]["delta"].get("tool_calls", [])]
+    return "".join(call["function"]["arguments"] for call in deltas), chunks[-1]["choices"][0]["finish_reason"]
 
 
 @pytest.mark.parametrize("include_usage", [False, True], ids=["usage_not_asked", "usage_asked"])
@@ -171,17 +173,22 @@ def test_a_streamed_tool_call_is_charged_its_tokens_and_relayed_as_asked(
     assert status == 200, direct
     *answer, usage_event, done = events(direct)
     usage = json.loads(usage_event.removeprefix(b"data: "))["usage"]
-    assert done == b"data: [DONE]" and len(answer) == 2 < usage["completion_tokens"], \
-        "the call comes whole in one event, after the one that opens it"
+    arguments, finish = streamed_call(answer)
+    assert done == b"data: [DONE]" and finish == "tool_calls" and json.loads(arguments), answer
 
     before = service(guard)
     body = {**TOOL_CALL, "stream_options": {"include_usage": True}} if include_usage else TOOL_CALL
     status, raw = request(guard.url + "/v1/chat/completions", json.dumps(body).encode(),
                           headers={"Authorization": "Bearer sk-acme"})
     assert status == 200, raw
-    # As the engine answers the client's own request: its usage event unchanged if it asked, else none.
-    expected = [*answer, usage_event, done] if include_usage else [*answer, done]
-    assert same_answer(raw) == [UNIQUE.sub(b"", event) for event in expected]
+    # As the engine answers the client's own request (greedy: the same call, however its deltas were cut):
+    # its usage event unchanged if it asked, else none.
+    *relayed, last = events(raw)
+    if include_usage:
+        *relayed, relayed_usage = relayed
+        assert UNIQUE.sub(b"", relayed_usage) == UNIQUE.sub(b"", usage_event)
+    assert last == b"data: [DONE]" and streamed_call(relayed) == (arguments, finish)
+    assert all(json.loads(event[6:])["choices"] for event in relayed), "no usage chunk the client did not ask for"
     # Settlement, the fairness charge and the predictor all take the same count; the charge shows it.
     charged = INPUT_COST * usage["prompt_tokens"] + OUTPUT_COST * usage["completion_tokens"]
     wait_for(lambda: service(guard) - before, lambda got: got == charged, 5)
