@@ -24,6 +24,7 @@ EXPOSITION = {
     "Gauge": (("", GAUGE),),
     "GaugeMetricFamily": (("", GAUGE),),
     "Histogram": (("_bucket", COUNTER), ("_sum", COUNTER), ("_count", COUNTER)),
+    "LoopHistogram": (("_bucket", COUNTER), ("_sum", COUNTER), ("_count", COUNTER)),  # guard/metrics.py
     "InfoMetricFamily": (("_info", GAUGE),),
 }
 # Series Prometheus itself attaches to every scrape target.
