@@ -15,7 +15,7 @@ import time
 from guard.admission.dispatch import Ticket, TicketState
 from guard.admission.sizing import Growth, size_reservation
 from guard.errors import GuardError, Outcome
-from guard.http import objectives
+from guard.http import objectives, responses
 from guard.http.exchange import Exchange
 from guard.http.relay import StreamObserver, UpstreamUnavailable
 from guard.http.tokens import TokenLimits
@@ -33,11 +33,13 @@ def refuse_if_confirmed(ex: Exchange) -> None:
 
 
 async def count(ex: Exchange) -> TokenLimits:
-    """The request's prompt tokens and the output its context window leaves (an engine that cannot be
-    asked is an unavailable pool, not the client's error)."""
-    assert ex.parsed is not None
+    """The request's prompt tokens and the output its context window leaves, a continued conversation's
+    included (an engine that cannot be asked is an unavailable pool, not the client's error)."""
+    assert ex.parsed is not None and ex.tenant is not None
     try:
-        ex.limits = await ex.clients.counter.count(ex.parsed)
+        history = (await responses.history_tokens(ex.state, ex.clients, ex.parsed, ex.tenant.name)
+                   if responses.continues(ex.parsed) else 0)
+        ex.limits = await ex.clients.counter.count(ex.parsed, history)
     except GuardError as exc:
         if exc.code == "engine_unavailable":
             raise UpstreamUnavailable(exc.message) from None
@@ -100,8 +102,8 @@ def observe(ex: Exchange) -> StreamObserver:
         ttft.observe(now - arrived)
         dispatcher.started(ticket, now - ticket.admitted_at)  # the replica's latency model learns it
 
-    observer = ex.observer = StreamObserver(on_first_token=on_first_token, on_gap=on_gap,
-                                            strip_usage=parsed.adds_usage)
+    observer = ex.observer = responses.observer_class(parsed)(on_first_token=on_first_token, on_gap=on_gap,
+                                                              strip_usage=parsed.adds_usage)
     return observer
 
 

@@ -24,13 +24,13 @@ from aiohttp import web
 from guard import tracing
 from guard.config import Tenant
 from guard.errors import GuardError, Outcome
-from guard.http import admit, objectives
+from guard.http import admit, objectives, responses
 from guard.http.context import CLIENTS, REQUEST_ID, STATE, TENANT
 from guard.http.decision import keep_record
 from guard.http.errors import error_response
 from guard.http.exchange import Exchange, stamp_headers
 from guard.http.forward import forward, to_pool
-from guard.http.relay import StreamObserver, UpstreamUnavailable
+from guard.http.relay import UpstreamUnavailable
 from guard.http.static import static_response
 from guard.http.validate import parse_request
 from guard.pool.routing import Route
@@ -149,8 +149,8 @@ async def serve_elsewhere(ex: Exchange, route: Route) -> web.StreamResponse:
     model = state.fallback_models.get(route.name, parsed.model.model)
     body = parsed.upstream_body(cache_salt=state.keys.cache_salt(tenant), max_tokens=parsed.max_tokens,
                                 priority=ex.lane.priority, model=model)
-    observer = StreamObserver(on_first_token=lambda now: None, on_gap=lambda gap: None,
-                              strip_usage=parsed.adds_usage)
+    observer = responses.observer_class(parsed)(on_first_token=lambda now: None, on_gap=lambda gap: None,
+                                                strip_usage=parsed.adds_usage)
     try:
         response, outcome = await forward(ex, route.backend.url, route.name, body, observer, route=route.name)
     except UpstreamUnavailable:

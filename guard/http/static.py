@@ -3,7 +3,8 @@
 It costs nothing and cannot fail, so it is the last fallback. ``finish_reason`` is ``"stop"`` and usage is
 zero: no model ran. It answers as many choices as the request asks, numbered as an engine numbers them (a
 ``/v1/completions`` batch: choice ``i`` of prompt ``p`` is ``p * n + i``), so that a client that pairs
-choices with its prompts (LangChain's ``OpenAI.batch``) finds an answer for each.
+choices with its prompts (LangChain's ``OpenAI.batch``) finds an answer for each. A Responses request gets
+a completed response (guard/http/responses.py).
 """
 
 from __future__ import annotations
@@ -16,10 +17,13 @@ from typing import Any
 from aiohttp import web
 
 from engine.protocol import SSE_DONE, CompletionRequest, sse_data
-from guard.http.validate import ParsedRequest
+from guard.http.responses import static_answer
+from guard.http.validate import RESPONSES, ParsedRequest
 
 
 def static_response(parsed: ParsedRequest, message: str, headers: dict[str, str]) -> web.Response:
+    if parsed.path == RESPONSES:
+        return static_answer(parsed, message, headers)
     chat = parsed.path.endswith("/chat/completions")
     created = int(time.time())
     ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex

@@ -26,8 +26,9 @@ import aiohttp
 
 from engine.prompting.prompts import PromptCounter, PromptError, check_context
 from engine.protocol import ChatCompletionRequest, TokenizerInfo
+from engine.protocol.responses import RENAME as RESPONSES_FIELDS
 from guard.errors import GuardError
-from guard.http.validate import ParsedRequest
+from guard.http.validate import RESPONSES, ParsedRequest
 
 THREAD_THRESHOLD_CHARS = 16_384
 
@@ -67,25 +68,30 @@ class TokenCounter:
             self._prefetched_for = model  # a fetch that fails is left to the next request, not every snapshot
             self._start_fetch()
 
-    async def count(self, parsed: ParsedRequest) -> TokenLimits:
-        """The prompt's tokens and the output bound, or ``GuardError`` with the refusal the engine would give."""
+    async def count(self, parsed: ParsedRequest, history: int = 0) -> TokenLimits:
+        """The prompt's tokens and the output bound, or ``GuardError`` with the refusal the engine would give.
+        ``history``: the tokens of a stored conversation the prompt continues, which the guard has not seen
+        (guard/http/responses.py): they join the prompt's count, and its ids are then not the prompt's."""
         if self.local is None and not self.remote_only:
             await self._fetch_tokenizer()
         try:
             if self.local is not None:
                 local = self.local
                 if _prompt_chars(parsed) > THREAD_THRESHOLD_CHARS:
-                    batch = await asyncio.to_thread(local.batch_ids, parsed.model)
+                    batch = await asyncio.to_thread(local.batch_ids, parsed.counted)
                 else:
-                    batch = local.batch_ids(parsed.model)
+                    batch = local.batch_ids(parsed.counted)
                 prompts, window = [len(ids) for ids in batch], local.max_model_len
             else:
                 batch = None
                 prompts, window = await self._ask(parsed)
-            return TokenLimits(prompts, min([check_context(parsed.model, prompt, window) for prompt in prompts]),
+            if history:
+                prompts, batch = [prompt + history for prompt in prompts], None
+            return TokenLimits(prompts, min([check_context(parsed.counted, prompt, window) for prompt in prompts]),
                                batch)
         except PromptError as exc:
-            raise GuardError(exc.status, str(exc), param=exc.param, code=exc.code) from None
+            param = RESPONSES_FIELDS.get(exc.param, exc.param) if parsed.path == RESPONSES else exc.param
+            raise GuardError(exc.status, str(exc), param=param, code=exc.code) from None
 
     def base(self) -> str:
         return self.engine_url().rstrip("/")
@@ -125,9 +131,10 @@ class TokenCounter:
 
     async def _ask(self, parsed: ParsedRequest) -> tuple[list[int], int]:
         """Each prompt's count and the context window, from the engine's ``POST /tokenize`` (one prompt per call)."""
-        request = parsed.model
+        request = parsed.counted
         if isinstance(request, ChatCompletionRequest):
-            return await self._ask_one({"model": request.model, "messages": parsed.body["messages"]})
+            messages = [message.model_dump(exclude_none=True) for message in request.messages]
+            return await self._ask_one({"model": request.model, "messages": messages})
         counts, window = [], 0
         for prompt in request.prompts:
             count, window = await self._ask_one({"model": request.model, "prompt": prompt})
@@ -149,7 +156,7 @@ class TokenCounter:
 
 
 def _prompt_chars(parsed: ParsedRequest) -> int:
-    request = parsed.model
+    request = parsed.counted
     if isinstance(request, ChatCompletionRequest):
         return sum(len(message.text) for message in request.messages)
     return sum(len(prompt) for prompt in request.prompts if isinstance(prompt, str))

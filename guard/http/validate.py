@@ -4,7 +4,8 @@ The body is read with a hard size cap (413), must be JSON of the right content t
 own pydantic request models (400 with ``param`` naming the field: ``Content-Type`` or ``body`` when the
 fault is not in one field, so that every 400 points somewhere); guard/http/tokens.py then counts the prompt
 and checks it against the context window. Client-sent ``cache_salt``, ``priority`` and tenant hints are
-dropped: the guard sets them from the tenant. Every stream asks its engine for usage, so that the guard
+dropped: the guard sets them from the tenant. A Responses body is also checked as the chat it runs as
+(``counted``), which is what guard/http/tokens.py counts. Every stream asks its engine for usage, so that the guard
 charges what was generated, not the events it saw (guard/http/relay.py strips the usage chunk again from the
 answer of a client that did not ask for it).
 """
@@ -18,11 +19,14 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from engine import protocol
+from engine.protocol.responses import RENAME as RESPONSES_FIELDS
 from guard.errors import GuardError
 
+RESPONSES = "/v1/responses"
 MODELS: dict[str, type[BaseModel]] = {
     "/v1/completions": protocol.CompletionRequest,
     "/v1/chat/completions": protocol.ChatCompletionRequest,
+    RESPONSES: protocol.ResponsesRequest,
 }
 # Fields a client may not choose: the guard derives them from the authenticated tenant.
 GUARD_OWNED = ("cache_salt", "priority", "tenant", "tenant_id", "x_tenant_id")
@@ -32,7 +36,14 @@ GUARD_OWNED = ("cache_salt", "priority", "tenant", "tenant_id", "x_tenant_id")
 class ParsedRequest:
     path: str
     body: dict  # the client's JSON, forwarded with the guard's changes only
-    model: protocol.CompletionRequest | protocol.ChatCompletionRequest
+    model: protocol.CompletionRequest | protocol.ChatCompletionRequest | protocol.ResponsesRequest
+    # What is counted and sized: the request itself, or for a Responses body the chat it runs as.
+    counted: protocol.CompletionRequest | protocol.ChatCompletionRequest = None  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.counted is None:
+            model = self.model
+            self.counted = model.to_chat([]) if isinstance(model, protocol.ResponsesRequest) else model
 
     @property
     def stream(self) -> bool:
@@ -55,12 +66,13 @@ class ParsedRequest:
     def upstream_body(self, cache_salt: str, max_tokens: int | None, priority: int, model: str | None = None) -> bytes:
         """The body sent to an engine: the client's, with the guard's salt, priority and token bound (and the
         fallback engine's model name when it serves a different one). A stream always asks for usage."""
+        bound = "max_output_tokens" if self.path == RESPONSES else "max_tokens"
         body = {k: v for k, v in self.body.items() if k not in GUARD_OWNED and k != "max_completion_tokens"}
         body.update(cache_salt=cache_salt, priority=priority)
         if self.adds_usage:  # the client's other stream options stay as it sent them
             body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
         if max_tokens is not None:
-            body["max_tokens"] = max_tokens
+            body[bound] = max_tokens
         if model is not None:
             body["model"] = model
         return pydantic_core.to_json(body)
@@ -87,7 +99,10 @@ async def parse_request(request: web.Request, max_body_bytes: int) -> ParsedRequ
         raise GuardError(400, "the body must be a JSON object", param="body", code="invalid_json")
     try:
         model = MODELS[request.path].model_validate(body)  # type: ignore[assignment]
+        counted = model.to_chat([]) if isinstance(model, protocol.ResponsesRequest) else model
     except ValidationError as exc:
         param, message = protocol.validation_error_param(exc)
+        if request.path == RESPONSES:  # the chat's field, as the Responses request names it
+            param = RESPONSES_FIELDS.get(param or "", param)
         raise GuardError(400, message, param=param, code="invalid_value") from None
-    return ParsedRequest(request.path, body, model)
+    return ParsedRequest(request.path, body, model, counted)

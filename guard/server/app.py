@@ -27,6 +27,7 @@ from guard.http.context import CLIENTS, STATE, Clients, GuardState
 from guard.http.pipeline import completion
 from guard.http.relay import SHUTTING_DOWN, Relay
 from guard.http.routes import health, identify, metrics_endpoint, models
+from guard.http.stored import stored
 from guard.http.tokens import TokenCounter
 from guard.http.upstream import UpstreamClient
 from guard.metrics import GuardMetrics
@@ -77,6 +78,9 @@ def create_app(config: GuardConfig, *, console: bool = True, worker: int | None 
     app[CONNECTIONS] = ConnectionGuard(config.connections, metrics)
     app.router.add_post("/v1/completions", completion)
     app.router.add_post("/v1/chat/completions", completion)
+    app.router.add_post("/v1/responses", completion)
+    app.router.add_get("/v1/responses/{id}", stored)
+    app.router.add_delete("/v1/responses/{id}", stored)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{id:.+}", models)
     app.router.add_get("/health", health)
