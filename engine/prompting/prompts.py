@@ -41,6 +41,13 @@ class PromptError(ValueError):
         self.param, self.code, self.status = param, code, status
 
 
+def model_not_found(model: str, served: str) -> PromptError:
+    """The refusal of a model not served here: one wording wherever it is refused (the engine, the guard for
+    a model a tenant may not use), so that a refusal never tells whether the model exists."""
+    return PromptError(f"model: {model!r} is not served here; this engine serves {served!r}", param="model",
+                       code="model_not_found", status=404)
+
+
 class PromptCounter:
     """Turns a completion prompt or chat messages into the token ids the model will see."""
 
@@ -103,8 +110,7 @@ class PromptCounter:
 
     def check_model(self, model: str) -> None:
         if model != self.model and model not in self.adapters:
-            raise PromptError(f"model: {model!r} is not served here; this engine serves {self.model!r}",
-                              param="model", code="model_not_found", status=404)
+            raise model_not_found(model, self.model)
 
     def prompt_ids(self, prompt: str | list[int]) -> list[int]:
         """A completion prompt: token ids as given, text encoded as the tokenizer does (with its BOS)."""
