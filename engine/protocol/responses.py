@@ -126,7 +126,8 @@ class TextConfig(OpenAIRequest):
 
 class ResponsesRequest(OpenAIRequest):
     """``POST /v1/responses``, with the engine's extensions ``top_k``, ``ignore_eos``, ``cache_salt`` and
-    ``priority`` (which the guard sets from the tenant)."""
+    ``priority`` (which the guard sets from the tenant), and ``history`` (which the guard sets for a
+    continuation)."""
 
     model: str
     input: NonEmptyStr | Annotated[list[InputItem], Field(min_length=1)]
@@ -147,6 +148,10 @@ class ResponsesRequest(OpenAIRequest):
     ignore_eos: bool = False
     cache_salt: NonEmptyStr | None = None
     priority: int = 0
+    # The guard's: the stored conversation ``previous_response_id`` names, read from the replica that keeps it
+    # (``GET /v1/responses/{id}/conversation``), so that any replica can continue it. (OpenAI's own
+    # ``conversation``, its Conversations API, is not supported.)
+    history: list[ChatMessage] | None = None
     background: Unsupported = None
     include: Unsupported = None
     top_logprobs: Unsupported = None

@@ -1,7 +1,8 @@
 """The engine's HTTP server: the aiohttp app, its telemetry endpoints, and its lifecycle.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /tokenize``, ``GET /tokenizer`` (``openai_api``),
-``POST /v1/responses``, ``GET|DELETE /v1/responses/{id}`` (``responses``, tenant-scoped stored responses),
+``POST /v1/responses``, ``GET|DELETE /v1/responses/{id}`` (``responses``, tenant-scoped stored responses; and
+``GET /v1/responses/{id}/conversation``, what the guard continues a stored response with),
 ``GET /v1/models``, ``GET /v1/models/{id}`` (404 ``model_not_found`` for any id but the served one), ``GET /health`` (200 ready, 503 loading/degraded/failed/stopped), ``GET /telemetry``
 (one snapshot), ``GET /telemetry/stream`` (SSE snapshots), ``GET /kv/events`` (SSE of the prefix cache's block
 hashes, ``kv_events``) and ``GET /metrics`` (Prometheus). ``/telemetry`` and ``/metrics`` answer within
@@ -79,6 +80,7 @@ def create_app(engine: AsyncEngine) -> web.Application:
     app.router.add_post("/v1/responses", responses.create)
     app.router.add_get("/v1/responses/{id}", responses.retrieve)
     app.router.add_delete("/v1/responses/{id}", responses.delete)
+    app.router.add_get("/v1/responses/{id}/conversation", responses.conversation)
     app.router.add_get("/v1/models", telemetry.models)
     app.router.add_get("/v1/models/{id:.+}", telemetry.model)  # ids may hold a slash ("org/name")
     app.router.add_get("/health", telemetry.health)

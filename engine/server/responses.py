@@ -11,7 +11,10 @@ streams carry no ``[DONE]``: ``response.completed`` (or ``response.incomplete``)
 
 Stored responses (engine/server/response_store.py) belong to the tenant of the trusted ``X-Tenant-Id``
 header: another tenant's id, like an unknown or expired one, is a 404, for reading, deleting and continuing
-alike. A response is stored once it has finished (a stream whose client left is not).
+alike. A response is stored once it has finished (a stream whose client left is not). A request that
+carries ``history`` (the guard's, read with ``GET /v1/responses/{id}/conversation`` from the replica
+that stores it) runs after that instead of looking ``previous_response_id`` up, so that in a pool any
+replica can continue any stored response.
 """
 
 from __future__ import annotations
@@ -44,8 +47,8 @@ class ResponsesHandlers:
     async def create(self, http: web.Request) -> web.StreamResponse:
         body = await parse_body(http, ResponsesRequest)
         tenant, response_id = tenant_of(http), f"resp_{uuid.uuid4().hex}"
-        history: list[ChatMessage] = []
-        if body.previous_response_id is not None:
+        history = body.history or []
+        if body.previous_response_id is not None and body.history is None:
             entry = self.store.get(body.previous_response_id, tenant)
             if entry is None:
                 raise _not_found(body.previous_response_id, "previous_response_id")
@@ -95,6 +98,15 @@ class ResponsesHandlers:
         if entry is None:
             raise _not_found(http.match_info["id"], "response_id")
         return web.Response(text=entry.response.model_dump_json(), content_type="application/json")
+
+    async def conversation(self, http: web.Request) -> web.Response:
+        """``GET /v1/responses/{id}/conversation`` (kvguard's): the stored conversation a continuation runs
+        after, ``{"messages": [...]}``, which the guard sends on as ``history`` to whichever replica."""
+        entry = self.store.get(http.match_info["id"], tenant_of(http))
+        if entry is None:
+            raise _not_found(http.match_info["id"], "response_id")
+        messages = [message.model_dump(exclude_none=True) for message in entry.conversation]
+        return web.json_response({"messages": messages})
 
     async def delete(self, http: web.Request) -> web.Response:
         response_id = http.match_info["id"]

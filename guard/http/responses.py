@@ -8,10 +8,10 @@ admission in KV blocks, fairness, limits and decision records. Its body is count
   ``[DONE]``); only the ``*.delta`` events carry tokens (``response.created`` comes before the prefill, so
   counting it would make every first token instant), and the usage is the ``response`` of
   ``response.completed`` (or ``response.incomplete``), which also ends the stream.
-- ``history_tokens``: a continuation (``previous_response_id``) runs after a stored conversation the guard
-  has not seen. The replicas are asked for the stored response first (as its tenant: another tenant's id is
-  a 404 before anything is queued), and its conversation's tokens (its ``input_tokens`` plus its
-  ``output_tokens``) join the prompt the reservation is sized for.
+- ``load_conversation``: a continuation (``previous_response_id``) runs after a stored conversation that
+  one replica keeps. The guard reads it from that replica first (as the tenant: another tenant's id is a
+  404 before anything is queued) and sends it upstream with the request (``history``), so the request
+  is counted and sized whole, its prefix hashes are the real prompt's, and any replica can run it.
 - ``static_answer``: the static fallback's message as a completed response (and its events, streamed).
 - ``ask_replicas``: each replica keeps the responses it answered (engine/server/response_store.py), so a
   stored response is looked for on the replicas in turn (guard/http/stored.py serves ``GET`` and
@@ -28,7 +28,7 @@ import aiohttp
 import yarl
 from aiohttp import web
 
-from engine.protocol import ResponseObject, sse_event
+from engine.protocol import ChatMessage, ResponseObject, ResponsesRequest, sse_event
 from engine.protocol.responses import InputTokensDetails, OutputMessage, OutputText, ResponseUsage
 from guard.errors import GuardError
 from guard.http.context import Clients, GuardState
@@ -87,26 +87,29 @@ def continues(parsed: ParsedRequest) -> bool:
     return parsed.path == RESPONSES and getattr(parsed.model, "previous_response_id", None) is not None
 
 
-async def history_tokens(state: GuardState, clients: Clients, parsed: ParsedRequest, tenant: str) -> int:
-    """The tokens of the stored conversation a continuation runs after; ``GuardError`` 404 when its tenant
-    has no such response."""
-    previous = getattr(parsed.model, "previous_response_id", None)
-    status, answer = await ask_replicas(state, clients, "GET", previous, tenant)
+async def load_conversation(state: GuardState, clients: Clients, parsed: ParsedRequest, tenant: str) -> None:
+    """A continuation made self-contained: the stored conversation it runs after, read from the replica
+    that keeps it, goes upstream as ``history`` (so any replica can run it) and is counted and sized
+    with the request. ``GuardError`` 404 when its tenant has no such response."""
+    model = parsed.model
+    assert isinstance(model, ResponsesRequest) and model.previous_response_id is not None
+    status, answer = await ask_replicas(state, clients, "GET", model.previous_response_id, tenant, "conversation")
     if status == 503:
         raise GuardError(503, "no engine replica is available", code="engine_unavailable", retry_after=1)
-    if status != 200:
-        raise GuardError(404, f"Response with id {previous!r} not found.", param="previous_response_id",
-                         code="response_not_found")
-    usage = answer.get("usage") if isinstance(answer, dict) else None
-    if not isinstance(usage, dict):
-        return 0
-    return int(usage.get("input_tokens", 0) or 0) + int(usage.get("output_tokens", 0) or 0)
+    messages = answer.get("messages") if status == 200 and isinstance(answer, dict) else None
+    if not isinstance(messages, list):
+        raise GuardError(404, f"Response with id {model.previous_response_id!r} not found.",
+                         param="previous_response_id", code="response_not_found")
+    history = [ChatMessage.model_validate(message) for message in messages]
+    parsed.body["history"] = messages
+    parsed.counted = model.to_chat(history)
 
 
-async def ask_replicas(state: GuardState, clients: Clients, method: str, response_id: str, tenant: str
-                        ) -> tuple[int, object]:
-    """The first answer other than 404 among the replicas that are up, asked in turn as ``tenant``; 404 with
-    the last 404's body when none has the response, 503 when none could be asked."""
+async def ask_replicas(state: GuardState, clients: Clients, method: str, response_id: str, tenant: str,
+                       part: str | None = None) -> tuple[int, object]:
+    """``/v1/responses/{id}`` (or its ``part``) from the replicas that are up, asked in turn as ``tenant``:
+    the first answer other than 404; 404 with the last 404's body when none has the response, 503 when none
+    could be asked."""
     timeout = aiohttp.ClientTimeout(total=state.config.upstream.connect_timeout * 2)
     headers = {"X-Tenant-Id": tenant}
     found: tuple[int, object] = (503, None)
@@ -114,6 +117,7 @@ async def ask_replicas(state: GuardState, clients: Clients, method: str, respons
         if not replica.up():
             continue
         url = yarl.URL(replica.url.rstrip("/")) / "v1" / "responses" / response_id  # the id escaped as a segment
+        url = url / part if part is not None else url
         try:
             async with clients.session.request(method, url, headers=headers, timeout=timeout) as answer:
                 found = (answer.status, await answer.json(content_type=None))

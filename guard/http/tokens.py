@@ -68,10 +68,8 @@ class TokenCounter:
             self._prefetched_for = model  # a fetch that fails is left to the next request, not every snapshot
             self._start_fetch()
 
-    async def count(self, parsed: ParsedRequest, history: int = 0) -> TokenLimits:
-        """The prompt's tokens and the output bound, or ``GuardError`` with the refusal the engine would give.
-        ``history``: the tokens of a stored conversation the prompt continues, which the guard has not seen
-        (guard/http/responses.py): they join the prompt's count, and its ids are then not the prompt's."""
+    async def count(self, parsed: ParsedRequest) -> TokenLimits:
+        """The prompt's tokens and the output bound, or ``GuardError`` with the refusal the engine would give."""
         if self.local is None and not self.remote_only:
             await self._fetch_tokenizer()
         try:
@@ -85,8 +83,6 @@ class TokenCounter:
             else:
                 batch = None
                 prompts, window = await self._ask(parsed)
-            if history:
-                prompts, batch = [prompt + history for prompt in prompts], None
             return TokenLimits(prompts, min([check_context(parsed.counted, prompt, window) for prompt in prompts]),
                                batch)
         except PromptError as exc:

@@ -97,6 +97,8 @@ async def parse_request(request: web.Request, max_body_bytes: int) -> ParsedRequ
         raise GuardError(400, f"the body is not valid JSON: {exc}", param="body", code="invalid_json") from None
     if not isinstance(body, dict):
         raise GuardError(400, "the body must be a JSON object", param="body", code="invalid_json")
+    if request.path == RESPONSES:
+        body.pop("history", None)  # the guard's to set (a continuation's, guard/http/responses.py)
     try:
         model = MODELS[request.path].model_validate(body)  # type: ignore[assignment]
         counted = model.to_chat([]) if isinstance(model, protocol.ResponsesRequest) else model

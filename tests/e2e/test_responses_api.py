@@ -6,7 +6,7 @@ created response is retrieved as it was; a stream's events arrive in OpenAI's or
 sequence numbers and build the final response; ``text.format`` json_schema and forced function calls take
 the grammar path (bounded schemas, so that the tiny model's random weights finish them); a function call's
 arguments stream in several deltas that concatenate to the final arguments; ``previous_response_id``
-continues a stored conversation. Stored responses are the tenant's own: another tenant's id is a 404 for
+continues a stored conversation, on any replica of a pool. Stored responses are the tenant's own: another tenant's id is a 404 for
 reading, continuing and deleting. An agent with a function tool (``tool_choice`` required) runs through
 the guard. Chat completions stream a forced call's arguments as deltas, and a call cut by ``max_tokens``
 ends with ``length`` and the arguments so far.
@@ -181,6 +181,28 @@ def test_a_tenant_reads_and_continues_only_its_own_responses(guard: GuardThread,
     snap = engine.wait_idle()  # every block came back: free, or cached for the prefix cache
     assert snap["free_blocks"] + snap["cached_blocks"] == snap["num_blocks"], snap
     wait_for(lambda: guard.call(guard.state.pool.committed), lambda held: held == 0, 5)
+
+
+def test_a_continuation_runs_on_any_replica_of_a_pool(engine: ServerThread) -> None:
+    """Round robin sends each turn to the other replica than the one that stored the turn before: the guard
+    reads the stored conversation where it is and sends it along, so every turn continues."""
+    with ServerThread(num_blocks=256) as other, \
+            GuardThread(guard_config([engine.url, other.url], routing={"policy": "round_robin"})) as pool:
+        wait_for(lambda: pool.call(lambda: all(r.up() for r in pool.state.pool)), bool, 5)
+        client = sdk(pool.url)
+        turn = client.responses.create(model="tiny", input="one", max_output_tokens=3, temperature=0,
+                                       extra_body={"ignore_eos": True})
+        for word in ("two", "three", "four"):
+            before = turn
+            turn = client.responses.create(model="tiny", input=word, previous_response_id=before.id,
+                                           max_output_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+            assert turn.usage.input_tokens > before.usage.input_tokens + before.usage.output_tokens
+            assert client.responses.retrieve(turn.id).previous_response_id == before.id
+        # A client's own ``history`` is the guard's field: dropped, it changes nothing.
+        plain = client.responses.create(model="tiny", input="one", max_output_tokens=3, temperature=0)
+        forged = client.responses.create(model="tiny", input="one", max_output_tokens=3, temperature=0,
+                                         extra_body={"history": [{"role": "user", "content": "x" * 50}]})
+        assert forged.usage.input_tokens == plain.usage.input_tokens
 
 
 def test_the_guard_charges_a_responses_stream_its_usage(guard: GuardThread) -> None:
