@@ -107,8 +107,8 @@ def timelines_for(http: web.Request, requests: list[Request]) -> list[Timeline |
 
 @web.middleware
 async def trace_completions(http: web.Request, handler: Handler) -> web.StreamResponse:
-    """The SERVER span of each completion request, built once the request has ended."""
-    if http.method != "POST" or not http.path.endswith("completions"):
+    """The SERVER span of each completion request (``/v1/responses`` too), built once the request has ended."""
+    if http.method != "POST" or not (http.path.endswith("completions") or http.path == "/v1/responses"):
         return await handler(http)
     trace = http[_TRACE] = RequestTrace(time.time_ns())
     status = 499  # the client left: the handler was cancelled
