@@ -42,6 +42,7 @@ from guard.admission import slo
 from guard.admission.fairness import FairQueue, TenantQueue
 from guard.config import GuardConfig, Lane, Tenant
 from guard.errors import GuardError
+from guard.pool.gate import engine_priority
 from guard.pool.pool import ReplicaPool
 from guard.pool.replica import Replica
 from guard.pool.scheduling import Candidate, Profile
@@ -78,12 +79,14 @@ class Ticket:
     candidates: Sequence[Candidate] = ()  # the ranking that admitted it, for its decision record
     arrived: float = 0.0  # time.monotonic() of the request's arrival at the guard
     objective: slo.Objective | None = None  # its latency objective (guard/admission/slo.py), if it has one
+    lora: str | None = None  # the LoRA adapter it names (None: the base model); its hashes include it
     predicted_ttft: float | None = None  # seconds from arrival, predicted when it reached the dispatcher
     predicted_tpot: float | None = None  # seconds per output token on the best replica, predicted then too
     verdicts: dict[str, bool] | None = None  # objective ("ttft", "tpot") -> met, once it ended
     admitted_at: float = 0.0  # time.monotonic() of its admission
     uncached: int = 0  # its prompt tokens the replica has to prefill, until its first token (latency model)
     work: int = 0  # prefill tokens ahead of it on its replica when admitted, its own included
+    priority: int = 0  # the engine priority it runs at, once admitted
 
 
 class Dispatcher:
@@ -96,6 +99,7 @@ class Dispatcher:
         self.fair: FairQueue[Ticket] = FairQueue()
         self.retired: set[str] = set()  # tenants a reload removed that still have a queue here
         self.running: dict[str, set[Ticket]] = {}  # tenant -> its admitted tickets, for revoke
+        self.departures = slo.Departures()  # the queue's pace, which predicts a newcomer's wait
         self.total_weight = sum(tenant.weight for tenant in config.tenants)  # of the running config's tenants
         for tenant in config.tenants:
             self.fair.tenant(tenant.name, tenant.weight)
@@ -147,7 +151,7 @@ class Dispatcher:
         if self.closed is not None:
             raise self.closed
         if ticket.objective is not None:
-            slo.judge(self.pool, ticket, self.blocks_before(ticket))
+            slo.judge(self.pool, self.departures, ticket, self.blocks_before(ticket))
         queue = self.queue_of(ticket.tenant)
         if not self.fair.queued and self._within_cap(queue, ticket) and await self._place_now(queue, ticket):
             self._admitted(queue, ticket)  # nobody waits, so VTC order has nothing to say: no queue, no future
@@ -169,12 +173,15 @@ class Dispatcher:
         if ticket.state is TicketState.ADMITTED:
             return  # admitted at once by pump: no future, no deadline
         ticket.admitted = asyncio.get_running_loop().create_future()  # before any await: pump sets it
+        timeout, late = slo.queue_timeout(ticket)
         try:
-            await asyncio.wait_for(asyncio.shield(ticket.admitted), ticket.lane.timeout)
+            await asyncio.wait_for(asyncio.shield(ticket.admitted), timeout)
         except TimeoutError:
             self._dequeue(ticket)
             if ticket.state is TicketState.ADMITTED:  # admitted in the same instant the deadline passed
                 return
+            if late is not None:
+                raise late from None
             raise GuardError(503, f"not admitted within this lane's {ticket.lane.timeout:g} s queueing timeout",
                              code="queue_timeout", retry_after=self.pool.retry_after(self.blocks_queued())) from None
         except asyncio.CancelledError:
@@ -198,6 +205,7 @@ class Dispatcher:
                     continue
                 return
             self.fair.pop(queue)
+            self.departures.add(ticket.blocks)
             self._admitted(queue, ticket)
 
     def _next_tenant(self, skip: set[str]) -> TenantQueue[Ticket] | None:
@@ -221,7 +229,8 @@ class Dispatcher:
         objective = ticket.objective
         ttft_left = None if objective is None or objective.ttft_s is None else \
             objective.ttft_s - (time.monotonic() - ticket.arrived)
-        ranked = self.profile.rank(self.pool.replicas, ticket.blocks, ticket.hashes, ticket.prompt_tokens, ttft_left)
+        ranked = self.profile.rank(self.pool.replicas, ticket.blocks, ticket.hashes, ticket.prompt_tokens, ttft_left,
+                                   engine_priority(ticket.lane.priority, ticket.borrowed), lora=ticket.lora)
         for candidate in ranked:
             replica = candidate.replica
             if replica.gate.try_reserve(ticket.request_id, queue.name, ticket.blocks, ticket.borrowed):
@@ -266,7 +275,8 @@ class Dispatcher:
             snapshot = ticket.replica.gate.snapshot
             cached = ticket.hit_blocks * snapshot.block_size if snapshot is not None else 0
             ticket.uncached = max(0, ticket.prompt_tokens - cached)
-            ticket.work = ticket.replica.latency.admitted(ticket.uncached)
+            ticket.priority = engine_priority(ticket.lane.priority, ticket.borrowed)
+            ticket.work = ticket.replica.latency.admitted(ticket.priority, ticket.uncached)
         self.running.setdefault(queue.name, set()).add(ticket)
         if ticket.admitted is not None:  # None while submit is admitting it itself
             ticket.admitted.set_result(None)
@@ -290,7 +300,7 @@ class Dispatcher:
         if ticket.replica is None or not ticket.uncached and not ticket.work:
             return
         latency = ticket.replica.latency
-        latency.started(ticket.uncached)
+        latency.started(ticket.priority, ticket.uncached)
         if after_s is not None:
             latency.observe_ttft(ticket.work, after_s)
         ticket.uncached = ticket.work = 0
@@ -363,3 +373,4 @@ class Dispatcher:
         if ticket.state is TicketState.QUEUED and self.fair.remove(self.queue_of(ticket.tenant),
                                                                     ticket.lane.priority, ticket):
             ticket.state = TicketState.DONE
+            self.departures.add(ticket.blocks)

@@ -5,33 +5,42 @@ headers ``X-SLO-TTFT-Ms`` and ``X-SLO-TPOT-Ms``, with its lane's ``priority_clas
 
 Its TTFT is predicted when it reaches the dispatcher, as
 
-    predicted TTFT = guard queue wait + the best usable replica's engine TTFT (guard/pool/latency.py)
+    predicted TTFT = time since arrival + guard queue wait + the best replica's engine TTFT
+                                                              (guard/pool/latency.py, at its engine priority)
 
-where the queue wait is the blocks that will be admitted before it, past the pool's free budget, over the
-pool's measured drain rate (as the lane-timeout check reads it): a critical request waits only for the
-critical requests queued before it (they go first, guard/admission/dispatch.py), a standard one for those
-and its own tenant's lanes before its own (VTC serves other tenants by their counters, not before it), a
-sheddable one for everything queued. A sheddable request whose prediction passes its TTFT objective is
-refused at once (``slo_unattainable``, with ``Retry-After`` from the predicted drain): waiting would only
-make it late and hold blocks that requests that can still be on time need. Critical and standard requests
-are never refused for their objective: they are served and counted (``guard_slo_requests_total``). Before
-the pool has drained anything there is no rate to predict a wait from, and nothing is refused.
+The queue wait counts the blocks queued to be admitted before it: a critical request's are the critical
+requests queued (they go first, guard/admission/dispatch.py), a standard one's those and its own tenant's
+lanes before its own (VTC serves other tenants by their counters, not before it), a sheddable one's
+everything queued. With blocks ahead, the wait is them over the pace at which blocks leave the queue
+(``Departures``); with none, it is the blocks it needs past the pool's budget over the replicas' drain rate
+(none when it fits now; what others borrowed counts as room for a request that does not borrow itself).
+
+A sheddable request predicted to miss its TTFT objective is refused at once (``slo_unattainable``, with
+``Retry-After`` from the predicted wait): waiting would only make it late and hold blocks that requests
+still on time need. One that queues leaves the queue, refused the same way, once too little of its
+objective is left for its prefill (``queue_timeout``). Critical and standard requests are never refused for
+their objective: they are served and counted (``guard_slo_requests_total``). Before anything has drained
+there is no pace to predict a wait from, and nothing is refused at once.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
 from guard.config import Lane
 from guard.errors import GuardError, Outcome
+from guard.pool.gate import engine_priority
 from guard.pool.pool import ReplicaPool
 
 HEADERS = {"ttft": "X-SLO-TTFT-Ms", "tpot": "X-SLO-TPOT-Ms"}
 CRITICAL, STANDARD, SHEDDABLE = "critical", "standard", "sheddable"
+DEPARTURE_WINDOW_S = 5.0
+DEADLINE_MARGIN = 0.05  # of a sheddable request's TTFT objective, left for its prefill when it leaves the queue
 
 
 @dataclass(slots=True, frozen=True)
@@ -86,21 +95,54 @@ class Judged(Protocol):
     predicted_tpot: float | None
 
 
-def predicted_ttft(pool: ReplicaPool, ticket: Judged, ahead: int) -> tuple[float, float | None]:
-    """(predicted TTFT from the ticket's arrival, the queue wait in it; None when the pool has no drain
-    rate yet), with ``ahead`` blocks queued to be admitted before it."""
-    wait = pool.expected_wait(max(0, pool.committed() + ahead + ticket.blocks - pool.budget()))
-    engine = min((r.latency.predict_ttft(ticket.prompt_tokens) for r in pool.replicas if r.usable()),
+class Departures:
+    """Blocks leaving the guard's queue per second (admitted from it, or gone: a deadline, a client that
+    left), over the last ``DEPARTURE_WINDOW_S``, to the second. A ticket that finds others queued reaches
+    the head when the blocks ahead of it have left, whichever way they leave: so their pace, not the
+    replicas' drain, predicts its wait (critical work that never queued, and tickets that leave early, are
+    both in it)."""
+
+    def __init__(self) -> None:
+        self._seconds: deque[list[int]] = deque()  # [second, blocks], one entry per second
+        self._blocks = 0
+        self._started = time.monotonic()
+
+    def add(self, blocks: int) -> None:
+        second = int(time.monotonic())
+        if self._seconds and self._seconds[-1][0] == second:
+            self._seconds[-1][1] += blocks
+        else:
+            self._seconds.append([second, blocks])
+        self._blocks += blocks
+
+    def rate(self) -> float:
+        now = time.monotonic()
+        while self._seconds and now - self._seconds[0][0] > DEPARTURE_WINDOW_S:
+            self._blocks -= self._seconds.popleft()[1]
+        return self._blocks / min(DEPARTURE_WINDOW_S, max(now - self._started, 1.0))
+
+
+def predicted_ttft(pool: ReplicaPool, departures: Departures, ticket: Judged, ahead: int
+                   ) -> tuple[float, float | None]:
+    """(predicted TTFT from the ticket's arrival, the queue wait in it; None when nothing has been measured
+    to predict a wait from), with ``ahead`` blocks queued to be admitted before it: their departure pace,
+    or with nothing ahead, the blocks it needs past the pool's free budget at the replicas' drain rate."""
+    rate = departures.rate() if ahead else 0.0
+    # What others borrowed is reclaimed by a ticket that does not borrow itself (guard/pool/gate.py).
+    held = pool.committed() - (0 if ticket.lane.priority_class == SHEDDABLE else pool.borrowed())
+    wait = ahead / rate if rate > 0 else pool.expected_wait(max(0, held + ahead + ticket.blocks - pool.budget()))
+    priority = engine_priority(ticket.lane.priority, ticket.lane.priority_class == SHEDDABLE)
+    engine = min((r.latency.predict_ttft(priority, ticket.prompt_tokens) for r in pool.replicas if r.usable()),
                  default=0.0)
     return time.monotonic() - ticket.arrived + (wait or 0.0) + engine, wait
 
 
-def judge(pool: ReplicaPool, ticket: Judged, ahead: int) -> None:
+def judge(pool: ReplicaPool, departures: Departures, ticket: Judged, ahead: int) -> None:
     """Predict the ticket's TTFT and TPOT into it; refuse a sheddable one that would miss its TTFT
     objective. ``ahead``: the blocks queued to be admitted before it, by its class (see the module docstring)."""
     objective = ticket.objective
     assert objective is not None
-    ticket.predicted_ttft, wait = predicted_ttft(pool, ticket, ahead)
+    ticket.predicted_ttft, wait = predicted_ttft(pool, departures, ticket, ahead)
     ticket.predicted_tpot = min((r.latency.predict_tpot() for r in pool.replicas if r.usable()), default=None)
     if objective.priority_class != SHEDDABLE or objective.ttft_s is None or wait is None:
         return
@@ -109,3 +151,20 @@ def judge(pool: ReplicaPool, ticket: Judged, ahead: int) -> None:
                          f"request's objective ({objective.ttft_s:g} s); the lane is sheddable",
                          code="slo_unattainable", retry_after=max(1, min(60, math.ceil(wait))),
                          outcome=Outcome.REJECTED_OVERLOAD)
+
+
+def queue_timeout(ticket: Judged) -> tuple[float, GuardError | None]:
+    """How long the ticket may wait in the queue, and the error when that is its objective's bound, not
+    its lane's timeout: a sheddable ticket leaves the queue once its TTFT objective has passed (it can only
+    be late, and would hold blocks that requests still on time need)."""
+    timeout = ticket.lane.timeout
+    objective = ticket.objective
+    if objective is None or objective.priority_class != SHEDDABLE or objective.ttft_s is None:
+        return timeout, None
+    # Admitted with less than DEADLINE_MARGIN of its objective left, it would be late out of the engine.
+    left = (1 - DEADLINE_MARGIN) * objective.ttft_s - (time.monotonic() - ticket.arrived)
+    if left >= timeout:
+        return timeout, None
+    return max(0.0, left), GuardError(503, f"not admitted within this request's TTFT objective "
+                                      f"({objective.ttft_s:g} s); the lane is sheddable",
+                                      code="slo_unattainable", retry_after=1, outcome=Outcome.REJECTED_OVERLOAD)

@@ -60,6 +60,11 @@ DRAIN_WINDOW_S = 10.0
 BORROWED_PRIORITY = 100
 
 
+def engine_priority(lane_priority: int, borrowed: int) -> int:
+    """The engine priority a request runs at (lower first): its lane's, behind every lane when it borrows."""
+    return lane_priority + (BORROWED_PRIORITY if borrowed else 0)
+
+
 def blocks_for(block_size: int, prompt_tokens: int, max_tokens: int, n: int = 1) -> int:
     """Blocks a request can ever hold: its first sequence's, plus, for ``n > 1``, each fork's copy of the
     shared partial block (on its first write) and its own output blocks."""

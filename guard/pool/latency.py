@@ -3,13 +3,16 @@
     engine TTFT = base + per_token x (prefill tokens ahead + the request's uncached prompt tokens)
 
 ``prefill tokens ahead`` are the uncached prompt tokens of the guard's requests already sent to the replica
-that have no first token yet (the guard knows them exactly; ``admitted`` and ``started`` keep the count).
+that have no first token yet and run at the same engine priority or a higher one (the engine prefills
+waiting requests in priority order, engine/sched/scheduler.py); the guard knows them exactly, ``admitted``
+and ``started`` keep the count per priority. A unary request's first token is not seen: its prompt counts
+until it ends.
 ``base`` (a step with the running batch's decodes in it, and the relay) and ``per_token`` (the inverse of
 the measured prefill rate) are fitted to the guard's own observations, each request's admission-to-first-
 token time against the work that was ahead of it, by exponentially weighted least squares: a window of
 about ``1 / (1 - DECAY)`` requests, so the fit follows the replica's load as it changes. Until the fit has
-``MIN_FIT`` observations the engine's telemetry stands in: ``base`` is its mean step time and ``per_token``
-comes from its token rate. TPOT is the mean gap between streamed tokens that the guard observed on the
+``MIN_FIT`` observations the engine's telemetry stands in for ``base`` (its mean step time), beside a
+nominal ``per_token`` (its token rate is throughput, not speed: an idle engine's says nothing). TPOT is the mean gap between streamed tokens that the guard observed on the
 replica (exponentially weighted), before any the engine's mean decode step (``itl_s``).
 
 The guard's queue wait, in front of every replica, is predicted elsewhere (guard/admission/slo.py).
@@ -17,19 +20,20 @@ The guard's queue wait, in front of every replica, is predicted elsewhere (guard
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.protocol import TelemetrySnapshot
 
 DECAY = 0.95  # weight of the past per observation: ~20 requests of memory
-MIN_FIT = 8  # observations before the fit replaces the telemetry's estimate
+MIN_FIT = 4  # observations before the fit replaces the telemetry's estimate
 MIN_SPREAD_TOKENS = 16.0  # the work's weighted standard deviation below which the slope is not fitted
-FALLBACK_PER_TOKEN_S = 1e-4  # 10k prefill tokens/s: before the engine has reported any rate
+FALLBACK_PER_TOKEN_S = 1e-4  # 10k prefill tokens/s: until the fit has a slope
 
 
 @dataclass(slots=True)
 class LatencyModel:
-    pending: int = 0  # uncached prompt tokens of requests sent here that have no first token yet
+    # Engine priority -> uncached prompt tokens of requests sent here at it that have no first token yet.
+    pending: dict[int, int] = field(default_factory=dict)
     # Exponentially weighted sums over observations (work x in tokens, engine TTFT y in seconds).
     _w: float = 0.0
     _x: float = 0.0
@@ -38,41 +42,47 @@ class LatencyModel:
     _xy: float = 0.0
     _seen: int = 0
     _step_s: float = 0.0  # the telemetry's mean step time
-    _per_token_s: float = FALLBACK_PER_TOKEN_S  # the telemetry's seconds per processed token
     _itl_s: float = 0.0  # the telemetry's mean decode step
     _tpot_s: float | None = None  # observed mean gap between tokens, weighted
 
     def on_snapshot(self, snapshot: TelemetrySnapshot) -> None:
         self._step_s = snapshot.step_time_s
-        if snapshot.tokens_per_s > 0:
-            self._per_token_s = 1.0 / snapshot.tokens_per_s
         self._itl_s = snapshot.itl_s
 
-    def admitted(self, uncached_tokens: int) -> int:
-        """A request with ``uncached_tokens`` to prefill was sent here; returns the work ahead of it
-        (its own included), which ``observe_ttft`` is given back with its first token."""
-        self.pending += uncached_tokens
-        return self.pending
+    def ahead(self, priority: int) -> int:
+        """Prefill tokens pending at ``priority`` or before it."""
+        return sum(tokens for at, tokens in self.pending.items() if at <= priority)
 
-    def started(self, uncached_tokens: int) -> None:
+    def admitted(self, priority: int, uncached_tokens: int) -> int:
+        """A request with ``uncached_tokens`` to prefill was sent here at engine ``priority``; returns the
+        work ahead of it (its own included), which ``observe_ttft`` is given back with its first token."""
+        self.pending[priority] = self.pending.get(priority, 0) + uncached_tokens
+        return self.ahead(priority)
+
+    def started(self, priority: int, uncached_tokens: int) -> None:
         """The request's first token came (or it ended without one): its prefill is no longer ahead of anyone."""
-        self.pending = max(0, self.pending - uncached_tokens)
+        left = self.pending.get(priority, 0) - uncached_tokens
+        if left > 0:
+            self.pending[priority] = left
+        else:
+            self.pending.pop(priority, None)
 
     def coefficients(self) -> tuple[float, float]:
         """(base seconds, seconds per token of work), fitted or from telemetry."""
         if self._seen < MIN_FIT or self._w <= 0:
-            return self._step_s, self._per_token_s
+            return self._step_s, FALLBACK_PER_TOKEN_S
         mx, my = self._x / self._w, self._y / self._w
         var = self._xx / self._w - mx * mx
         if var < MIN_SPREAD_TOKENS ** 2:  # every request met about the same work: the mean is the prediction
-            return max(0.0, my - self._per_token_s * mx), self._per_token_s
+            return max(0.0, my - FALLBACK_PER_TOKEN_S * mx), FALLBACK_PER_TOKEN_S
         slope = max(0.0, (self._xy / self._w - mx * my) / var)
         return max(0.0, my - slope * mx), slope
 
-    def predict_ttft(self, uncached_tokens: int) -> float:
-        """Seconds from being sent here to the first token, for a request with ``uncached_tokens`` to prefill."""
+    def predict_ttft(self, priority: int, uncached_tokens: int) -> float:
+        """Seconds from being sent here at engine ``priority`` to the first token, for a request with
+        ``uncached_tokens`` to prefill."""
         base, per_token = self.coefficients()
-        return base + per_token * (self.pending + uncached_tokens)
+        return base + per_token * (self.ahead(priority) + uncached_tokens)
 
     def observe_ttft(self, work: int, seconds: float) -> None:
         """A request sent with ``work`` tokens ahead of it (its own included) saw its first token after

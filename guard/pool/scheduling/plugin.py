@@ -51,6 +51,8 @@ class Context:
     least: int  # the fewest
     prompt_tokens: int = 0  # the request's prompt tokens, all prompts together
     ttft_left_s: float | None = None  # what its TTFT objective leaves after its wait so far (None: none)
+    lora: str | None = None  # the LoRA adapter the request names (None: the base model)
+    priority: int = 0  # the engine priority it would run at (guard/pool/gate.py engine_priority)
 
 
 class Filter(Protocol):
@@ -112,4 +114,4 @@ def predicted_ttft(replica: Replica, ctx: Context) -> float:
     prompts' blocks cached there not counted."""
     snapshot = replica.gate.snapshot
     cached = ctx.hits.get(replica, 0) * snapshot.block_size if snapshot is not None else 0
-    return replica.latency.predict_ttft(max(0, ctx.prompt_tokens - cached))
+    return replica.latency.predict_ttft(ctx.priority, max(0, ctx.prompt_tokens - cached))

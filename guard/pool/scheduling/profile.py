@@ -25,9 +25,11 @@ class Profile:
         self._turn = 0
 
     def rank(self, replicas: Sequence[Replica], blocks: int, hashes: Sequence[Sequence[bytes]],
-             prompt_tokens: int = 0, ttft_left_s: float | None = None) -> list[Candidate]:
+             prompt_tokens: int = 0, ttft_left_s: float | None = None, priority: int = 0,
+             lora: str | None = None) -> list[Candidate]:
         """The usable replicas in the order to try. ``hashes``: each prompt's full-block hashes, empty when
-        not computed; ``ttft_left_s``: what the request's TTFT objective leaves, if it has one."""
+        not computed; ``ttft_left_s``: what the request's TTFT objective leaves, if it has one; ``lora``: the
+        adapter the request names."""
         usable = [r for r in replicas if r.usable()]
         if len(usable) < 2:  # nothing to choose between (and a pool of one follows no KV events)
             return [Candidate(r, sum(r.index.leading_cached(h) for h in hashes) if self.needs_hashes else 0)
@@ -39,7 +41,8 @@ class Profile:
         candidates = [Candidate(r, hits[r]) for r in usable]
         loads = [r.in_flight for r in usable]
         ctx = Context(usable, blocks, hits, sum(len(h) for h in hashes), max(loads) or 1, min(loads),
-                      prompt_tokens, ttft_left_s)
+                      prompt_tokens, ttft_left_s, priority)
+        ctx.lora = lora
         self._filter(candidates, ctx)
         for candidate in candidates:
             scores = candidate.scores

@@ -1,0 +1,211 @@
+"""SLO-aware admission (guard/admission/slo.py, guard/pool/latency.py, guard/http/objectives.py): objectives
+from lanes and headers, the latency model, the critical band, lending sheddable blocks, early shedding, the
+slo filter on real gates fed with snapshots; and one live guard in front of a real tiny engine for the
+answers, the series and the decision record."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import aiohttp
+import pytest
+from support.admission_parts import BASE, make_dispatcher, pool_of, write
+from support.guard_server import GuardThread, guard_config
+from support.processes import EngineProcess, Processes
+from support.wait import until
+
+from guard.admission.dispatch import Ticket, TicketState
+from guard.admission.slo import Departures, objective_for
+from guard.config import ConfigError, Lane, Routing, load_config
+from guard.console.app import CONSOLE
+from guard.errors import GuardError
+from guard.pool.latency import MIN_FIT, LatencyModel
+from guard.pool.scheduling import profile_for
+
+SLO_LANES = """
+lanes:
+  interactive: {priority: 1, slo: {ttft_ms: 1500, tpot_ms: 100}, priority_class: critical}
+  batch: {priority: 4, timeout: 300, slo: {ttft_ms: 1000}, priority_class: sheddable}
+"""
+
+
+def slo_ticket(dispatcher, tenant: int, blocks: int, rid: str, header_ms: str | None = None) -> Ticket:
+    """A ticket of tenant ``tenant`` (0: acme, critical; 1: bulk, sheddable) with its lane's objective."""
+    t = dispatcher.config.tenants[tenant]
+    lane = dispatcher.config.lanes[t.lane]
+    objective = objective_for(lane, {"X-SLO-TTFT-Ms": header_ms} if header_ms else {})
+    return Ticket(rid, t, lane, prompt_tokens=10, max_tokens=10, blocks=blocks, arrived=time.monotonic(),
+                  objective=objective)
+
+
+def slo_dispatcher(tmp_path: Path):
+    dispatcher, _ = make_dispatcher(tmp_path)
+    config = load_config(write(tmp_path, BASE + SLO_LANES))
+    dispatcher.reconfigure(config)
+    return dispatcher
+
+
+def test_lanes_carry_objectives_and_a_bad_class_is_named(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, BASE + SLO_LANES))
+    lane = config.lanes["interactive"]
+    assert (lane.slo.ttft_ms, lane.slo.tpot_ms, lane.priority_class) == (1500, 100, "critical")
+    assert config.lanes["batch"].priority_class == "sheddable"
+    with pytest.raises(ConfigError, match="priority_class"):
+        load_config(write(tmp_path, BASE + SLO_LANES.replace("critical", "urgent")))
+    with pytest.raises(ConfigError, match="ttft_ms"):
+        load_config(write(tmp_path, BASE + SLO_LANES.replace("1500", "-1")))
+
+
+def test_headers_tighten_an_objective_never_loosen_it_and_a_bad_one_is_a_400_naming_it() -> None:
+    lane = Lane.model_validate({"slo": {"ttft_ms": 1500}, "priority_class": "critical"})
+    assert objective_for(lane, {}).ttft_s == 1.5
+    assert objective_for(lane, {"X-SLO-TTFT-Ms": "400"}).ttft_s == 0.4
+    assert objective_for(lane, {"X-SLO-TTFT-Ms": "9000"}).ttft_s == 1.5, "a header never loosens the lane's"
+    tpot = objective_for(lane, {"X-SLO-TPOT-Ms": "50"})
+    assert (tpot.ttft_s, tpot.tpot_s, tpot.priority_class) == (1.5, 0.05, "critical")
+    assert objective_for(Lane(), {}) is None
+    assert objective_for(Lane(), {"X-SLO-TTFT-Ms": "250"}).ttft_s == 0.25, "a lane without one gets the header's"
+    for bad in ("abc", "-5", "0", "nan", "inf", ""):
+        with pytest.raises(GuardError) as refused:
+            objective_for(lane, {"X-SLO-TPOT-Ms": bad})
+        assert (refused.value.status, refused.value.param, refused.value.code) == \
+            (400, "X-SLO-TPOT-Ms", "invalid_slo_header")
+        assert "X-SLO-TPOT-Ms" in refused.value.message
+
+
+def test_the_latency_model_learns_base_and_prefill_rate_and_counts_work_by_engine_priority() -> None:
+    model = LatencyModel()
+    for i in range(3 * MIN_FIT):  # engine TTFT = 20 ms + 0.2 ms per token of work ahead
+        work = 50 + 97 * (i % 7)
+        model.observe_ttft(work, 0.020 + 2e-4 * work)
+    base, per_token = model.coefficients()
+    assert base == pytest.approx(0.020, rel=0.02) and per_token == pytest.approx(2e-4, rel=0.02)
+    assert model.admitted(1, 100) == 100
+    assert model.admitted(104, 500) == 600, "a borrower's prefill waits for every higher priority's"
+    assert model.ahead(1) == 100, "a lower priority's prefill is not ahead of a critical request"
+    assert model.predict_ttft(1, 50) == pytest.approx(0.020 + 2e-4 * 150, rel=0.02)
+    model.started(1, 100)
+    model.started(104, 500)
+    assert model.pending == {} and model.ahead(200) == 0
+
+
+async def test_critical_work_reclaims_what_sheddable_work_holds_and_goes_first(tmp_path: Path) -> None:
+    dispatcher = slo_dispatcher(tmp_path)  # budget 85 of 100 blocks; acme critical, bulk sheddable (1 s)
+    bulk = slo_ticket(dispatcher, 1, 80, "bulk")
+    await dispatcher.submit(bulk)
+    assert bulk.borrowed == 80, "a sheddable reservation is lent whole"
+    critical = slo_ticket(dispatcher, 0, 15, "critical")
+    await asyncio.wait_for(dispatcher.submit(critical), 1.0)
+    assert critical.state is TicketState.ADMITTED and critical.borrowed == 0, "admitted at once, reclaiming"
+    for t in (bulk, critical):
+        dispatcher.finish(t)
+    # The budget held by critical work: a sheddable ticket queues first, with the lower VTC counter, then a
+    # critical one; of the 25 blocks a release frees, the critical one takes 10 and the sheddable one's 20
+    # no longer fit.
+    hog, piece = slo_ticket(dispatcher, 0, 60, "hog"), slo_ticket(dispatcher, 0, 25, "piece")
+    for t in (hog, piece):
+        await dispatcher.submit(t)
+    waiting_bulk = slo_ticket(dispatcher, 1, 20, "waiting-bulk")
+    first = asyncio.create_task(dispatcher.submit(waiting_bulk))
+    await asyncio.sleep(0.01)
+    dispatcher.fair.tenants["acme"].counter = 1e9
+    waiting_critical = slo_ticket(dispatcher, 0, 10, "waiting-critical")
+    second = asyncio.create_task(dispatcher.submit(waiting_critical))
+    await asyncio.sleep(0.01)
+    assert waiting_bulk.state is TicketState.QUEUED and waiting_critical.state is TicketState.QUEUED
+    dispatcher.finish(piece)
+    await asyncio.wait_for(second, 1.0)
+    assert waiting_critical.state is TicketState.ADMITTED and waiting_bulk.state is TicketState.QUEUED
+    first.cancel()
+    await asyncio.gather(first, return_exceptions=True)
+    for t in (hog, waiting_critical):
+        dispatcher.finish(t)
+    assert not dispatcher.pool.reservations() and not dispatcher.fair.queued
+
+
+async def test_a_sheddable_request_that_cannot_be_on_time_is_refused_at_once_or_leaves_the_queue(
+        tmp_path: Path) -> None:
+    dispatcher = slo_dispatcher(tmp_path)
+    hog = slo_ticket(dispatcher, 0, 85, "hog")  # the critical tenant fills the budget
+    await dispatcher.submit(hog)
+    queued = slo_ticket(dispatcher, 1, 40, "queued", header_ms="300")
+    task = asyncio.create_task(dispatcher.submit(queued))
+    await asyncio.sleep(0.01)
+    assert queued.state is TicketState.QUEUED, "nothing has drained yet: no wait to predict, so it queues"
+    with pytest.raises(GuardError) as left:
+        await asyncio.wait_for(task, 2.0)
+    assert (left.value.status, left.value.code) == (503, "slo_unattainable")
+    assert time.monotonic() - queued.arrived < 0.5, "it left once its objective could no longer be met"
+    dispatcher.departures = Departures()
+    dispatcher.departures.add(4)  # 4 blocks left the queue over the last second: ~4 blocks/s
+    blocker = slo_ticket(dispatcher, 1, 40, "blocker")
+    blocked = asyncio.create_task(dispatcher.submit(blocker))  # 40 blocks ahead of the next: ~10 s
+    await asyncio.sleep(0.01)
+    late = slo_ticket(dispatcher, 1, 4, "late")
+    started = time.monotonic()
+    with pytest.raises(GuardError) as refused:
+        await dispatcher.submit(late)
+    assert time.monotonic() - started < 0.05 and late.state is TicketState.NEW, "refused before queueing"
+    assert (refused.value.status, refused.value.code) == (503, "slo_unattainable")
+    assert refused.value.retry_after is not None and 1 <= refused.value.retry_after <= 60
+    assert late.predicted_ttft > 1.0
+    blocked.cancel()
+    await asyncio.gather(blocked, return_exceptions=True)
+    dispatcher.finish(hog)
+    assert not dispatcher.pool.reservations() and not dispatcher.fair.queued
+
+
+def test_the_slo_filter_holds_back_a_replica_predicted_to_be_late() -> None:
+    profile = profile_for(Routing())  # the kvguard preset
+    pool = pool_of([100, 100, 100])
+    pool.by_name["e1"].latency.admitted(0, 50_000)  # 50k prefill tokens ahead there: seconds
+    ranked = profile.rank(pool.replicas, 4, [], prompt_tokens=100, ttft_left_s=1.0, priority=1)
+    assert ranked[-1].replica.name == "e1" and ranked[-1].filtered_by == "slo"
+    assert all(c.filtered_by is None for c in ranked[:-1])
+    unhurried = profile.rank(pool.replicas, 4, [], prompt_tokens=100)
+    assert all(c.filtered_by is None for c in unhurried), "without an objective nothing is held back"
+
+
+# -- live: a guard in front of a real tiny engine ---------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
+    with Processes(tmp_path_factory.mktemp("slo")) as processes:
+        yield processes.engine("--num-blocks", "256")
+
+
+async def test_live_objectives_answers_series_and_decision_record(engine: EngineProcess) -> None:
+    lanes = {"interactive": {"priority": 1, "slo": {"ttft_ms": 5000, "tpot_ms": 1000}, "priority_class": "critical"},
+             "batch": {"priority": 4, "slo": {"ttft_ms": 60000}, "priority_class": "sheddable"}}
+    config = guard_config(engine.url, lanes=lanes, admin={"host": "127.0.0.1", "port": 0})
+    body = {"model": "tiny", "prompt": "how long until my first token?", "max_tokens": 8, "stream": True}
+    with GuardThread(config) as guard:
+        async with aiohttp.ClientSession() as session:
+            async def post(key: str, headers: dict[str, str] | None = None) -> tuple[int, Mapping, bytes]:
+                async with session.post(guard.url + "/v1/completions", json=body,
+                                        headers={"Authorization": f"Bearer {key}", **(headers or {})}) as answer:
+                    return answer.status, answer.headers.copy(), await answer.read()
+
+            for _ in range(3):  # served and counted; the pool drains, so waits can be predicted
+                status, headers, _ = await post("sk-acme")
+                assert status == 200
+            async with session.get(f"{guard.app[CONSOLE].url}/requests/{headers['X-Request-Id']}") as answer:
+                record = await answer.json()
+            assert record["slo"]["priority_class"] == "critical" and record["slo"]["ttft_ms"] == 5000
+            assert record["slo"]["predicted_ttft_ms"] > 0 and record["slo"]["met"] == {"ttft": True, "tpot": True}
+            status, _, raw = await post("sk-acme", {"X-SLO-TTFT-Ms": "soon"})
+            assert status == 400 and b"X-SLO-TTFT-Ms" in raw
+            await until(lambda: guard.call(lambda: guard.state.pool.expected_wait(1)), lambda w: w is not None, 10.0)
+            started = time.monotonic()
+            status, headers, raw = await post("sk-bulk", {"X-SLO-TTFT-Ms": "1"})  # no engine answers in 1 ms
+            assert time.monotonic() - started < 1.0
+            assert status == 503 and b"slo_unattainable" in raw and 1 <= int(headers["Retry-After"]) <= 60
+            async with session.get(guard.url + "/metrics") as answer:
+                metrics = await answer.text()
+    assert 'guard_slo_requests_total{lane="interactive",met="true",objective="ttft"} 3.0' in metrics
+    assert 'guard_slo_requests_total{lane="batch",met="false",objective="ttft"} 1.0' in metrics
+    assert 'guard_ttft_predicted_seconds_count{lane="interactive"} 3' in metrics
+    assert 'guard_ttft_prediction_error_seconds_count{lane="interactive"} 3' in metrics
