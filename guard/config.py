@@ -110,6 +110,9 @@ class Tenant(Strict):
     # Requests and tokens (prompt + max output) per minute, charged at admission (guard/admission/limits.py).
     rpm: int | None = Field(None, gt=0)
     tpm: int | None = Field(None, gt=0)
+    # The models (base ids and LoRA adapter names) the tenant may use; None: every model. Any other answers
+    # 404 model_not_found exactly as an unknown model does (guard/http/models.py).
+    models: list[Annotated[str, Field(min_length=1)]] | None = None
 
     @model_validator(mode="after")
     def _has_a_key(self) -> Tenant:

@@ -17,6 +17,7 @@ from guard.admission.sizing import Growth, size_reservation
 from guard.errors import GuardError, Outcome
 from guard.http import objectives, responses
 from guard.http.exchange import Exchange
+from guard.http.models import adapter_of
 from guard.http.relay import StreamObserver, UpstreamUnavailable
 from guard.http.tokens import TokenLimits
 from guard.pool.prefix_index import prompt_block_hashes
@@ -73,10 +74,12 @@ def make_ticket(ex: Exchange) -> Ticket:
     state, tenant, limits, sizing = ex.state, ex.tenant, ex.limits, ex.sizing
     assert tenant is not None and ex.lane is not None and limits is not None and sizing is not None
     ex.salt = salt = state.keys.cache_salt(tenant)
-    hashes = ([prompt_block_hashes(ids, sizing.block_size, salt) for ids in limits.ids]
+    assert ex.parsed is not None
+    lora = adapter_of(ex.parsed.model.model, state.pool)
+    hashes = ([prompt_block_hashes(ids, sizing.block_size, salt, lora) for ids in limits.ids]
               if state.profile.needs_hashes and len(state.pool) > 1 and limits.ids is not None else [])
     ex.ticket = Ticket(ex.request_id, tenant, ex.lane, limits.prompt_tokens, sizing.reserve, sizing.blocks,
-                       hashes, on_revoke=ex.revoke, arrived=ex.arrived, objective=objectives.resolve(ex))
+                       hashes, on_revoke=ex.revoke, arrived=ex.arrived, objective=objectives.resolve(ex), lora=lora)
     return ex.ticket
 
 

@@ -30,6 +30,7 @@ from guard.http.decision import keep_record
 from guard.http.errors import error_response
 from guard.http.exchange import Exchange, stamp_headers
 from guard.http.forward import forward, to_pool
+from guard.http.models import check_model
 from guard.http.relay import UpstreamUnavailable
 from guard.http.static import static_response
 from guard.http.validate import parse_request
@@ -88,6 +89,7 @@ async def serve(ex: Exchange) -> web.StreamResponse:
         state.metrics.child(state.metrics.client_retries, tenant.name).inc()
     ex.enter("validate", time.monotonic())
     ex.parsed = await parse_request(request, state.config.limits.max_body_bytes)
+    check_model(tenant, ex.parsed.model.model, state.pool)
     if ex.trace is not None:
         ex.trace.validated = time.monotonic()
     ex.enter("route", time.monotonic())

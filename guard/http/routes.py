@@ -14,6 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from guard.errors import GuardError
 from guard.http.context import CLIENTS, REQUEST_ID, STATE, TENANT
 from guard.http.errors import error_response
+from guard.http.models import visible_models
 from guard.http.pipeline import authenticate
 
 SANE_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -52,10 +53,11 @@ async def identify(request: web.Request, handler) -> web.StreamResponse:
 
 async def models(request: web.Request) -> web.StreamResponse:
     """``GET /v1/models`` and ``GET /v1/models/{id}``: authenticated, then a replica's own answer (its 404
-    ``model_not_found`` for an id it does not serve included); every replica serves the same model."""
+    ``model_not_found`` for an id it does not serve included); every replica serves the same model. A tenant
+    with ``models`` sees only those (guard/http/models.py)."""
     state = request.app[STATE]
     try:
-        authenticate(request)
+        tenant = authenticate(request)
     except GuardError as exc:
         return error_response(exc.status, exc.message, code=exc.code)
     timeout = aiohttp.ClientTimeout(total=state.config.upstream.connect_timeout * 2)
@@ -63,7 +65,8 @@ async def models(request: web.Request) -> web.StreamResponse:
     url = state.pool.url() + request.raw_path.split("?", 1)[0]
     try:
         async with request.app[CLIENTS].session.get(yarl.URL(url, encoded=True), timeout=timeout) as r:
-            return web.Response(body=await r.read(), status=r.status, content_type="application/json")
+            status, body = visible_models(tenant, request.path, r.status, await r.read(), state.pool)
+            return web.Response(body=body, status=status, content_type="application/json")
     except (aiohttp.ClientError, TimeoutError):
         return error_response(503, "no engine replica is available", code="engine_unavailable", retry_after=1)
 

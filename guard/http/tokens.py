@@ -55,6 +55,9 @@ class TokenCounter:
         self.engine_url = engine_url
         self.timeout = aiohttp.ClientTimeout(total=timeout_s * 2)
         self.local: PromptCounter | None = None
+        # LoRA adapters the replicas serve (guard/http/models.py learns them from telemetry): a request may
+        # name one as its model, and it counts with the base model's tokenizer.
+        self.adapters: frozenset[str] = frozenset()
         self.remote_only = False  # the engine has no GET /tokenizer: ask POST /tokenize every time
         self._fetching: asyncio.Future[None] | None = None
         self._prefetched_for: str | None = None  # the model on_model last started a fetch for
@@ -121,6 +124,7 @@ class TokenCounter:
             raise GuardError(503, "the engine is unavailable", code="engine_unavailable", retry_after=1) from None
         try:
             self.local = PromptCounter.from_info(TokenizerInfo.model_validate_json(raw))
+            self.local.adapters = self.adapters
         except ValueError as exc:  # includes pydantic's ValidationError and a tokenizer.json that will not load
             raise GuardError(502, f"the engine's GET /tokenizer answer is unusable: {exc}",
                           code="bad_upstream_response") from None

@@ -1,10 +1,11 @@
 """Which prefixes one engine replica has cached, exactly: the block hashes of its prefix-cache index, kept
 by its KV event stream (guard/pool/kv_events.py), and the hashes of a prompt to look up in it.
 
-The guard hashes a prompt as the engine does (engine/kv/hashing.py: salted, chained), so a prompt's
-leading hashes found in the index are the blocks the engine will take from its cache, not a guess: with
-nothing changing in between, ``leading_cached(prompt_block_hashes(ids, block_size, salt)) * block_size``
-equals the cached tokens the engine then reports for the request.
+The guard hashes a prompt as the engine does (engine/kv/hashing.py: salted, chained, keyed by the LoRA
+adapter the request names), so a prompt's leading hashes found in the index are the blocks the engine will
+take from its cache, not a guess: with nothing changing in between,
+``leading_cached(prompt_block_hashes(ids, block_size, salt, lora)) * block_size`` equals the cached tokens
+the engine then reports for the request.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ from dataclasses import dataclass, field
 from engine.kv.hashing import extend_block_hashes
 
 
-def prompt_block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str | None) -> list[bytes]:
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str | None,
+                        lora: str | None = None) -> list[bytes]:
     """The hashes the engine looks up for a prompt of ``token_ids``, in order: its full blocks, capped as
     ``KVCacheManager.find_cached_prefix`` caps them at ``(len(token_ids) - 1) // block_size``, because the
     last prompt token is always computed (its logits sample the first output token)."""
     hashes: list[bytes] = []
-    extend_block_hashes(hashes, token_ids, block_size, cache_salt)
+    extend_block_hashes(hashes, token_ids, block_size, cache_salt, lora)
     del hashes[(len(token_ids) - 1) // block_size :]
     return hashes
 

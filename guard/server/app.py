@@ -24,6 +24,7 @@ from guard.errors import GuardError
 from guard.http.auth import KeyStore
 from guard.http.connections import CONNECTIONS, ConnectionGuard, track
 from guard.http.context import CLIENTS, STATE, Clients, GuardState
+from guard.http.models import learn_adapters
 from guard.http.pipeline import completion
 from guard.http.relay import SHUTTING_DOWN, Relay
 from guard.http.routes import health, identify, metrics_endpoint, models
@@ -128,6 +129,7 @@ def _telemetry_callbacks(state: GuardState, clients: Clients, replica: Replica):
 
     def on_snapshot(snapshot: TelemetrySnapshot) -> None:
         clients.counter.on_model(snapshot.model)
+        learn_adapters(clients.counter, snapshot)
         hits, queries = replica.on_snapshot(snapshot)
         if queries:
             metrics.child(metrics.prefix_reported_hits, replica.name).inc(hits)

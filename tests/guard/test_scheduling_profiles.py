@@ -90,7 +90,7 @@ def test_a_preset_reads_prefix_hits_only_when_a_scorer_does(policy: str, hashes:
 
 @pytest.mark.parametrize(("profile", "message"), [
     ({"scorers": [{"name": "free_blocks"}, {"name": "prefx"}]},
-     "routing.profile.scorers[1].name: unknown scorer 'prefx' (known: free_blocks, idle, prefix)"),
+     "routing.profile.scorers[1].name: unknown scorer 'prefx' (known: adapter, free_blocks, idle, prefix)"),
     ({"filters": ["saturated"]}, "routing.profile.filters[0]: unknown filter 'saturated' (known: overload, saturation, slo)"),
     ({"picker": "best"},
      "routing.profile.picker: unknown picker 'best' (known: lexicographic, max_score, random_weighted, round_robin)"),

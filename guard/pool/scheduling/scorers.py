@@ -31,6 +31,24 @@ class FreeBlocks:
         return free_share(replica, ctx.blocks)
 
 
+@register_scorer("adapter")
+class Adapter:
+    """Where the request's LoRA adapter is: 1 on a replica that has it resident on the device, ``LOAD_COST``
+    less on one that serves it but must first load it into a slot (evicting another), 0 on one that does
+    not serve it (the engine there would answer 404). Every replica scores 1 for the base model."""
+
+    reads_prefix = False
+    LOAD_COST = 0.5
+
+    def score(self, replica: Replica, ctx: Context) -> float:
+        snapshot = replica.gate.snapshot
+        if ctx.lora is None:
+            return 1.0
+        if snapshot is None or ctx.lora not in snapshot.loras_available:
+            return 0.0
+        return 1.0 if ctx.lora in snapshot.loras else 1.0 - self.LOAD_COST
+
+
 @register_scorer("idle")
 class Idle:
     """1 - the guard's requests in flight on the replica over the most on any candidate: queue and decode."""
