@@ -18,8 +18,8 @@ RECLAIMABLE = 'state=~"free|cached"'  # what a new request can get: free blocks 
 def build() -> dict:
     return dashboard(
         UID, "kvguard / Engine KV cache & scheduler",
-        "The engine's paged KV pool, scheduler queues, preemptions, prefix cache, step time, tokens/s and "
-        "MBU.",
+        "The engine's paged KV pool, scheduler queues, preemptions, prefix cache, LoRA adapters, step time, "
+        "tokens/s and MBU.",
         scope_variables('label_values(engine_tenant_kv_blocks{job=~"$job", instance=~"$instance"}, tenant)'),
         [
             Row("KV cache", [
@@ -82,6 +82,20 @@ def build() -> dict:
                            "the working set of prefixes does not fit the pool.", "suffix: blocks/s",
                            Target(f"sum by (instance) ({rate(sel(PREFIX_EVICTIONS))})", "{{instance}}"),
                            thresholds=[(1, "red")]),
+            ]),
+            Row("LoRA adapters", [
+                timeseries("Requests per adapter",
+                           "Requests admitted per LoRA adapter (--lora, or loaded at runtime), all engines "
+                           "together. Base-model requests are not counted here.", "reqps",
+                           Target(f"sum by (lora) ({rate(sel('engine_lora_requests_total'))})", "{{lora}}")),
+                timeseries("Adapters resident per engine",
+                           "Adapters in an engine's device slots (--max-loras of them at most). A request for "
+                           "an adapter that is not resident waits for a slot; the guard's adapter scorer "
+                           "prefers the engines that have it.", "short",
+                           Target(f"sum by (instance) ({sel('engine_lora_resident')})", "{{instance}}")),
+                table("Adapter residency", "Per engine and adapter: 1 resident on the device, 0 served but "
+                      "evicted (loaded again on its next request).",
+                      Target(f"max by (instance, lora) ({sel('engine_lora_resident')})", "{{instance}} {{lora}}")),
             ]),
             Row("Throughput and latency", [
                 timeseries("Tokens per second", "Prompt tokens prefilled and tokens generated per second.",
