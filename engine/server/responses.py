@@ -27,7 +27,7 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from engine.prompting.prompts import PromptError
-from engine.protocol import ChatMessage, DeletedResponse, ResponsesRequest
+from engine.protocol import ChatMessage, DeletedResponse, ResponseObject, ResponsesRequest
 from engine.protocol.responses import RENAME
 from engine.request_stream import EngineUnavailable, RequestFailed
 from engine.sched.request import Request
@@ -66,8 +66,7 @@ class ResponsesHandlers:
         async with self.openai.generate([request], timelines) as [stream]:
             output = await stream.final()
         _, response = builder.finish(output)
-        if body.store:
-            self.store.put(tenant, response, [*conversation, *output_messages(response)])
+        self._keep(tenant, response, conversation)
         return web.Response(text=response.model_dump_json(), content_type="application/json")
 
     async def _stream(self, http: web.Request, request: Request, timelines: list[tracing.Timeline | None],
@@ -80,7 +79,8 @@ class ResponsesHandlers:
                 async for output in stream:
                     if output.finished:
                         events, answer = builder.finish(output)
-                        await response.write(events)
+                        self._keep(tenant, answer, conversation)  # before its last event: a client that
+                        await response.write(events)  # asks for it as soon as that arrives must find it
                     elif events := builder.grow(output.outputs[0].text):
                         await response.write(events)
         except (RequestFailed, EngineUnavailable) as exc:
@@ -88,10 +88,13 @@ class ResponsesHandlers:
             return response
         except ConnectionResetError:
             return response  # the client left; leaving ``generate`` has aborted the request
-        if answer.store:
-            self.store.put(tenant, answer, [*conversation, *output_messages(answer)])
         await response.write_eof()
         return response
+
+    def _keep(self, tenant: str | None, response: ResponseObject, conversation: list[ChatMessage]) -> None:
+        """A finished response, with ``store``, kept with the conversation a continuation runs after."""
+        if response.store:
+            self.store.put(tenant, response, [*conversation, *output_messages(response)])
 
     async def retrieve(self, http: web.Request) -> web.Response:
         entry = self.store.get(http.match_info["id"], tenant_of(http))
