@@ -6,7 +6,7 @@ created response is retrieved as it was; a stream's events arrive in OpenAI's or
 sequence numbers and build the final response; ``text.format`` json_schema and forced function calls take
 the grammar path (bounded schemas, so that the tiny model's random weights finish them); a function call's
 arguments stream in several deltas that concatenate to the final arguments; ``previous_response_id``
-continues a stored conversation, on any replica of a pool. Stored responses are the tenant's own: another tenant's id is a 404 for
+continues a stored conversation, on any replica of a pool; the static fallback answers in the same shape. Stored responses are the tenant's own: another tenant's id is a 404 for
 reading, continuing and deleting. An agent with a function tool (``tool_choice`` required) runs through
 the guard. Chat completions stream a forced call's arguments as deltas, and a call cut by ``max_tokens``
 ends with ``length`` and the arguments so far.
@@ -216,6 +216,20 @@ def test_the_guard_charges_a_responses_stream_its_usage(guard: GuardThread) -> N
         usage = list(stream)[-1].response.usage
     charged = INPUT_COST * usage.input_tokens + OUTPUT_COST * usage.output_tokens
     wait_for(lambda: service() - before, lambda got: got == charged, 5)
+
+
+def test_the_static_fallback_answers_in_the_responses_shape() -> None:
+    config = guard_config("http://127.0.0.1:9", fallbacks=[{"name": "static", "message": "busy"}],
+                          admission={"telemetry_stale_s": 0.5})
+    with GuardThread(config) as guard:
+        client = sdk(guard.url)
+        answer = client.responses.create(model="tiny", input="hi")
+        with client.responses.stream(model="tiny", input="hi") as stream:
+            kinds = [event.type for event in stream]
+            final = stream.get_final_response()
+    assert answer.status == "completed" and answer.output_text == "busy" and answer.usage.output_tokens == 0
+    assert kinds == [kind for kind in TEXT_EVENTS if kind != "response.in_progress"] + ["response.completed"]
+    assert final.output_text == "busy"
 
 
 def test_the_responses_observer_counts_deltas_and_reads_the_usage() -> None:
