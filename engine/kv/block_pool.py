@@ -96,14 +96,17 @@ class BlockPool:
                 if block.block_hash is not None:
                     self._num_cached_free += 1
 
-    def register(self, block: KVBlock, block_hash: bytes) -> None:
-        """Publish a full, computed block under its prefix hash (first writer wins; duplicates stay private)."""
+    def register(self, block: KVBlock, block_hash: bytes, lora: str | None = None) -> None:
+        """Publish a full, computed block under its prefix hash (first writer wins; duplicates stay private);
+        ``lora`` names the adapter that computed it, for the event log."""
         if not self.enable_prefix_caching or block.block_hash is not None or block_hash in self._by_hash:
             return
         block.block_hash = block_hash
         self._by_hash[block_hash] = block
         if self.events is not None:
             self.events.stored.append(block_hash)
+            if lora is not None:
+                self.events.adapters[block_hash] = lora
 
     def check(self, holders: Counter[int]) -> None:
         """Raise ``RuntimeError`` unless the pool is consistent with ``holders`` (block id -> how many block

@@ -27,6 +27,7 @@ class KVEventBatch:
     seq: int
     stored: list[bytes]
     removed: list[bytes]
+    adapters: dict[bytes, str] = field(default_factory=dict)  # stored hash -> the LoRA adapter that made it
 
 
 @dataclass(slots=True)
@@ -35,14 +36,15 @@ class KVEventLog:
 
     stored: list[bytes] = field(default_factory=list)
     removed: list[bytes] = field(default_factory=list)
+    adapters: dict[bytes, str] = field(default_factory=dict)  # stored hash -> its LoRA adapter (base: absent)
     seq: int = 0
 
     def drain(self) -> KVEventBatch | None:
         """The net change since the last drain as the next batch (None when there is none); empties the log."""
-        stored, removed = self.stored, self.removed
+        stored, removed, adapters = self.stored, self.removed, self.adapters
         if not stored and not removed:
             return None
-        self.stored, self.removed = [], []
+        self.stored, self.removed, self.adapters = [], [], {}
         if stored and removed:  # only then can a hash be in both: net them (module docstring)
             balance = Counter(stored)
             balance.subtract(removed)
@@ -51,4 +53,6 @@ class KVEventLog:
             if not stored and not removed:
                 return None
         self.seq += 1
-        return KVEventBatch(self.seq, stored, removed)
+        if adapters:  # those of hashes still stored after netting
+            adapters = {h: adapters[h] for h in stored if h in adapters}
+        return KVEventBatch(self.seq, stored, removed, adapters)

@@ -104,7 +104,7 @@ class KVCacheManager:
         self._hash_full_blocks(seq)
         table = self.tables[seq.seq_id]
         for i in range(published, full):
-            self.pool.register(table[i], seq.block_hashes[i])
+            self.pool.register(table[i], seq.block_hashes[i], seq.lora)
         self._published[seq.seq_id] = full
 
     def fork(self, parent: KVSequence, child: KVSequence) -> None:

@@ -37,3 +37,6 @@ class KVCacheBlocks(BaseModel):
     seq: int = Field(ge=1)
     stored: list[BlockHash]
     removed: list[BlockHash]
+    # LoRA adapter name -> the stored hashes its requests computed (absent: every stored hash is the base's).
+    # The hash already keys the adapter (engine/kv/hashing.py); this says which one, for routers and operators.
+    loras: dict[str, list[BlockHash]] = Field(default_factory=dict)

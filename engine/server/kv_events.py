@@ -103,7 +103,10 @@ class KVEventFeed:
         self._seq = batch.seq
         if not self._subscribers:
             return
-        blocks = KVCacheBlocks.model_construct(seq=batch.seq, stored=batch.stored, removed=batch.removed)
+        loras: dict[str, list[bytes]] = {}
+        for block_hash, name in batch.adapters.items():
+            loras.setdefault(name, []).append(block_hash)
+        blocks = KVCacheBlocks.model_construct(seq=batch.seq, stored=batch.stored, removed=batch.removed, loras=loras)
         event = sse_event(KV_BLOCKS_EVENT, blocks.model_dump_json())  # encoded once for every subscriber
         for subscriber in list(self._subscribers):
             subscriber.pending.append(event)

@@ -86,8 +86,13 @@ def test_base_and_adapter_never_share_a_cached_block(tmp_path: Path) -> None:
     llm = LLM("tiny", device="cpu", block_size=4, loras={"a": str(adapter)})
     prompt = list(range(40, 73))
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    log = llm.core.kv.pool.record_events()
     first = llm.generate(prompt, params)[0]
+    base_batch = log.drain()
     assert llm.generate(prompt, params, lora="a")[0].num_cached_tokens == 0
+    lora_batch = log.drain()  # the KV events say which adapter computed each stored block
+    assert base_batch is not None and lora_batch is not None and not base_batch.adapters
+    assert lora_batch.adapters == dict.fromkeys(lora_batch.stored, "a") and len(lora_batch.stored) == 8
     assert llm.generate(prompt, params, lora="a")[0].num_cached_tokens == 32
     assert llm.generate(prompt, params)[0].num_cached_tokens == 32
     assert first.outputs[0].token_ids == llm.generate(prompt, params)[0].outputs[0].token_ids
