@@ -50,16 +50,15 @@ class ResponsesObserver(StreamObserver):
     def feed(self, chunk: bytes) -> bytes:
         data = self._partial + chunk
         end = data.rfind(b"\n") + 1  # past the last complete line: a line is taken whole
-        self._partial = data[end:]
-        now = 0.0
-        for line in data[:end].split(b"\n"):
-            if not line.startswith(b"data:"):
-                continue
-            if b'.delta"' in line:
-                now = now or time.monotonic()  # the events of one chunk arrived together
+        self._partial, lines = data[end:], data[:end]
+        if tokens := lines.count(b'.delta"'):  # only a delta event's type ends so (a quote in a text is escaped)
+            now = time.monotonic()  # the events of one chunk arrived together
+            for _ in range(tokens):
                 self._token(now)
-            elif any(kind in line for kind in _ENDS):
-                self._usage(line)
+        if any(kind in lines for kind in _ENDS):
+            for line in lines.split(b"\n"):
+                if line.startswith(b"data:") and any(kind in line for kind in _ENDS):
+                    self._usage(line)
         return chunk
 
     def flush(self) -> bytes:
