@@ -183,6 +183,19 @@ def test_a_tenant_reads_and_continues_only_its_own_responses(guard: GuardThread,
     wait_for(lambda: guard.call(guard.state.pool.committed), lambda held: held == 0, 5)
 
 
+def test_reading_stored_responses_counts_against_the_tenants_rpm(engine: ServerThread) -> None:
+    tenants = [{"name": "acme", "api_keys": ["sk-acme"], "lane": "interactive", "rpm": 2}]
+    with GuardThread(guard_config(engine.url, tenants=tenants)) as limited:
+        wait_for(lambda: limited.call(lambda: limited.state.pool.any_usable()), bool, 5)
+        client = sdk(limited.url)
+        for _ in range(2):
+            with pytest.raises(openai.NotFoundError):
+                client.responses.retrieve("resp_unknown")
+        with pytest.raises(openai.RateLimitError) as refused:
+            client.responses.delete("resp_unknown")
+        assert refused.value.response.headers["x-ratelimit-limit-requests"] == "2"
+
+
 def test_a_continuation_runs_on_any_replica_of_a_pool(engine: ServerThread) -> None:
     """Round robin sends each turn to the other replica than the one that stored the turn before: the guard
     reads the stored conversation where it is and sends it along, so every turn continues."""
