@@ -17,7 +17,7 @@ from aiohttp import web
 from guard.admission.dispatch import TicketState
 from guard.errors import Outcome
 from guard.http.exchange import Exchange, stamp_headers
-from guard.http.relay import StreamObserver, UpstreamUnavailable, cached_tokens
+from guard.http.relay import StreamObserver, UpstreamUnavailable
 from guard.http.upstream import Answer, UpstreamError
 from guard.pool.gate import BORROWED_PRIORITY
 
@@ -126,8 +126,8 @@ async def _relay_unary(ex: Exchange, upstream: Answer, headers: dict[str, str],
         ex.trace.upstream_end = time.monotonic()
     usage = (answer or {}).get("usage")
     usage = usage if isinstance(usage, dict) else {}
-    observer.completion_tokens = int(usage.get("completion_tokens", 0) or 0)
-    observer.cached_tokens = cached_tokens(usage)
+    observer.completion_tokens = 0  # an answer without usage generated nothing the guard can charge
+    observer.read_usage(usage)
     if ex.revoked is not None and response.status != 200:
         return response, ex.revoked.outcome
     return response, Outcome.COMPLETED if response.status == 200 else Outcome.UPSTREAM_ERROR

@@ -136,12 +136,16 @@ class StreamObserver:
             except ValueError:
                 chunk = None
             if isinstance(chunk, dict) and isinstance(usage := chunk.get("usage"), dict):
-                self.completion_tokens = usage.get("completion_tokens", self.completion_tokens)
-                self.cached_tokens = cached_tokens(usage)
+                self.read_usage(usage)
                 if chunk.get("choices") == []:  # the usage-only chunk carries no token
                     return self.strip_usage
         self._token(now)
         return False
+
+    def read_usage(self, usage: dict) -> None:
+        """Take an answer's ``usage`` (a usage chunk's, or a non-streamed answer's)."""
+        self.completion_tokens = usage.get("completion_tokens", self.completion_tokens)
+        self.cached_tokens = cached_tokens(usage)
 
     def _token(self, now: float) -> None:
         if self.events == 0:

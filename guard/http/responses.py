@@ -72,9 +72,13 @@ class ResponsesObserver(StreamObserver):
         except (ValueError, KeyError, TypeError):
             return
         if isinstance(usage, dict):
-            self.completion_tokens = usage.get("output_tokens", self.completion_tokens)
-            self.cached_tokens = cached_tokens({"prompt_tokens_details": usage.get("input_tokens_details")})
+            self.read_usage(usage)
             self.finished = True
+
+    def read_usage(self, usage: dict) -> None:
+        """A response's usage: ``output_tokens``, and ``input_tokens_details.cached_tokens``."""
+        self.completion_tokens = usage.get("output_tokens", self.completion_tokens)
+        self.cached_tokens = cached_tokens({"prompt_tokens_details": usage.get("input_tokens_details")})
 
 
 def observer_class(parsed: ParsedRequest) -> type[StreamObserver]:

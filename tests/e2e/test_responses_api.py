@@ -218,15 +218,15 @@ def test_a_continuation_runs_on_any_replica_of_a_pool(engine: ServerThread) -> N
         assert forged.usage.input_tokens == plain.usage.input_tokens
 
 
-def test_the_guard_charges_a_responses_stream_its_usage(guard: GuardThread) -> None:
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+def test_the_guard_charges_a_response_its_usage(guard: GuardThread, stream: bool) -> None:
     def service() -> float:
         return guard.call(lambda: guard.state.dispatcher.fair.tenants["bulk"].service)
 
     before = service()
-    with sdk(guard.url, "sk-bulk").responses.create(model="tiny", input="count me", max_output_tokens=7,
-                                                    stream=True, temperature=0,
-                                                    extra_body={"ignore_eos": True}) as stream:
-        usage = list(stream)[-1].response.usage
+    answer = sdk(guard.url, "sk-bulk").responses.create(model="tiny", input="count me", max_output_tokens=7,
+                                                        stream=stream, temperature=0, extra_body={"ignore_eos": True})
+    usage = list(answer)[-1].response.usage if stream else answer.usage
     charged = INPUT_COST * usage.input_tokens + OUTPUT_COST * usage.output_tokens
     wait_for(lambda: service() - before, lambda got: got == charged, 5)
 
