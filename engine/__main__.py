@@ -23,6 +23,7 @@ from engine.config import DTYPES, PREEMPTION_MODES, EngineConfig
 from engine.kernels.backend import ATTENTION_BACKENDS
 from engine.model.errors import ModelLoadError
 from engine.model.lora import LoraError
+from engine.model.weights import WEIGHT_FORMATS
 from engine.server.app import EngineServer
 
 
@@ -63,6 +64,9 @@ _OPTIONS: dict[str, tuple[Callable[[str], object] | None, str]] = {
     "gpu_memory_utilization": (float, "share of GPU memory the engine may use when sizing the pool"),
     "cpu_kv_cache_bytes": (int, "bytes of KV cache when sizing the pool on CPU"),
     "cpu_threads": (int, "torch intra-op threads on CPU (1 suits small models and shared machines)"),
+    "weight_format": (str, ("how weights stay resident on CPU: 'auto' keeps a GGUF file's 4-bit tensors as "
+                            "int4 and 8/5/6-bit ones as int8 and multiplies with them; 'fp32' dense and exact; "
+                            "'bf16', 'int8', 'int4' for every matrix")),
     "loras": (_lora_module, ("repeatable: serve the PEFT LoRA adapter in directory PATH "
                              "(adapter_config.json, adapter_model.safetensors) as model NAME")),
     "max_loras": (int, "LoRA adapters resident on the device at once (least recently used evicted beyond)"),
@@ -70,7 +74,7 @@ _OPTIONS: dict[str, tuple[Callable[[str], object] | None, str]] = {
     "allow_runtime_lora": (None, "allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter"),
 }
 _CHOICES: dict[str, Sequence[str]] = {"dtype": sorted(DTYPES), "preemption_mode": PREEMPTION_MODES,
-                                      "attention_backend": ATTENTION_BACKENDS}
+                                      "attention_backend": ATTENTION_BACKENDS, "weight_format": WEIGHT_FORMATS}
 
 
 def build_parser() -> argparse.ArgumentParser:

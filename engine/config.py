@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.kernels.backend import ATTENTION_BACKENDS
+from engine.model.weights import WEIGHT_FORMATS
 from engine.validation import is_int, is_number, require
 
 PREEMPTION_MODES = ("recompute", "swap")
@@ -40,6 +41,9 @@ class EngineConfig:
     # torch intra-op threads on CPU. One is right for small models and shared machines: with more threads
     # than free cores, OpenMP's spin-waits slowed the tiny model's steps 14x (15 ms -> 210 ms) here.
     cpu_threads: int = 1
+    # How the matrices stay resident on CPU (engine/model/weights.py): 'auto' keeps a GGUF file's 4- and
+    # 8-bit tensors quantized and multiplies with them; 'fp32' is the dense, exact path. CUDA: dense always.
+    weight_format: str = "auto"
     # LoRA adapters (engine/model/lora.py): name -> PEFT directory, loaded at start; at most ``max_loras`` of
     # them resident on the device at once (least recently used evicted beyond), each of rank <= max_lora_rank.
     # ``allow_runtime_lora`` lets the server load and unload adapters while it runs.
@@ -75,6 +79,9 @@ class EngineConfig:
              and 0.0 < self.gpu_memory_utilization <= 1.0, "a number in (0, 1]"),
             ("cpu_kv_cache_bytes", _positive(self.cpu_kv_cache_bytes), "a positive integer"),
             ("cpu_threads", _positive(self.cpu_threads), "a positive integer"),
+            ("weight_format", self.weight_format in WEIGHT_FORMATS, f"one of {WEIGHT_FORMATS}"),
+            ("weight_format", self.weight_format in ("auto", "fp32") or not cuda,
+             "'auto' or 'fp32' on CUDA (the quantized formats are CPU kernels)"),
             ("loras", self.loras is None or (isinstance(self.loras, dict) and all(
                 isinstance(k, str) and k.strip() and isinstance(v, str) and v for k, v in self.loras.items())),
              "a mapping of adapter names to PEFT directories, or None"),

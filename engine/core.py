@@ -56,7 +56,8 @@ class EngineCore:
         if self.device.type == "cpu":
             torch.set_num_threads(config.cpu_threads)  # process-wide: torch has no per-thread setting
         backend = get_attention_backend(config.attention_backend, self.device)
-        self.loaded = load_model(config.model, self.device, self.dtype, backend)
+        weight_format = config.weight_format if self.device.type == "cpu" else "fp32"
+        self.loaded = load_model(config.model, self.device, self.dtype, backend, weight_format)
         self.tokenizer = self.loaded.tokenizer
         model_len = self.loaded.config.max_position_embeddings
         require(config.max_model_len is None or config.max_model_len <= model_len, "max_model_len",

@@ -20,6 +20,7 @@ from engine.kernels.backend import AttentionBackend
 from engine.kernels.metadata import AttentionMetadata
 from engine.model.config import LinearRopeScaling, Llama3RopeScaling, ModelConfig, RopeScaling
 from engine.model.lora_slots import NO_LORA
+from engine.model.weights import project
 
 
 class RMSNorm(nn.Module):
@@ -213,5 +214,4 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits ``[N, vocab]`` for the rows of ``hidden`` the caller samples from."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return project(hidden, self.model.embed_tokens if self.lm_head is None else self.lm_head).float()

@@ -19,10 +19,11 @@ from safetensors import SafetensorError, safe_open
 from engine.kernels.backend import AttentionBackend
 from engine.model.config import ModelConfig
 from engine.model.errors import ModelLoadError
-from engine.model.gguf_loader import GGUFCheckpoint
+from engine.model.gguf_loader import GGUFCheckpoint, gguf_name
 from engine.model.llama import LlamaForCausalLM
 from engine.model.sources import resolve_model
 from engine.model.tiny import tiny_config, tiny_state_dict
+from engine.model.weights import apply_weight_formats, choose_format
 from engine.prompting.chat_template import DEFAULT_TEMPLATE, ChatTemplate
 from engine.prompting.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
@@ -37,9 +38,16 @@ class LoadedModel:
 
 
 def load_model(
-    model: str, device: torch.device, dtype: torch.dtype, attn_backend: AttentionBackend
+    model: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    attn_backend: AttentionBackend,
+    weight_format: str = "fp32",
 ) -> LoadedModel:
+    """``weight_format`` (engine/model/weights.py) sets how the matrices stay resident; ``auto`` follows each
+    GGUF tensor's type, and is fp32 for every other source."""
     source = resolve_model(model)
+    source_types = None
     if source.path is None:  # the built-in model
         config = tiny_config()
         weights = {name: t.to(device=device, dtype=dtype) for name, t in tiny_state_dict().items()}
@@ -47,6 +55,7 @@ def load_model(
     elif source.kind == "gguf":
         checkpoint = GGUFCheckpoint.open(source.path)
         config = checkpoint.config
+        source_types = {name: t.tensor_type for name, t in checkpoint.tensors.items()}
         weights = checkpoint.read_weights(_parameter_shapes(config, attn_backend), device, dtype)
         vocab = checkpoint.vocab  # None: the file has no tokenizer, so neither a template
         tokenizer = vocab.tokenizer if vocab is not None else None
@@ -57,6 +66,7 @@ def load_model(
         weights = _read_checkpoint(source.path, shapes, config, device, dtype)
         tokenizer, template = _read_tokenizer(source.path, config), ChatTemplate.for_model(str(source.path))
     decoder = _build(config, weights, device, attn_backend)
+    apply_weight_formats(decoder, _formats(decoder, weight_format, source_types))
     return LoadedModel(decoder, config, tokenizer, template, source.name)
 
 
@@ -79,6 +89,16 @@ def _build(
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+def _formats(model: LlamaForCausalLM, requested: str, source_types: dict | None) -> dict[str, str]:
+    """Module name -> weight format for every matrix (projections, LM head, embedding)."""
+    formats = {}
+    for name, module in model.named_modules():
+        if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+            source_type = None if source_types is None else source_types[gguf_name(f"{name}.weight")]
+            formats[name] = choose_format(requested, source_type)
+    return formats
 
 
 def _ignorable(name: str, config: ModelConfig) -> bool:

@@ -20,6 +20,7 @@ import torch
 from engine.kv.copies import BlockCopies
 from engine.model import LoadedModel
 from engine.model.lora_slots import LoraSlots
+from engine.model.weights import weight_bytes
 from engine.sched.output import SchedulerOutput
 from engine.worker.batch import HostBatch
 from engine.worker.cuda_graphs import DecodeGraphs
@@ -59,9 +60,7 @@ class ModelRunner:
                           for _ in range(cfg.num_hidden_layers)]
         self.host_cache = HostKVCache(swap_blocks, self.kv_caches)
         self.kv_bytes_per_token = cfg.kv_bytes_per_token(dtype)
-        # Tied weights share storage: count each tensor once.
-        seen = {p.data_ptr(): p.numel() * p.element_size() for p in self.model.parameters()}
-        self.weight_bytes = sum(seen.values())
+        self.weight_bytes = weight_bytes(self.model)  # as resident: quantized, tied weights once
         self.graphs: DecodeGraphs | None = None
         if device.type == "cuda" and self.model.attn_backend.supports_cuda_graphs:
             # No sequence outgrows the model's context or the pool, whichever is smaller.

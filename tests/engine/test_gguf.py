@@ -90,7 +90,8 @@ def test_greedy_tokens_and_logits_match_transformers(
         logits = SingleSequence(ours.model).step(prompt)[-1]
         assert (logits - hf_last_logits(reference, prompt)).abs().max().item() < LOGITS_TOLERANCE
     # A small pool and token budget so that prompts are chunked and sequences preempted along the way.
-    llm = LLM(str(tiny_file), device="cpu", block_size=4, num_blocks=16, max_num_batched_tokens=8)
+    llm = LLM(str(tiny_file), device="cpu", block_size=4, num_blocks=16, max_num_batched_tokens=8,
+              weight_format="fp32")
     outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
     expected = [hf_greedy(reference, prompt, NEW_TOKENS) for prompt in prompts]
     assert llm.telemetry().preemptions_total > 0

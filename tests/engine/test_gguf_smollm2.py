@@ -37,8 +37,9 @@ LOGITS_TOLERANCE = 1e-3
 def llm() -> LLM:
     # Blocks of 16 and 24 of them: eight ~80-token sequences need ~45, so the pool runs out and preempts;
     # a 32-token budget splits every prompt (the default system prompt alone is ~30 tokens) into chunks.
+    # weight_format fp32: the exact path (the quantized formats' tolerance: test_weight_formats.py).
     return LLM("smollm2", device="cpu", dtype="float32", block_size=16, num_blocks=24,
-               max_num_batched_tokens=32)
+               max_num_batched_tokens=32, weight_format="fp32")
 
 
 @pytest.fixture(scope="module")

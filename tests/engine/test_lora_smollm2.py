@@ -32,6 +32,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory):
     reference = add_peft_adapters(base, directory, SPECS)
     # Blocks of 4 and 20 of them: nine ~25-token sequences need about 60, so they preempt each other.
     llm = LLM("smollm2", device="cpu", dtype="float32", block_size=4, num_blocks=20, max_num_batched_tokens=32,
+              weight_format="fp32",
               loras={name: str(directory / name) for name in SPECS})
     loaded = llm.core.loaded
     prompts = [loaded.tokenizer.encode(f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n",

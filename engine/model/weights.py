@@ -1,0 +1,245 @@
+"""How the decoder's big matrices are stored and multiplied: ``--weight-format auto|fp32|bf16|int8|int4``.
+
+On a CPU, decoding one token reads every weight once, so bytes per weight set the speed; a GGUF file's
+weights are already 4 to 8 bits. A quantized format keeps them that small in memory and multiplies with
+them directly, never holding a float32 copy:
+
+=======  ==================================================================  ============  ===========
+format   storage                                                             bytes/weight  from GGUF
+=======  ==================================================================  ============  ===========
+fp32     dense, in the engine's dtype (the loader's plain path: exact)       4             F32/F16/BF16
+bf16     dense bfloat16                                                      2
+int8     int8 per output row, symmetric, one float32 scale per row           1             Q5_*, Q6_K, Q8_0
+int4     uint4 in groups of 32 along the input, bfloat16 scale and zero      0.625         Q4_0/Q4_1/Q4_K
+=======  ==================================================================  ============  ===========
+
+``auto`` picks per tensor from its GGUF type (last column; anything else, and every non-GGUF model, fp32),
+so a Q4_1 file stays 4-bit: its blocks are affine in groups of 32 (``d * q + m``), which the int4 format
+holds with its scale and zero rounded to bfloat16. int4 applies to projections whose output rows are a
+multiple of 64 and input a multiple of 32 (the packed kernel's tiles); other projections take int8 instead, and so
+does the token embedding (whose rows are gathered, and which is also the LM head when tied).
+
+Multiplying (``QuantizedLinear``): up to ``KERNEL_MAX_ROWS`` rows (decode) use torch's weight-only kernels
+on bfloat16 activations (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``), which read the small
+weights directly; more rows (prefill) dequantize the matrix to the activations' dtype for one dense GEMM,
+whose cost the many rows amortize. Measured on this project's 2-core Xeon (AVX-512 VNNI, no AVX512-BF16),
+one thread, 576x1536: 1 row fp32 124 us, int8 60 us, int4 54 us; 1,000 rows fp32 19 ms, the int4 kernel
+48 ms, dequantize + fp32 GEMM 29 ms (docs/benchmarks.md, "CPU weight formats").
+
+Quantized formats are lossy (bfloat16 activations into the kernels, requantized scales); the parity tests
+(tests/engine/test_weight_formats.py) bound their logits against the fp32 path, and fp32 stays exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from torch import nn
+
+Q = GGMLQuantizationType
+WEIGHT_FORMATS = ("auto", "fp32", "bf16", "int8", "int4")
+_AUTO = {Q.Q4_0: "int4", Q.Q4_1: "int4", Q.Q4_K: "int4", Q.Q5_0: "int8", Q.Q5_1: "int8", Q.Q5_K: "int8",
+         Q.Q6_K: "int8", Q.Q8_0: "int8"}
+# Above this many rows the dequantize-then-GEMM path beats the weight-only kernels (module docstring).
+KERNEL_MAX_ROWS = 64
+GROUP = 32  # int4 group along the input dimension (Q4_* blocks are 32 weights)
+_PACK_ROWS = 64  # int4 packing tile along the output dimension
+
+
+class QuantizedLinear(nn.Module):
+    """``y = x W^T + b`` with ``W [out, in]`` resident in a compact format; a drop-in for ``nn.Linear``.
+
+    Subclasses store the weight as buffers and say how to multiply with few rows (``_kernel``, bfloat16
+    activations in and out) and how to rebuild the dense matrix (``dequantize``).
+    """
+
+    def __init__(self, out_features: int, in_features: int, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = out_features, in_features
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] <= KERNEL_MAX_ROWS:
+            y = self._kernel(rows.to(torch.bfloat16)).to(x.dtype)
+        else:
+            y = F.linear(rows, self.dequantize(x.dtype))
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def _kernel(self, rows: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}"
+
+
+class Bf16Linear(QuantizedLinear):
+    format = "bf16"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__(*weight.shape, bias)
+        self.register_buffer("weight", weight.to(torch.bfloat16))
+
+    def _kernel(self, rows: torch.Tensor) -> torch.Tensor:
+        return F.linear(rows, self.weight)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.weight.to(dtype)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.weight[ids].to(dtype)
+
+
+class Int8Linear(QuantizedLinear):
+    """Symmetric int8 per output row: ``W[n, k] = qweight[n, k] * scales[n]``."""
+
+    format = "int8"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__(*weight.shape, bias)
+        qweight, scales = quantize_int8(weight)
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales", scales)
+        self.register_buffer("scales_bf16", scales.to(torch.bfloat16))  # the kernel wants the activations' dtype
+
+    def _kernel(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(rows, self.qweight, self.scales_bf16)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.qweight.to(dtype) * self.scales.to(dtype)[:, None]
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``W[ids]``, dense: the embedding lookup of a quantized (possibly tied) embedding."""
+        return self.qweight[ids].to(dtype) * self.scales[ids].to(dtype)[:, None]
+
+
+class Int4Linear(QuantizedLinear):
+    """uint4 ``q`` in groups of 32 inputs: ``W[n, k] = (q[n, k] - 8) * scale[g, n] + zero[g, n]``, g = k // 32.
+
+    ``packed`` is torch's CPU int4 layout (``_convert_weight_to_int4pack_for_cpu``): output rows in tiles of
+    64; byte ``j`` of input ``k`` of tile ``t`` holds row ``64t + j`` in its low nibble and ``64t + 32 + j`` in
+    its high one::
+
+        packed.view(out / 64, in, 32)[t, k, j] = q[64t + j, k] | q[64t + 32 + j, k] << 4
+
+    ``scales_zeros [in / 32, out, 2]`` (bfloat16) holds each group's scale and zero.
+    """
+
+    format = "int4"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__(*weight.shape, bias)
+        q, scales_zeros = quantize_int4(weight)
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+        self.register_buffer("scales_zeros", scales_zeros)
+
+    def _kernel(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int4pack_mm_for_cpu(rows, self.packed, GROUP, self.scales_zeros)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        out, inp = self.out_features, self.in_features
+        tiles = self.packed.view(out // _PACK_ROWS, inp, _PACK_ROWS // 2)
+        q = torch.stack((tiles & 15, tiles >> 4), dim=2).view(out // _PACK_ROWS, inp, _PACK_ROWS)
+        q = q.transpose(1, 2).reshape(out, inp // GROUP, GROUP).to(dtype) - 8
+        scale, zero = self.scales_zeros.to(dtype).permute(2, 1, 0).unsqueeze(-1)  # each [out, groups, 1]
+        return torch.addcmul(zero, q, scale).reshape(out, inp)
+
+
+_FORMATS: dict[str, type[QuantizedLinear]] = {"bf16": Bf16Linear, "int8": Int8Linear, "int4": Int4Linear}
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(qweight int8 [out, in], scales float32 [out])``, symmetric per row: the row's largest magnitude
+    maps to 127 (an all-zero row gets scale 1 so that nothing divides by zero)."""
+    weight = weight.float()
+    scales = weight.abs().amax(dim=1) / 127
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    qweight = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return qweight, scales
+
+
+def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q int32 [out, in] in 0..15, scales_zeros bfloat16 [in / 32, out, 2])``, affine per group of 32:
+    the group's minimum maps to 0 and its maximum to 15. The scale and zero are rounded to bfloat16 first
+    and ``q`` is chosen against the rounded values, so the stored numbers are the best the format holds."""
+    out, inp = weight.shape
+    groups = weight.float().reshape(out, inp // GROUP, GROUP)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    scale = ((high - low) / 15).to(torch.bfloat16).float()
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    zero = (low + 8 * scale).to(torch.bfloat16).float()
+    q = torch.round((groups - zero[..., None]) / scale[..., None] + 8).clamp(0, 15).to(torch.int32)
+    scales_zeros = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+    return q.view(out, inp), scales_zeros
+
+
+def int4_fits(out_features: int, in_features: int) -> bool:
+    return out_features % _PACK_ROWS == 0 and in_features % GROUP == 0
+
+
+def choose_format(requested: str, source_type: GGMLQuantizationType | None) -> str:
+    """The format one matrix gets: ``requested`` unless it is ``auto``, which follows the GGUF type."""
+    if requested != "auto":
+        return requested
+    return _AUTO.get(source_type, "fp32") if source_type is not None else "fp32"
+
+
+def apply_weight_formats(model: nn.Module, formats: Mapping[str, str]) -> None:
+    """Replace each ``nn.Linear`` named in ``formats`` (module name -> format) by its quantized form, in place;
+    ``fp32`` leaves a module as it is. The embedding (``model.embed_tokens``) takes int8 for any quantized
+    format; ``LlamaForCausalLM.compute_logits`` multiplies through ``project``, so a tied LM head shares it.
+    """
+    for name, fmt in formats.items():
+        if fmt == "fp32":
+            continue
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        module = getattr(parent, child)
+        weight = module.weight.data
+        if isinstance(module, nn.Embedding):
+            table = Bf16Linear(weight, None) if fmt == "bf16" else Int8Linear(weight, None)
+            setattr(parent, child, QuantizedEmbedding(table, weight.dtype))
+            continue
+        if fmt == "int4" and not int4_fits(*weight.shape):
+            fmt = "int8"
+        bias = None if module.bias is None else module.bias.data
+        setattr(parent, child, _FORMATS[fmt](weight, bias))
+
+
+class QuantizedEmbedding(nn.Module):
+    """An embedding whose table is an ``Int8Linear`` (or ``Bf16Linear``): lookups gather rows and return them
+    in the engine's ``dtype``; as a tied LM head it multiplies like any quantized projection (``project``)."""
+
+    def __init__(self, table: Int8Linear | Bf16Linear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.table, self.dtype = table, dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.table.rows(ids, self.dtype)
+
+
+def project(hidden: torch.Tensor, module: nn.Module) -> torch.Tensor:
+    """``hidden @ W^T`` for a dense ``nn.Linear``/``nn.Embedding`` or a quantized one (the LM head)."""
+    if isinstance(module, QuantizedEmbedding):
+        return module.table(hidden)
+    if isinstance(module, QuantizedLinear):
+        return module(hidden)
+    return F.linear(hidden, module.weight)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's weights as they are resident: parameters and quantized buffers, each tensor once
+    (tied weights share storage). Excludes the non-weight buffers (the RoPE tables)."""
+    seen = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            seen.update({b.data_ptr(): b.numel() * b.element_size() for b in module.buffers(recurse=False)})
+    return sum(seen.values())
