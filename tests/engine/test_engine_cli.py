@@ -35,14 +35,18 @@ def test_help_explains_a_flag_for_every_engine_option(capsys: pytest.CaptureFixt
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
     for option in fields(EngineConfig):
-        assert "--" + option.name.replace("_", "-") in text
+        # loras: one --lora NAME=PATH per adapter, as DESIGN.md names the flag
+        assert ("--lora" if option.name == "loras" else "--" + option.name.replace("_", "-")) in text
     assert "--host" in text and "127.0.0.1" in text and "--no-enable-prefix-caching" in text
 
 
 @pytest.mark.parametrize(("argv", "field"), [(["--block-size", "12"], "block_size"),
                                              (["--num-blocks", "0"], "num_blocks"),
                                              (["--preemption-mode", "drop"], "--preemption-mode"),
-                                             (["--served-model-name", " "], "served_model_name")])
+                                             (["--served-model-name", " "], "served_model_name"),
+                                             (["--lora", "no-path"], "--lora"),
+                                             (["--lora", "a=/x", "--lora", "a=/y"], "--lora"),
+                                             (["--max-lora-rank", "0"], "max_lora_rank")])
 def test_invalid_flags_exit_2_naming_the_option(capsys: pytest.CaptureFixture[str], argv: list[str],
                                                 field: str) -> None:
     with pytest.raises(SystemExit) as exit_info:
