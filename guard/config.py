@@ -236,9 +236,9 @@ class SharedState(Strict):
     # A guard renews its lease (and so everything it reserved) every lease_ttl_s / 5; one that dies loses
     # its reservations this long after its last renewal.
     lease_ttl_s: float = Field(10.0, ge=2.0, le=15.0)
-    # One Redis round trip (each admission decision is one) may take this long before the guard counts Redis
-    # as down and admits on its own, conservatively.
-    timeout_s: PositiveSeconds = 0.5
+    # The deadline of one Redis round trip (each admission decision is one): a Redis that takes longer, slow
+    # or gone, counts as down and the guard admits on its own, conservatively, so no request waits longer.
+    timeout_s: PositiveSeconds = 0.25
 
 
 class GuardConfig(Strict):

@@ -84,6 +84,9 @@ class GuardMetrics:
                                "while this guard admits alone, to its share of each engine.", registry=r)
         self.shared_guards = Gauge("guard_shared_state_guards", "Guards sharing state, as last seen in Redis.",
                                    registry=r)
+        self.shared_lost = Counter("guard_shared_state_lost_total", "Times the link to Redis went down, by why: "
+                                   "timeout (a round trip past shared_state.timeout_s), error, or stale (Redis "
+                                   "had lost this guard).", ["reason"], registry=r)
         self.shared_round_trip = Histogram("guard_shared_state_round_trip_seconds", "Shared state in Redis, by "
                                            "op: a round trip (batch, renew, resync, verdicts), or one op a "
                                            "request sent in a batch (admit, release, backlog, rate_charge, "

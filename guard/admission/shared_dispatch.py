@@ -19,9 +19,13 @@ generated is refunded), so nothing accumulates error. Queued tickets are counted
 guard (the global backlog VTC needs), in order, on the link's wire with everything else.
 
 While the link is down (``SharedState.up`` False) everything is the ``Dispatcher``'s own, each gate scaled
-to this guard's share of its engine; tickets admitted then are in the holdings the link writes back when
-Redis returns. Reservations do not grow while the link is up (a stream that outgrows its predicted output
-runs on and the engine bounds it): growing would need a round trip on every token past the prediction.
+to this guard's share of its engine, less what the other guards held beyond theirs as the ledger last said
+(every ledger answer and lease renewal tells, guard/pool/gate.py ``mine``): every path that commits blocks,
+a first admission, a failover's re-admission, a batch of prompts or a growing reservation, goes through
+those gates, and what was admitted before the outage counts in them. Tickets admitted then are in the
+holdings the link writes back when Redis returns. Reservations do not grow while the link is up (a stream
+that outgrows its predicted output runs on and the engine bounds it): growing would need a round trip on
+every token past the prediction.
 A tenant's guarantee is read from this guard's own reservations: a tenant served by several guards may hold
 its guarantee at each, while the ledger still keeps the guaranteed part of every engine within its budget.
 """
@@ -52,10 +56,15 @@ class SharedDispatcher(Dispatcher):
         self.fair.on_backlog = lambda tenant, delta: shared.send("BACKLOG", tenant, delta)
         shared.holdings = self.holdings
         shared.on_change = self._link_changed
+        shared.on_others = self._others_hold
 
     def holdings(self) -> Holdings:
         ledger = {r.name: (r.gate.reserved, r.gate.borrowed) for r in self.pool}
         return ledger, {name: len(queue) for name, queue in self.fair.tenants.items() if len(queue)}
+
+    def _others_hold(self, others: dict[str, list[int]]) -> None:
+        for replica in self.pool:
+            replica.gate.others = others.get(replica.name, [])
 
     def _link_changed(self, up: bool) -> None:
         share = 1.0 if up else 1.0 / self.shared.live_guards
@@ -98,7 +107,10 @@ class SharedDispatcher(Dispatcher):
     def _granted(self, queue: TenantQueue[Ticket], ticket: Ticket, candidate: Candidate,
                  ranked: Sequence[Candidate], answer: list | None) -> None:
         """The ledger's answer, the moment it arrives: a grant is recorded on the replica's gate at once, so
-        that no resync can write back holdings without it; the ticket keeps the ranking that admitted it."""
+        that no resync can write back holdings without it; the ticket keeps the ranking that admitted it.
+        Any answer with room in it says what the other guards hold there now."""
+        if answer is not None and len(answer) > 1 and answer[-1] != "fair":
+            candidate.replica.gate.others = list(answer[-1].values() if isinstance(answer[-1], dict) else answer[-1])
         if answer is not None and answer[0] == 1:
             replica = candidate.replica
             replica.gate.record(ticket.request_id, queue.name, ticket.blocks, ticket.borrowed)

@@ -98,6 +98,10 @@ class AdmissionGate:
         # Of the room under each limit, the part this guard may commit alone: 1, unless guards that share
         # state (guard/state/) lost it and each must keep to its share of every engine.
         self.share = 1.0
+        # What each other guard held on this engine when the shared ledger last said (guard/state/). While
+        # this guard keeps to its share, another may still hold more than its own (it borrowed while Redis
+        # was up) and drains it only as its requests end; its excess comes off this guard's share (``mine``).
+        self.others: list[int] = []
         self.reservations: dict[str, Reservation] = {}
         self.reserved_by_tenant: dict[str, int] = {}
         self.reserved = 0  # the sum of reserved_by_tenant
@@ -177,10 +181,20 @@ class AdmissionGate:
         assert self.snapshot is not None
         threshold_room, pool_room = self.rooms()
         if borrowed:
-            return self.reserved + blocks <= self.share * threshold_room
+            return self.reserved + blocks <= self.mine(threshold_room)
         # Within a guarantee, what others borrowed is reclaimable up to the engine's whole pool.
-        return (self.reserved - self.borrowed + blocks <= self.share * threshold_room
-                and self.reserved + blocks <= self.share * pool_room)
+        return (self.reserved - self.borrowed + blocks <= self.mine(threshold_room)
+                and self.reserved + blocks <= self.mine(pool_room))
+
+    def mine(self, room: int) -> float:
+        """Of ``room``, what this guard's reservations may sum to: all of it, or while guards that share
+        state cannot (``share`` < 1), its share less what the others hold beyond theirs. Each other guard
+        then admits only while under its own share, so it holds at most the larger of its share and what it
+        held when the ledger last answered; the guards together stay within ``room``."""
+        if self.share >= 1.0:
+            return room
+        share = self.share * room
+        return share - sum(max(0, held - share) for held in self.others)
 
     def rooms(self) -> tuple[int, int]:
         """What the guard's reservations may sum to: under the current threshold, and in the whole pool
@@ -218,7 +232,8 @@ class AdmissionGate:
         reservation = self.reservations.get(key)
         if reservation is None or not self.usable or self.snapshot is None:
             return False
-        if self.committed() + blocks > int(self.config.safe_utilization * self.snapshot.num_blocks):
+        room = int(self.config.safe_utilization * self.snapshot.num_blocks) - self.outside
+        if self.reserved + blocks > self.mine(room):
             return False
         self._add(reservation, blocks, borrowed)
         return True

@@ -12,7 +12,10 @@ Keys (all under ``PREFIX``):
 - ``ledger``: hash, ``{guard}|{engine}|r`` -> blocks that guard has reserved on that engine, ``...|b`` -> of
   those, the blocks borrowed beyond their tenants' guarantees (guard/pool/gate.py). Per guard, not per
   request: a guard's own ledger is the truth for its requests, and after Redis comes back it writes its
-  totals again (``resync``).
+  totals again (``resync``). ``{guard}|epoch`` -> the number of that guard's last resync: a batch that
+  names another epoch is refused whole (``"stale"``), so ops written before a resync (a batch that timed out
+  and ran late) or into a Redis that lost the guard (restarted empty, or its lease lapsed) change nothing;
+  the guard resyncs, then decides again.
 - ``vtc``: hash, tenant -> its virtual token counter (weighted service / weight), one for every guard.
 - ``backlog``: hash, ``{guard}|{tenant}`` -> requests of that tenant queued at that guard.
 - ``verdicts``: hash, tenant -> until when (server time) it stands confirmed as a Fill-and-Squeeze attacker;
@@ -53,20 +56,22 @@ end
 # What the ops read, read once per script and kept up to date by its own writes (nothing else writes while
 # a script runs), so that a batch of dozens of ops reads each hash once instead of once per op.
 _READS = """
-local sums = {}  -- engine -> {reserved, of which borrowed}, over every live guard
+local sums = {}  -- engine -> {reserved, of which borrowed, {guard -> reserved}}, over every live guard
 local counters = {}  -- tenant -> its virtual counter
 local queued = nil  -- tenant -> requests queued at any guard
 local function ledger_sums(engine)
   if sums[engine] == nil then
-    local reserved, lent = 0, 0
+    local reserved, lent, by_guard = 0, 0, {}
     local suffix_r, suffix_b = '|' .. engine .. '|r', '|' .. engine .. '|b'
     local fields = redis.call('HGETALL', KEYS[2])
     for i = 1, #fields, 2 do
       local f = fields[i]
-      if string.sub(f, -#suffix_r) == suffix_r then reserved = reserved + tonumber(fields[i + 1])
+      if string.sub(f, -#suffix_r) == suffix_r then
+        reserved = reserved + tonumber(fields[i + 1])
+        by_guard[string.sub(f, 1, -#suffix_r - 1)] = tonumber(fields[i + 1])
       elseif string.sub(f, -#suffix_b) == suffix_b then lent = lent + tonumber(fields[i + 1]) end
     end
-    sums[engine] = {reserved, lent}
+    sums[engine] = {reserved, lent, by_guard}
   end
   return sums[engine]
 end
@@ -89,6 +94,15 @@ local function queue_counts()
   end
   return queued
 end
+local function others_on(engine, guard)
+  -- what every other live guard holds on ``engine`` (a guard that loses Redis keeps within its share of
+  -- what they leave: guard/pool/gate.py ``others``)
+  local held = {}
+  for g, r in pairs(ledger_sums(engine)[3]) do
+    if g ~= guard and r > 0 then held[#held + 1] = r end
+  end
+  return held
+end
 local function backlogged_min(except)
   -- the lowest counter among tenants queued at any guard, ``except`` left out (nil: nobody is)
   local low = nil
@@ -102,7 +116,8 @@ end
 # a: engine, tenant, blocks, borrowed, threshold room (safe_utilization * num_blocks minus blocks held outside
 # the guards), pool room (num_blocks minus the same), service charged to the tenant's counter (already
 # divided by its weight), slack (how far above the lowest backlogged counter the tenant may be and still go
-# first). Returns {1} admitted, {0, 'fair'} not its turn, {0, 'full'} no room. It does not renew the lease:
+# first). Returns {1, others} admitted, {0, 'fair'} not its turn, {0, 'full', others} no room (``others``: what
+# every other guard holds on the engine, ``others_on``). It does not renew the lease:
 # only ``RENEW`` does, so a guard whose lease lapsed (its fields removed) learns it there and resyncs.
 _ADMIT = """
 local function admit(guard, a)
@@ -118,13 +133,14 @@ local function admit(guard, a)
   else
     fits = sum[1] - sum[2] + blocks <= threshold and sum[1] + blocks <= pool
   end
-  if not fits then return {0, 'full'} end
+  if not fits then return {0, 'full', others_on(engine, guard)} end
   local field = guard .. '|' .. engine
   redis.call('HINCRBY', KEYS[2], field .. '|r', blocks)
   if borrowed > 0 then redis.call('HINCRBY', KEYS[2], field .. '|b', borrowed) end
   sum[1], sum[2] = sum[1] + blocks, sum[2] + borrowed
+  sum[3][guard] = (sum[3][guard] or 0) + blocks
   counters[tenant] = tonumber(redis.call('HINCRBYFLOAT', KEYS[3], tenant, a[7]))
-  return {1}
+  return {1, others_on(engine, guard)}
 end
 """
 
@@ -139,7 +155,10 @@ local function release(guard, a)
       local field = guard .. '|' .. engine .. part[1]
       local left = redis.call('HINCRBY', KEYS[2], field, -part[2])
       if left <= 0 then redis.call('HDEL', KEYS[2], field) end
-      if sum ~= nil then sum[slot] = sum[slot] - part[2] - math.min(left, 0) end  -- what the field held, at most
+      if sum ~= nil then  -- what the field held, at most
+        sum[slot] = sum[slot] - part[2] - math.min(left, 0)
+        if slot == 1 then sum[3][guard] = math.max(0, left) end
+      end
     end
   end
   local delta = tonumber(a[5])
@@ -166,8 +185,9 @@ local function backlog(guard, a)
 end
 """
 
-# ARGV: guard, lease_ttl_s, then (kind, field, value) triples: the guard's ledger and backlog as it knows them, which
-# replace whatever Redis holds for it (after Redis lost it, or at start). Returns the live guards.
+# ARGV: guard, lease_ttl_s, epoch, then (kind, field, value) triples: the guard's ledger and backlog as it knows
+# them, which replace whatever Redis holds for it (after Redis lost it, or at start); from now on only batches
+# of this epoch count. Returns the live guards.
 RESYNC = _PROLOGUE + """
 local guard = ARGV[1]
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), guard)
@@ -176,19 +196,30 @@ for _, h in ipairs({KEYS[2], KEYS[4]}) do
     if string.match(field, '^([^|]+)|') == guard then redis.call('HDEL', h, field) end
   end
 end
-for i = 3, #ARGV, 3 do
+redis.call('HSET', KEYS[2], guard .. '|epoch', ARGV[3])
+for i = 4, #ARGV, 3 do
   local h = ARGV[i] == 'ledger' and KEYS[2] or KEYS[4]
   redis.call('HSET', h, guard .. '|' .. ARGV[i + 1], ARGV[i + 2])
 end
 return redis.call('ZCARD', KEYS[1])
 """
 
-# ARGV: guard, lease_ttl_s. Renews the lease; returns the live guards and whether this one was still known
-# (0: its lease had lapsed, or Redis lost it: the caller resyncs).
+# ARGV: guard, lease_ttl_s, epoch. Renews the lease; returns the live guards, whether this one was still known
+# at this epoch (0: its lease had lapsed, or Redis lost it: the caller resyncs), and as JSON what the other
+# guards hold on each engine ({engine: [blocks, ...]}).
 RENEW = _PROLOGUE + """
-local known = redis.call('ZSCORE', KEYS[1], ARGV[1])
+local known = redis.call('HGET', KEYS[2], ARGV[1] .. '|epoch') == ARGV[3]
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
-return {redis.call('ZCARD', KEYS[1]), known and 1 or 0}
+local others = {}
+local fields = redis.call('HGETALL', KEYS[2])
+for i = 1, #fields, 2 do
+  local g, engine = string.match(fields[i], '^([^|]+)|(.*)|r$')
+  if g ~= nil and g ~= ARGV[1] and tonumber(fields[i + 1]) > 0 then
+    others[engine] = others[engine] or {}
+    table.insert(others[engine], tonumber(fields[i + 1]))
+  end
+end
+return {redis.call('ZCARD', KEYS[1]), known and 1 or 0, cjson.encode(others)}
 """
 
 # ARGV: guard, how long a verdict stands unless extended (s), then the tenants this guard holds confirmed.
@@ -296,13 +327,16 @@ end
 # The ops a request sends (``SharedState.ask`` and ``send``), by the name the guard gives them.
 OPS = ("ADMIT", "RELEASE", "BACKLOG", "RATE_CHARGE", "RATE_SETTLE")
 
-# ARGV: guard, then the ops as JSON: [[name (one of ``OPS``), [its arguments]], ...]. Runs them in order, as
-# one atomic step; returns each op's answer, in order, as JSON. One argument each way, whatever the batch's
-# size: the caller packs and unpacks it in one C call instead of a Python step per argument.
-BATCH = _PROLOGUE + _READS + _ADMIT + _RELEASE + _BACKLOG + _RATE_CHARGE + _RATE_SETTLE + """
+# ARGV: guard, epoch, then the ops as JSON: [[name (one of ``OPS``), [its arguments]], ...]. Runs them in order,
+# as one atomic step; returns each op's answer, in order, as JSON, or "stale" (running none) when the guard's
+# epoch in Redis is not this one. One argument each way, whatever the batch's size: the caller packs and
+# unpacks it in one C call instead of a Python step per argument.
+BATCH = _PROLOGUE + """
+if redis.call('HGET', KEYS[2], ARGV[1] .. '|epoch') ~= ARGV[2] then return '"stale"' end
+""" + _READS + _ADMIT + _RELEASE + _BACKLOG + _RATE_CHARGE + _RATE_SETTLE + """
 local ops = {ADMIT = admit, RELEASE = release, BACKLOG = backlog, RATE_CHARGE = rate_charge,
              RATE_SETTLE = rate_settle}
 local out = {}
-for i, op in ipairs(cjson.decode(ARGV[2])) do out[i] = ops[op[1]](ARGV[1], op[2]) end
+for i, op in ipairs(cjson.decode(ARGV[3])) do out[i] = ops[op[1]](ARGV[1], op[2]) end
 return cjson.encode(out)
 """

@@ -9,12 +9,25 @@ task renews it every ``lease_ttl_s / 5``; a guard whose lease lapses (it died, o
 the TTL) is dead to the others, and the first script that meets it removes what it held, so its reservations
 are gone within the TTL and nothing it reserved drifts forever.
 
-Redis down: a call that fails or takes longer than ``timeout_s`` marks the link down (``up`` False,
-``guard_shared_state_up`` 0) and the caller decides alone, conservatively: ``live_guards`` keeps the number
-of guards last seen, and each guard then commits at most its share of each engine (guard/pool/gate.py,
-``share``). The renewal task keeps trying; when Redis answers again the guard writes its own ledger and
-backlog back (``resync``: what Redis lost, or what the others expired while it was away) and the link is up.
-A guard that starts does the same, so a restarted guard rejoins without anyone's help.
+Redis down or slow: a call that fails or takes longer than ``timeout_s`` (the deadline, 0.25 s by default)
+marks the link down (``up`` False, ``guard_shared_state_up`` 0) and the caller decides alone, conservatively:
+``live_guards`` keeps the number of guards last seen, and each guard then commits at most its share of each
+engine, less what the others held beyond theirs when the ledger last answered (guard/pool/gate.py, ``share``
+and ``others``, which ``on_others`` keeps current from every answer). No request waits longer than the
+deadline for a decision: the round trip that passes it is given up, and its ops are decided locally. The
+renewal task keeps trying; when Redis answers again the guard writes its own ledger and backlog back
+(``resync``: what Redis lost, or what the others expired while it was away) and the link is up. A guard that
+starts does the same, so a restarted guard rejoins without anyone's help.
+
+Coming back, nothing is counted twice or missed:
+
+- each resync starts a new *epoch* (scripts.py): a batch of an older epoch (one that timed out and ran in
+  Redis late) or one sent into a Redis that lost this guard is refused whole, the link goes down, and the
+  guard resyncs before deciding anything through the ledger again;
+- the link is up again only once as many guards have resynced as were live before the outage
+  (``live_guards``), or ``lease_ttl_s`` after this guard's own return (a guard that died meanwhile never
+  comes back): until the others have written their holdings, a ledger without them would let this guard
+  admit into blocks they hold. Meanwhile it stays conservative, and writes its holdings again at each try.
 """
 
 from __future__ import annotations
@@ -29,6 +42,7 @@ from typing import Any, NamedTuple
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from guard.config import SharedState as SharedStateConfig
 from guard.metrics import GuardMetrics
@@ -37,6 +51,12 @@ from guard.state import scripts
 log = logging.getLogger("guard.state.shared")
 
 WIRE_BATCH = 256  # ops per round trip at most
+RENEW_S = 0.5  # the lease is renewed at least this often (and what the others hold learned with it)
+RETRY_S = 1.0  # while the link is down, how often a resync is tried
+
+
+class StaleEpoch(Exception):
+    """Redis answered, but no longer knows this guard as it last wrote itself there."""
 
 
 class _Op(NamedTuple):
@@ -67,8 +87,12 @@ class SharedState:
                          for name in ("BATCH", "RESYNC", "RENEW", "VERDICTS")}
         self.up = False
         self.live_guards = 1  # the last number seen: each guard's share while Redis is down
+        self.epoch = 0  # of this guard's last resync: Redis refuses batches of any other (see the docstring)
+        self.rejoined_at: float | None = None  # monotonic: when Redis first answered a resync after an outage
         self.holdings: Callable[[], Holdings] = lambda: ({}, {})  # set by the dispatcher
         self.on_change: Callable[[bool], None] = lambda up: None  # told when the link goes up or down
+        # Told what the other guards hold, {engine: [blocks per guard]}, as the ledger says it.
+        self.on_others: Callable[[dict[str, list[int]]], None] = lambda others: None
         # The ops requests send, in order: a tenant's backlog -1 must never overtake its +1, and a release
         # sent before an admission frees its blocks first. Dropped while Redis is down (a decision's answer
         # is then None): the resync that follows covers the updates.
@@ -134,9 +158,12 @@ class SharedState:
             if self.up:
                 started = time.perf_counter()
                 try:
-                    answers = json.loads(await self._scripts["BATCH"](keys=scripts.KEYS,
-                                                                      args=[self.guard_id, ops]))
-                except (RedisError, OSError, TimeoutError) as exc:
+                    answered = json.loads(await self._scripts["BATCH"](keys=scripts.KEYS,
+                                                                       args=[self.guard_id, self.epoch, ops]))
+                    if answered == "stale":
+                        raise StaleEpoch(f"Redis does not know guard {self.guard_id} at epoch {self.epoch}")
+                    answers = answered
+                except (RedisError, OSError, TimeoutError, StaleEpoch) as exc:
                     self._set_up(False, exc)
                 else:
                     done = time.perf_counter()
@@ -148,17 +175,19 @@ class SharedState:
 
     async def run(self) -> None:
         """Keep the lease (and so everything this guard holds) alive; bring the link back after a failure."""
-        period = self.config.lease_ttl_s / 5
+        # Each renewal also says what the others hold: what a guard keeps clear of if Redis then goes away.
+        period = min(self.config.lease_ttl_s / 5, RENEW_S)
         while not self.stopping:
             if self.up:
-                renewed = await self.call("RENEW", self.config.lease_ttl_s)
+                renewed = await self.call("RENEW", self.config.lease_ttl_s, self.epoch)
                 if renewed is not None:
                     self._live(int(renewed[0]))
+                    self.on_others(json.loads(renewed[2]) or {})  # cjson writes an empty table as {}
                     if not renewed[1]:  # Redis lost us (restarted empty), or our lease lapsed meanwhile
-                        await self.resync()
-            else:
+                        self._set_up(False, StaleEpoch(f"Redis no longer knows guard {self.guard_id}"))
+            if not self.up:
                 await self.resync()
-            await asyncio.sleep(period if self.up else min(period, 1.0))
+            await asyncio.sleep(period if self.up else min(period, RETRY_S))
 
     async def resync(self) -> bool:
         """Write this guard's own ledger and backlog into Redis, replacing what it holds there; up on success.
@@ -173,7 +202,8 @@ class SharedState:
     async def _resync(self) -> bool:
         self._drop_wire(held_only=True)  # what they would change, the holdings below already say
         ledger, backlog = self.holdings()
-        args: list[Any] = [self.config.lease_ttl_s]
+        self.epoch += 1  # each try a new one: a try that times out and runs late leaves a stale epoch behind
+        args: list[Any] = [self.config.lease_ttl_s, self.epoch]
         for engine, (reserved, borrowed) in ledger.items():
             args += ["ledger", f"{engine}|r", reserved, "ledger", f"{engine}|b", borrowed]
         for tenant, queued in backlog.items():
@@ -183,8 +213,14 @@ class SharedState:
             guards = await self._scripts["RESYNC"](keys=scripts.KEYS, args=[self.guard_id, *args])
         except (RedisError, OSError, TimeoutError) as exc:
             self._set_up(False, exc)
+            self.rejoined_at = None
             return False
         self.metrics.shared_round_trip.labels("resync").observe(time.perf_counter() - started)
+        now = time.monotonic()
+        if self.rejoined_at is None:
+            self.rejoined_at = now
+        if int(guards) < self.live_guards and now - self.rejoined_at < self.config.lease_ttl_s:
+            return False  # the others have not written their holdings back yet: still alone, conservatively
         self._live(int(guards))
         self._set_up(True)
         return True
@@ -197,8 +233,10 @@ class SharedState:
         if up == self.up:
             return
         self.up = up
+        self.rejoined_at = None
         if not up:
             self._drop_wire(held_only=False)
+            self.metrics.shared_lost.labels(_reason(exc)).inc()
         self.metrics.shared_up.set(1 if up else 0)
         if up:
             log.warning("shared state: Redis is back; guard %s resynchronised (%d guards live)", self.guard_id,
@@ -236,3 +274,9 @@ class SharedState:
     async def close(self) -> None:
         await self.client.aclose()
 
+
+def _reason(exc: BaseException | None) -> str:
+    """Why the link went down, as ``guard_shared_state_lost_total`` counts it."""
+    if isinstance(exc, StaleEpoch):
+        return "stale"
+    return "timeout" if isinstance(exc, (TimeoutError, RedisTimeoutError)) else "error"

@@ -2,7 +2,8 @@
 
 ``RedisServer`` is a ``Process`` (restartable on the same port, so a test can kill Redis and bring it back
 where the guards expect it); it keeps nothing on disk (no RDB snapshots, no AOF), so a restart starts empty,
-as a Redis that lost its data would. Ready once it answers ``PING``.
+as a Redis that lost its data would. Ready once it answers ``PING``. ``DEBUG`` is allowed from loopback, so
+a test can make Redis slow (``DEBUG SLEEP``) without stopping it.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class RedisServer(Process):
         self.port = free_port() if port is None else port
         self.url = f"redis://127.0.0.1:{self.port}/0"
         command = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                   "--dir", str(workdir)]
+                   "--dir", str(workdir), "--enable-debug-command", "local"]
         super().__init__(name, command, log=workdir / f"{name}.log")
 
     def wait_ready(self, timeout: float | None = None) -> Self:
