@@ -82,6 +82,8 @@ class Ticket:
     lora: str | None = None  # the LoRA adapter it names (None: the base model); its hashes include it
     predicted_ttft: float | None = None  # seconds from arrival, predicted when it reached the dispatcher
     predicted_tpot: float | None = None  # seconds per output token on the best replica, predicted then too
+    predicted_wait: float | None = None  # of predicted_ttft, the queue wait before its correction
+    wait_key: tuple[str, bool] | None = None  # the correction that applied to it (guard/admission/slo.py)
     verdicts: dict[str, bool] | None = None  # objective ("ttft", "tpot") -> met, once it ended
     admitted_at: float = 0.0  # time.monotonic() of its admission
     uncached: int = 0  # its prompt tokens the replica has to prefill, until its first token (latency model)
@@ -100,6 +102,7 @@ class Dispatcher:
         self.retired: set[str] = set()  # tenants a reload removed that still have a queue here
         self.running: dict[str, set[Ticket]] = {}  # tenant -> its admitted tickets, for revoke
         self.departures = slo.Departures()  # the queue's pace, which predicts a newcomer's wait
+        self.correction = slo.WaitCorrection()  # and how the waits predicted from it turned out
         self.total_weight = sum(tenant.weight for tenant in config.tenants)  # of the running config's tenants
         for tenant in config.tenants:
             self.fair.tenant(tenant.name, tenant.weight)
@@ -151,7 +154,7 @@ class Dispatcher:
         if self.closed is not None:
             raise self.closed
         if ticket.objective is not None:
-            slo.judge(self.pool, self.departures, ticket, self.blocks_before(ticket))
+            slo.judge(self.pool, self.departures, self.correction, ticket, self.blocks_before(ticket))
         queue = self.queue_of(ticket.tenant)
         if not self.fair.queued and self._within_cap(queue, ticket) and await self._place_now(queue, ticket):
             self._admitted(queue, ticket)  # nobody waits, so VTC order has nothing to say: no queue, no future
@@ -181,6 +184,7 @@ class Dispatcher:
             if ticket.state is TicketState.ADMITTED:  # admitted in the same instant the deadline passed
                 return
             if late is not None:
+                self.correction.observe(ticket.wait_key, ticket.predicted_wait, time.monotonic() - ticket.enqueued_at)
                 raise late from None
             raise GuardError(503, f"not admitted within this lane's {ticket.lane.timeout:g} s queueing timeout",
                              code="queue_timeout", retry_after=self.pool.retry_after(self.blocks_queued())) from None
@@ -206,6 +210,7 @@ class Dispatcher:
                 return
             self.fair.pop(queue)
             self.departures.add(ticket.blocks)
+            self.correction.observe(ticket.wait_key, ticket.predicted_wait, time.monotonic() - ticket.enqueued_at)
             self._admitted(queue, ticket)
 
     def _next_tenant(self, skip: set[str]) -> TenantQueue[Ticket] | None:

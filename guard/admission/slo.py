@@ -40,6 +40,9 @@ from guard.pool.pool import ReplicaPool
 HEADERS = {"ttft": "X-SLO-TTFT-Ms", "tpot": "X-SLO-TPOT-Ms"}
 CRITICAL, STANDARD, SHEDDABLE = "critical", "standard", "sheddable"
 DEPARTURE_WINDOW_S = 5.0
+MIN_LEARNED_WAIT_S = 0.05  # predicted waits below this teach the correction nothing
+MAX_LOG_RATIO = math.log(30.0)  # one ticket moves the correction by at most 30x
+CORRECTION_DECAY = 0.9  # weight of the past per queued ticket
 DEADLINE_MARGIN = 0.05  # of a sheddable request's TTFT objective, left for its prefill when it leaves the queue
 
 
@@ -93,6 +96,8 @@ class Judged(Protocol):
     arrived: float
     predicted_ttft: float | None
     predicted_tpot: float | None
+    predicted_wait: float | None
+    wait_key: tuple[str, bool] | None
 
 
 class Departures:
@@ -122,8 +127,30 @@ class Departures:
         return self._blocks / min(DEPARTURE_WINDOW_S, max(now - self._started, 1.0))
 
 
-def predicted_ttft(pool: ReplicaPool, departures: Departures, ticket: Judged, ahead: int
-                   ) -> tuple[float, float | None]:
+class WaitCorrection:
+    """How the waits that queued tickets really had compare with their predictions: the pace of the queue
+    is measured before the ticket arrives, critical work that arrives after it still goes first, and a
+    large reservation that must fit whole waits for a gap that small critical ones keep filling. An
+    exponentially weighted mean of log(actual / predicted) per class and per way of predicting (from the
+    queue's pace, with blocks ahead; from the replicas' drain, without), over the tickets that queued (one
+    that left at its deadline counts with the wait it had, a lower bound), multiplies later predictions."""
+
+    def __init__(self) -> None:
+        self._log_ratio: dict[tuple[str, bool], float] = {}
+
+    def correct(self, key: tuple[str, bool], predicted: float) -> float:
+        return predicted * math.exp(self._log_ratio.get(key, 0.0))
+
+    def observe(self, key: tuple[str, bool] | None, predicted: float | None, actual: float) -> None:
+        if key is None or predicted is None or predicted < MIN_LEARNED_WAIT_S or actual <= 0:
+            return  # predicted to be admitted at once: says nothing about the queue's pace
+        ratio = max(-MAX_LOG_RATIO, min(MAX_LOG_RATIO, math.log(actual / predicted)))
+        before = self._log_ratio.get(key)
+        self._log_ratio[key] = ratio if before is None else CORRECTION_DECAY * before + (1 - CORRECTION_DECAY) * ratio
+
+
+def predicted_ttft(pool: ReplicaPool, departures: Departures, ticket: Judged, ahead: int,
+                   correction: WaitCorrection) -> tuple[float, float | None]:
     """(predicted TTFT from the ticket's arrival, the queue wait in it; None when nothing has been measured
     to predict a wait from), with ``ahead`` blocks queued to be admitted before it: their departure pace,
     or with nothing ahead, the blocks it needs past the pool's free budget at the replicas' drain rate."""
@@ -131,18 +158,22 @@ def predicted_ttft(pool: ReplicaPool, departures: Departures, ticket: Judged, ah
     # What others borrowed is reclaimed by a ticket that does not borrow itself (guard/pool/gate.py).
     held = pool.committed() - (0 if ticket.lane.priority_class == SHEDDABLE else pool.borrowed())
     wait = ahead / rate if rate > 0 else pool.expected_wait(max(0, held + ahead + ticket.blocks - pool.budget()))
+    ticket.predicted_wait, ticket.wait_key = wait, (ticket.lane.priority_class, rate > 0)
+    if wait is not None:
+        wait = correction.correct(ticket.wait_key, wait)
     priority = engine_priority(ticket.lane.priority, ticket.lane.priority_class == SHEDDABLE)
     engine = min((r.latency.predict_ttft(priority, ticket.prompt_tokens) for r in pool.replicas if r.usable()),
                  default=0.0)
     return time.monotonic() - ticket.arrived + (wait or 0.0) + engine, wait
 
 
-def judge(pool: ReplicaPool, departures: Departures, ticket: Judged, ahead: int) -> None:
+def judge(pool: ReplicaPool, departures: Departures, correction: WaitCorrection, ticket: Judged, ahead: int
+          ) -> None:
     """Predict the ticket's TTFT and TPOT into it; refuse a sheddable one that would miss its TTFT
     objective. ``ahead``: the blocks queued to be admitted before it, by its class (see the module docstring)."""
     objective = ticket.objective
     assert objective is not None
-    ticket.predicted_ttft, wait = predicted_ttft(pool, departures, ticket, ahead)
+    ticket.predicted_ttft, wait = predicted_ttft(pool, departures, ticket, ahead, correction)
     ticket.predicted_tpot = min((r.latency.predict_tpot() for r in pool.replicas if r.usable()), default=None)
     if objective.priority_class != SHEDDABLE or objective.ttft_s is None or wait is None:
         return
