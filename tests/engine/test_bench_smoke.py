@@ -50,6 +50,12 @@ def test_kernel_bandwidth_smoke(tmp_path: Path) -> None:
     assert all(r["gbps"] > 0 and r["of_copy"] > 0 for r in report["results"])
 
 
+def test_lora_smoke(tmp_path: Path) -> None:
+    out = run_smoke("lora.py", "--out", tmp_path / "lora.json")
+    report = json.loads((tmp_path / "lora.json").read_text())
+    assert "mixed / base" in out and len(report["results"]) == 2 and report["ratio_cpu"] > 0
+
+
 def test_step_overhead_smoke() -> None:
     out = run_smoke("step_overhead.py")
     (row,) = [line.split() for line in out.splitlines() if line.startswith("    4 ")]
