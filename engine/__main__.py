@@ -25,6 +25,7 @@ from engine.model.errors import ModelLoadError
 from engine.model.lora import LoraError
 from engine.model.weights import WEIGHT_FORMATS
 from engine.server.app import EngineServer
+from engine.server.response_store import DEFAULT_CAPACITY, DEFAULT_TTL_S, ResponseStore
 
 
 def _optional_int(text: str) -> int | None:
@@ -91,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=8100, help="port to listen on (0: any free port)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                         help="logging verbosity")
+    parser.add_argument("--responses-ttl", type=float, default=DEFAULT_TTL_S, metavar="SECONDS",
+                        help="how long a stored response (/v1/responses with store) can be read and continued")
+    parser.add_argument("--max-stored-responses", type=int, default=DEFAULT_CAPACITY, metavar="N",
+                        help="stored responses kept at most; one more drops the oldest")
     engine = parser.add_argument_group("engine options (the keyword arguments of engine.LLM)")
     for option in fields(EngineConfig):
         parse, text = _OPTIONS[option.name]
@@ -107,8 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-async def serve(config: EngineConfig, host: str, port: int) -> int:
-    server = EngineServer(config)
+async def serve(config: EngineConfig, host: str, port: int, store: ResponseStore | None = None) -> int:
+    server = EngineServer(config, store)
     url = await server.start(host, port)
     print(f"engine: listening on {url} (loading model {config.model!r})", flush=True)
     stop = asyncio.Event()
@@ -147,11 +152,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if len(set(names)) != len(names):
             parser.error(f"--lora: each adapter name once, got {names}")
         args.loras = dict(args.loras)
+    if not args.responses_ttl > 0:
+        parser.error(f"--responses-ttl: must be > 0 seconds, got {args.responses_ttl}")
+    if args.max_stored_responses < 1:
+        parser.error(f"--max-stored-responses: must be at least 1, got {args.max_stored_responses}")
     try:
         config = EngineConfig(**{option.name: getattr(args, option.name) for option in fields(EngineConfig)})
     except ValueError as exc:
         parser.error(str(exc))
-    return asyncio.run(serve(config, args.host, args.port))
+    store = ResponseStore(args.responses_ttl, args.max_stored_responses)
+    return asyncio.run(serve(config, args.host, args.port, store))
 
 
 if __name__ == "__main__":

@@ -64,8 +64,9 @@ SCRAPE_WAIT_S = 1.0
 SHUTDOWN_TIMEOUT_S = 5.0
 
 
-def create_app(engine: AsyncEngine) -> web.Application:
-    """The app for ``engine``; starting the app starts loading the engine, stopping it stops the engine."""
+def create_app(engine: AsyncEngine, store: ResponseStore | None = None) -> web.Application:
+    """The app for ``engine``, keeping stored responses in ``store`` (by default one of the default TTL and
+    capacity); starting the app starts loading the engine, stopping it stops the engine."""
     openai = OpenAIHandlers(engine)  # the chat template comes with the loaded model
     telemetry = TelemetryHandlers(engine)
     tracing.setup()  # only with OTEL_EXPORTER_OTLP_ENDPOINT set; before the middlewares are chosen
@@ -76,7 +77,7 @@ def create_app(engine: AsyncEngine) -> web.Application:
     app.router.add_post("/v1/chat/completions", openai.chat_completions)
     app.router.add_post("/tokenize", openai.tokenize)
     app.router.add_get("/tokenizer", openai.tokenizer)
-    responses = ResponsesHandlers(openai, ResponseStore())
+    responses = ResponsesHandlers(openai, store if store is not None else ResponseStore())
     app.router.add_post("/v1/responses", responses.create)
     app.router.add_get("/v1/responses/{id}", responses.retrieve)
     app.router.add_delete("/v1/responses/{id}", responses.delete)
@@ -190,9 +191,9 @@ class EngineServer:
     """An ``AsyncEngine`` behind its app on ``host:port`` (port 0 picks a free one): what ``python -m engine``
     runs, and what the tests start in-process."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, store: ResponseStore | None = None) -> None:
         self.engine = AsyncEngine(config)
-        self.runner = web.AppRunner(create_app(self.engine), handler_cancellation=True, access_log=None,
+        self.runner = web.AppRunner(create_app(self.engine, store), handler_cancellation=True, access_log=None,
                                     shutdown_timeout=SHUTDOWN_TIMEOUT_S)
         self.url = ""
 

@@ -9,8 +9,9 @@ runs after: its input, everything before it, and its output), under the tenant t
 - at most ``capacity`` entries: storing one more drops the oldest (entries are kept in storing order, which
   is expiry order too, so dropping expired ones looks at the oldest only).
 
-The store lives in the engine process (one event loop: no lock), so a restart forgets it, and a pool's
-replicas each keep their own (guard/http/stored.py asks each replica in turn).
+``python -m engine --responses-ttl S --max-stored-responses N`` sets both. The store lives in the engine
+process (one event loop: no lock), so a restart forgets it, and a pool's replicas each keep their own: the
+guard finds a response on the replica that has it (guard/http/responses.py ``ask_replicas``).
 """
 
 from __future__ import annotations

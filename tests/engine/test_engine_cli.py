@@ -46,7 +46,9 @@ def test_help_explains_a_flag_for_every_engine_option(capsys: pytest.CaptureFixt
                                              (["--served-model-name", " "], "served_model_name"),
                                              (["--lora", "no-path"], "--lora"),
                                              (["--lora", "a=/x", "--lora", "a=/y"], "--lora"),
-                                             (["--max-lora-rank", "0"], "max_lora_rank")])
+                                             (["--max-lora-rank", "0"], "max_lora_rank"),
+                                             (["--responses-ttl", "0"], "--responses-ttl"),
+                                             (["--max-stored-responses", "0"], "--max-stored-responses")])
 def test_invalid_flags_exit_2_naming_the_option(capsys: pytest.CaptureFixture[str], argv: list[str],
                                                 field: str) -> None:
     with pytest.raises(SystemExit) as exit_info:
