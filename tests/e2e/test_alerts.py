@@ -23,14 +23,14 @@ RULE_FILES = sorted((ALERTS / "rules").glob("*.yml"))
 TEST_FILES = sorted((ALERTS / "tests").glob("*.test.yml"))
 RUNBOOK_SECTIONS = ("## What it means", "## Confirm on the dashboards", "## Smallest corrective move",
                     "## Long-term fix")
-# The alerts issue 6 asks for, issue 15's for a pool of replicas and issue 17's for shared state, by the names
-# on-call will see.
+# The alerts issue 6 asks for, issue 15's for a pool of replicas, issue 17's for shared state and issue 31's for
+# latency objectives, by the names on-call will see.
 REQUIRED = {"EngineDown", "EngineTelemetryStale", "KVCacheExhaustion", "PreemptionStorm",
             "PrefixCacheMissStorm", "SwapThrashing", "LowBandwidthUtilization", "ITLSLOBreach",
             "TTFTSLOBreach", "GuardQueueBuildup", "GuardShedding", "NoisyNeighbour", "FillAndSqueeze",
             "GuardDegradedMode", "FairnessDegraded", "ClientRetryStorm", "UpstreamErrorRate", "GuardDown",
             "AvailabilityBudgetBurn", "GuardBackendDown", "GuardPoolImbalance", "GuardPrefixRoutingNotPaying",
-            "GuardSharedStateDown"}
+            "GuardSharedStateDown", "SLOBurnRateFast", "SLOBurnRateSlow"}
 
 
 def rules() -> list[dict]:
