@@ -81,8 +81,8 @@ _CHOICES: dict[str, Sequence[str]] = {"dtype": sorted(DTYPES), "preemption_mode"
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m engine",
-        description="Serve a model with kvguard's paged-KV engine: OpenAI-compatible /v1/completions and "
-                    "/v1/chat/completions, /v1/models, /health, /telemetry, /telemetry/stream (SSE) and "
+        description="Serve a model with kvguard's paged-KV engine: OpenAI-compatible /v1/completions, "
+                    "/v1/chat/completions and /v1/responses, /v1/models, /health, /telemetry, /telemetry/stream (SSE) and "
                     "/metrics (Prometheus).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
