@@ -1,5 +1,6 @@
 """SLOs: latency quantiles per tenant and lane as clients see them through the guard, the share of requests
-within a chosen target, availability, and the error budget with its burn rate.
+within a chosen target, the lanes' latency objectives (attainment, goodput, burn, predictions),
+availability, and the error budget with its burn rate.
 
 Availability counts what the service did to valid requests: ``completed`` and ``fallback`` are good,
 ``upstream_error`` and ``rejected_overload`` are bad. Client-side outcomes (invalid, unauthorized,
@@ -68,6 +69,7 @@ def build() -> dict:
                            Target(per_lane(f"1 - {bad_ratio('$__rate_interval', by='tenant')}"),
                                   "{{tenant}} · {{lane}}"), max=1),
             ]),
+            Row("Latency objectives", objective_panels()),
             Row("Error budget", [
                 stat("Error budget remaining", "1 - (bad / valid) / (1 - SLO) over the dashboard's time "
                      "range: 100 % untouched, 0 % spent, negative overspent.", "percentunit",
@@ -85,6 +87,48 @@ def build() -> dict:
             ]),
         ],
     )
+
+
+def objective_panels() -> list:
+    """The lanes' latency objectives (``slo``, tightened by ``X-SLO-*`` headers): verdicts, goodput, burn and
+    the predictions that admission judged by (guard/admission/slo.py)."""
+    verdicts = sel("guard_slo_requests_total")
+    met = sel("guard_slo_requests_total", 'met="true"')
+    on_time = sel("guard_slo_requests_total", 'objective="ttft"', 'met="true"')
+    return [
+        timeseries("Objective attainment per lane", "Share of verdicts met, per lane and objective: TTFT met "
+                   "when the first token reached the client within the request's objective, TPOT when the "
+                   "stream's mean gap did; a refusal (slo_unattainable, overload) misses each of its "
+                   "objectives.", "percentunit",
+                   Target(ratio(f"sum by (lane, objective) ({rate(met)})",
+                                f"sum by (lane, objective) ({rate(verdicts)})"), "{{lane}} · {{objective}}"),
+                   min=0, max=1),
+        timeseries("Goodput per lane", "Requests whose first token came within their TTFT objective, per "
+                   "second and lane: the work that counted.", "reqps",
+                   Target(f"sum by (lane) ({rate(on_time)})", "{{lane}}")),
+        timeseries("Objective burn rate", "Missed verdicts over all verdicts per lane, over the 99 % "
+                   "attainment objective's budget (0.01): 1 spends it in 30 days. SLOBurnRateFast pages at "
+                   "14.4 over 1 h (and 5 m), SLOBurnRateSlow opens a ticket at 6 over 6 h (and 30 m).", "none",
+                   *(Target(f"{miss_ratio(window)} / 0.01", f"{{{{lane}}}} {window}") for window in ("5m", "1h")),
+                   thresholds=[(6, "orange"), (14.4, "red")]),
+        timeseries("Predicted TTFT", "The TTFT admission predicted for requests with an objective (queue "
+                   "wait plus the best replica's engine TTFT), p50 and p95 per lane: set against Time to "
+                   "first token above.", "s",
+                   *(Target(quantile(q, "guard_ttft_predicted_seconds", ("lane",)),
+                            f"p{round(q * 100)} {{{{lane}}}}") for q in (0.5, 0.95))),
+        timeseries("TTFT prediction error", "|predicted - observed| TTFT of streams with an objective, p50 "
+                   "and p95 per lane. Each replica's latency model relearns within ~20 requests; a lasting "
+                   "error means its speed keeps changing.", "s",
+                   *(Target(quantile(q, "guard_ttft_prediction_error_seconds", ("lane",)),
+                            f"p{round(q * 100)} {{{{lane}}}}") for q in (0.5, 0.95))),
+    ]
+
+
+def miss_ratio(window: str) -> str:
+    """Missed over all latency-objective verdicts per lane over ``window``."""
+    missed = rate(sel("guard_slo_requests_total", 'met="false"'), window)
+    verdicts = rate(sel("guard_slo_requests_total"), window)
+    return f"({ratio(zero_filled(f'sum by (lane) ({missed})', f'sum by (lane) ({verdicts})'), f'sum by (lane) ({verdicts})')})"
 
 
 def percentile_legend(q: float) -> str:
