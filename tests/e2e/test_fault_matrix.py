@@ -1,0 +1,39 @@
+"""The fleet fault matrix (issue 29): two guards sharing state through a real Redis, two real engines (one behind
+a relay that can black-hole it), one busy tenant per guard, one fault per cell (tests/support/fault_matrix.py).
+Every cell: nothing lost (every request a whole answer or an explicit error), every block and reservation
+back, and the guards' reservations never above an engine's pool; in the Redis cells, no engine preemption.
+
+The Redis cells run in make test (about 25 s together); the guard, engine and black-hole cells are ``slow``
+(the Redis-killed cell covers their conservative mode; they add a guard process, an engine restart and the
+upstream deadlines). ``bench/faults.py`` prints the whole table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from support.fault_matrix import CELLS, Fleet, run_cell
+
+REDIS_CELLS = {"redis killed", "redis slow (DEBUG SLEEP)", "redis flapping"}
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    root: Path = tmp_path_factory.mktemp("fleet")
+    with Fleet(root, seconds=2.5) as started:
+        yield started
+
+
+@pytest.mark.parametrize("cell", [name if name in REDIS_CELLS else pytest.param(name, marks=pytest.mark.slow)
+                                  for name in CELLS])
+def test_cell_loses_nothing_and_never_overcommits(fleet: Fleet, cell: str) -> None:
+    fault, victim = CELLS[cell]
+    row = run_cell(fleet, cell, fault, victim)
+    assert row.ok > 0, row
+    assert row.lost == 0, row
+    assert row.blocks_back and row.reservations_back, row
+    assert row.over_budget <= 0, row
+    if cell in REDIS_CELLS:
+        assert row.preemptions == 0, row
