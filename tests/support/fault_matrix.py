@@ -97,8 +97,7 @@ class Fleet:
         return [self.e0, self.e1]
 
     def guard_config(self, name: str, engine_urls: list[str] | None = None) -> dict[str, Any]:
-        assert self.hole is not None
-        urls = engine_urls or [self.e0.url, self.hole.url]
+        urls = engine_urls or [self.e0.url, self.hole.url if self.hole is not None else ""]
         return {"listen": {"host": "127.0.0.1", "port": free_port()}, "secret": f"fleet-{name}",
                 "engines": [{"name": f"e{i}", "url": url} for i, url in enumerate(urls)],
                 "upstream": {"connect_timeout": 1.0, "first_token_timeout": 3.0, "idle_timeout": 3.0},
@@ -218,12 +217,14 @@ def settle(fleet: Fleet, guards: list[GuardThread], row: Row, timeout: float = 2
 Fault = Callable[[Fleet, Callable[[], None]], None]  # (the fleet, SIGKILL the first guard) -> None
 
 
-def run_cell(fleet: Fleet, name: str, fault: Fault, victim: bool = False) -> Row:
-    """Two guards (the first a process when ``victim``: the cell may SIGKILL it) flooded by a and b, the
-    fault run from its own thread half a second in; then Redis back, and the closing checks."""
+def run_cell(fleet: Fleet, name: str, fault: Fault, victim: bool = False, streams: int = STREAMS,
+             one_engine: bool = False) -> Row:
+    """Two guards (the first a process when ``victim``: the cell may SIGKILL it) flooded by a and b with
+    ``streams`` clients each (in front of e0 alone when ``one_engine``), the fault run from its own thread
+    half a second in; then Redis back, and the closing checks."""
     row = Row(name)
     before = fleet.preemptions()
-    raws = [fleet.guard_config(f"{name}-{i}") for i in range(2)]
+    raws = [fleet.guard_config(f"{name}-{i}", [fleet.e0.url] if one_engine else None) for i in range(2)]
     killed = threading.Event()
     with contextlib.ExitStack() as stack:
         survivor = stack.enter_context(GuardThread(GuardConfig.model_validate(raws[1])))
@@ -243,8 +244,8 @@ def run_cell(fleet: Fleet, name: str, fault: Fault, victim: bool = False) -> Row
 
         async def load() -> None:
             victim_row = Row("victim")
-            await asyncio.gather(flood(first_url, "sk-a", until, victim_row if victim else row, stop=killed),
-                                 flood(survivor.url, "sk-b", until, row))
+            await asyncio.gather(flood(first_url, "sk-a", until, victim_row if victim else row, streams, stop=killed),
+                                 flood(survivor.url, "sk-b", until, row, streams))
             if victim:  # what was in flight at the killed guard died with it: cut, not lost
                 row.ok += victim_row.ok
                 row.refused += victim_row.refused
