@@ -22,12 +22,13 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
-from engine.kernels import triton_decode, triton_prefill, triton_store
+from engine.kernels import triton_decode, triton_lora, triton_prefill, triton_store
 
 TRITON_DTYPES = {"bfloat16": ("bf16", 2), "float16": ("fp16", 2), "float32": ("fp32", 4)}
 # Pointer element types by argument name; the activation and cache pointers take the dtype under test.
 INDEX_POINTERS = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_ptr": "*i32",
-                  "slot_ptr": "*i64", "partial_ptr": "*fp32", "lse_ptr": "*fp32"}
+                  "slot_ptr": "*i64", "partial_ptr": "*fp32", "lse_ptr": "*fp32",
+                  "slots_ptr": "*i32", "scales_ptr": "*fp32", "y_ptr": "*fp32"}  # the LoRA kernels'
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,9 @@ def kernels(shape: Shape, element_size: int) -> dict[str, tuple[triton.JITFuncti
              "BLOCK_SIZE": shape.block_size, "BLOCK_Q": max(1, block_m // block_g), "BLOCK_N": block_n},
             triton_prefill.NUM_WARPS,
         ),
+        # The LoRA BGMV pair at the default --max-lora-rank (16), with the tiles lora_bgmv launches.
+        "lora_shrink": (triton_lora._shrink_kernel, {"BLOCK_R": 16, "BLOCK_K": 64}, 4),
+        "lora_expand": (triton_lora._expand_kernel, {"BLOCK_R": 16, "BLOCK_N": 64}, 4),
     }
 
 
