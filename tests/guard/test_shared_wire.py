@@ -1,6 +1,6 @@
 """The link's wire to a real Redis: what requests ask and send travels in batches, in order, one atomic script
-per round trip; a lapsed lease is found by the renewal and rewritten; a client that leaves while the ledger
-decides leaves nothing reserved."""
+per round trip; a lapsed lease is found by the next batch or renewal and rewritten; a client that leaves while
+the ledger decides leaves nothing reserved."""
 
 from __future__ import annotations
 
@@ -63,9 +63,10 @@ def admit(shared: SharedState, blocks: int, room: int,
 
 
 async def ledger(url: str) -> dict[str, int]:
-    """The shared ledger's fields that hold blocks."""
+    """The shared ledger's fields that hold blocks (not the guards' epochs)."""
     async with aioredis.Redis.from_url(url, decode_responses=True) as client:
-        return {field: int(value) for field, value in (await client.hgetall(scripts.KEYS[1])).items() if int(value)}
+        return {field: int(value) for field, value in (await client.hgetall(scripts.KEYS[1])).items()
+                if int(value) and not field.endswith("|epoch")}
 
 
 async def test_concurrent_decisions_share_round_trips_in_the_order_asked(redis: RedisServer) -> None:
@@ -82,16 +83,20 @@ async def test_concurrent_decisions_share_round_trips_in_the_order_asked(redis: 
 
 
 async def test_a_lapsed_lease_is_found_by_the_renewal_not_renewed_by_an_admission(redis: RedisServer) -> None:
-    """Another guard's script removes a lapsed guard's fields; the lapsed guard's next admission must not
-    bring its lease back (it would then never learn that its earlier reservations are gone): the renewal
-    finds it unknown and writes back everything the guard holds."""
+    """Another guard's script removes a lapsed guard's fields, its epoch among them; the lapsed guard's next
+    admission must neither bring its lease back nor be decided on a ledger without its earlier reservations:
+    it is refused whole ("stale": the guard decides it alone, conservatively), and the resync that follows
+    writes back everything the guard holds."""
     async with link(redis.url, lease_ttl_s=2.0, run=True) as shared:
         shared.holdings = lambda: ({"e": (6, 0)}, {})  # what this guard holds: 4 blocks, then 2 more
         assert (await admit(shared, 4, 64))[0] == 1
         async with aioredis.Redis.from_url(redis.url) as client:
             await client.zadd(scripts.KEYS[0], {shared.guard_id: 0})  # the lease lapsed (a long pause)
-        assert (await admit(shared, 2, 64))[0] == 1  # its prologue removed the 4 blocks of the lapsed guard
-        await asyncio.sleep(1.0)  # the renewal runs every lease_ttl_s / 5
+        assert await admit(shared, 2, 64) is None  # its prologue removed the lapsed guard's fields and epoch
+        lost = shared.metrics.registry.get_sample_value("guard_shared_state_lost_total", {"reason": "stale"})
+        assert lost == 1
+        await asyncio.sleep(1.0)  # the link resyncs at once, then renews every 0.4 s (lease_ttl_s / 5)
+        assert shared.up
         assert await ledger(redis.url) == {f"{shared.guard_id}|e|r": 6}, "the resync rewrote the whole ledger"
 
 
