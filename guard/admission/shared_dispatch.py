@@ -84,7 +84,7 @@ class SharedDispatcher(Dispatcher):
         decided alone). Cancelled while the ledger decides (the client left), nothing stays reserved."""
         ticket.borrowed = borrowed = self._borrowed(ticket.tenant, ticket.blocks)
         charge = (INPUT_COST * ticket.prompt_tokens + OUTPUT_COST * ticket.max_tokens) / ticket.tenant.weight
-        ranked = self.profile.rank(self.pool.replicas, ticket.blocks, ticket.hashes)
+        ranked = self.profile.rank(self.pool.replicas, ticket.blocks, ticket.hashes, lora=ticket.lora)
         for candidate in ranked:
             replica = candidate.replica
             threshold_room, pool_room = replica.gate.rooms()
