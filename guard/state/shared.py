@@ -179,15 +179,22 @@ class SharedState:
         period = min(self.config.lease_ttl_s / 5, RENEW_S)
         while not self.stopping:
             if self.up:
-                renewed = await self.call("RENEW", self.config.lease_ttl_s, self.epoch)
-                if renewed is not None:
-                    self._live(int(renewed[0]))
-                    self.on_others(json.loads(renewed[2]) or {})  # cjson writes an empty table as {}
-                    if not renewed[1]:  # Redis lost us (restarted empty), or our lease lapsed meanwhile
-                        self._set_up(False, StaleEpoch(f"Redis no longer knows guard {self.guard_id}"))
+                await self.renew()
             if not self.up:
                 await self.resync()
             await asyncio.sleep(period if self.up else min(period, RETRY_S))
+
+    async def renew(self) -> None:
+        """Renew the lease, and learn the live guards and what the others hold. A Redis that no longer knows
+        this guard at its epoch (restarted empty, or the lease lapsed meanwhile) takes the link down: the
+        guard is conservative until its resync."""
+        renewed = await self.call("RENEW", self.config.lease_ttl_s, self.epoch)
+        if renewed is None:
+            return
+        self._live(int(renewed[0]))
+        self.on_others(json.loads(renewed[2]) or {})  # cjson writes an empty table as {}
+        if not renewed[1]:
+            self._set_up(False, StaleEpoch(f"Redis no longer knows guard {self.guard_id}"))
 
     async def resync(self) -> bool:
         """Write this guard's own ledger and backlog into Redis, replacing what it holds there; up on success.
