@@ -194,4 +194,5 @@ class LoraRegistry:
         return self.adapters.get(name)
 
     def names(self) -> list[str]:
-        return sorted(self.adapters)
+        with self._lock:  # a load on the server's worker thread may be inserting meanwhile
+            return sorted(self.adapters)
