@@ -160,7 +160,9 @@ class Dispatcher:
             self._admitted(queue, ticket)  # nobody waits, so VTC order has nothing to say: no queue, no future
             return
         ahead = self.blocks_ahead_of(ticket) + ticket.blocks
-        wait = self.pool.expected_wait(max(0, self.pool.committed() + ahead - self.pool.budget()))
+        # What others borrowed is room for a critical ticket: it reclaims it (guard/pool/gate.py).
+        held = self.pool.committed() - (self.pool.borrowed() if ticket.lane.priority_class == slo.CRITICAL else 0)
+        wait = self.pool.expected_wait(max(0, held + ahead - self.pool.budget()))
         if wait is not None and wait > ticket.lane.timeout:
             raise GuardError(503, f"the expected queueing time ({wait:.1f} s) exceeds this lane's timeout "
                              f"({ticket.lane.timeout:g} s)", code="overloaded", retry_after=self.pool.retry_after(ahead))
@@ -307,7 +309,7 @@ class Dispatcher:
         latency = ticket.replica.latency
         latency.started(ticket.priority, ticket.uncached)
         if after_s is not None:
-            latency.observe_ttft(ticket.work, after_s)
+            latency.observe_ttft(ticket.priority, ticket.work, after_s)
         ticket.uncached = ticket.work = 0
 
     def charge_output(self, ticket: Ticket, output_tokens: int) -> None:

@@ -10,7 +10,8 @@ until it ends.
 ``base`` (a step with the running batch's decodes in it, and the relay) and ``per_token`` (the inverse of
 the measured prefill rate) are fitted to the guard's own observations, each request's admission-to-first-
 token time against the work that was ahead of it, by exponentially weighted least squares: a window of
-about ``1 / (1 - DECAY)`` requests, so the fit follows the replica's load as it changes. Until the fit has
+about ``1 / (1 - DECAY)`` requests, so the fit follows the replica's load as it changes; one fit per
+engine priority, since the engine treats them differently. Until the fit has
 ``MIN_FIT`` observations the engine's telemetry stands in for ``base`` (its mean step time), beside a
 nominal ``per_token`` (its token rate is throughput, not speed: an idle engine's says nothing). TPOT is the mean gap between streamed tokens that the guard observed on the
 replica (exponentially weighted), before any the engine's mean decode step (``itl_s``).
@@ -31,16 +32,42 @@ FALLBACK_PER_TOKEN_S = 1e-4  # 10k prefill tokens/s: until the fit has a slope
 
 
 @dataclass(slots=True)
+class Fit:
+    """TTFT = base + per_token x work, by exponentially weighted least squares (work x in tokens, TTFT y in
+    seconds)."""
+
+    w: float = 0.0
+    x: float = 0.0
+    y: float = 0.0
+    xx: float = 0.0
+    xy: float = 0.0
+    seen: int = 0
+
+    def add(self, work: int, seconds: float) -> None:
+        self.w = DECAY * self.w + 1.0
+        self.x = DECAY * self.x + work
+        self.y = DECAY * self.y + seconds
+        self.xx = DECAY * self.xx + work * work
+        self.xy = DECAY * self.xy + work * seconds
+        self.seen += 1
+
+    def coefficients(self) -> tuple[float, float]:
+        mx, my = self.x / self.w, self.y / self.w
+        var = self.xx / self.w - mx * mx
+        if var < MIN_SPREAD_TOKENS ** 2:  # every request met about the same work: the mean is the prediction
+            return max(0.0, my - FALLBACK_PER_TOKEN_S * mx), FALLBACK_PER_TOKEN_S
+        slope = max(0.0, (self.xy / self.w - mx * my) / var)
+        return max(0.0, my - slope * mx), slope
+
+
+@dataclass(slots=True)
 class LatencyModel:
     # Engine priority -> uncached prompt tokens of requests sent here at it that have no first token yet.
     pending: dict[int, int] = field(default_factory=dict)
-    # Exponentially weighted sums over observations (work x in tokens, engine TTFT y in seconds).
-    _w: float = 0.0
-    _x: float = 0.0
-    _y: float = 0.0
-    _xx: float = 0.0
-    _xy: float = 0.0
-    _seen: int = 0
+    # One fit per engine priority (the engine serves priorities differently: a borrower's prefill waits
+    # behind decodes of higher ones), and one over all of them for a priority not seen ``MIN_FIT`` times.
+    _fits: dict[int, Fit] = field(default_factory=dict)
+    _all: Fit = field(default_factory=Fit)
     _step_s: float = 0.0  # the telemetry's mean step time
     _itl_s: float = 0.0  # the telemetry's mean decode step
     _tpot_s: float | None = None  # observed mean gap between tokens, weighted
@@ -67,32 +94,27 @@ class LatencyModel:
         else:
             self.pending.pop(priority, None)
 
-    def coefficients(self) -> tuple[float, float]:
-        """(base seconds, seconds per token of work), fitted or from telemetry."""
-        if self._seen < MIN_FIT or self._w <= 0:
-            return self._step_s, FALLBACK_PER_TOKEN_S
-        mx, my = self._x / self._w, self._y / self._w
-        var = self._xx / self._w - mx * mx
-        if var < MIN_SPREAD_TOKENS ** 2:  # every request met about the same work: the mean is the prediction
-            return max(0.0, my - FALLBACK_PER_TOKEN_S * mx), FALLBACK_PER_TOKEN_S
-        slope = max(0.0, (self._xy / self._w - mx * my) / var)
-        return max(0.0, my - slope * mx), slope
+    def coefficients(self, priority: int) -> tuple[float, float]:
+        """(base seconds, seconds per token of work) at engine ``priority``: its own fit, else the fit over
+        every priority, else the telemetry's step time and a nominal rate."""
+        fit = self._fits.get(priority)
+        if fit is not None and fit.seen >= MIN_FIT:
+            return fit.coefficients()
+        if self._all.seen >= MIN_FIT:
+            return self._all.coefficients()
+        return self._step_s, FALLBACK_PER_TOKEN_S
 
     def predict_ttft(self, priority: int, uncached_tokens: int) -> float:
         """Seconds from being sent here at engine ``priority`` to the first token, for a request with
         ``uncached_tokens`` to prefill."""
-        base, per_token = self.coefficients()
+        base, per_token = self.coefficients(priority)
         return base + per_token * (self.ahead(priority) + uncached_tokens)
 
-    def observe_ttft(self, work: int, seconds: float) -> None:
-        """A request sent with ``work`` tokens ahead of it (its own included) saw its first token after
-        ``seconds``."""
-        self._w = DECAY * self._w + 1.0
-        self._x = DECAY * self._x + work
-        self._y = DECAY * self._y + seconds
-        self._xx = DECAY * self._xx + work * work
-        self._xy = DECAY * self._xy + work * seconds
-        self._seen += 1
+    def observe_ttft(self, priority: int, work: int, seconds: float) -> None:
+        """A request sent at engine ``priority`` with ``work`` tokens ahead of it (its own included) saw its
+        first token after ``seconds``."""
+        self._fits.setdefault(priority, Fit()).add(work, seconds)
+        self._all.add(work, seconds)
 
     def predict_tpot(self) -> float:
         return self._tpot_s if self._tpot_s is not None else self._itl_s

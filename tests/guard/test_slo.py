@@ -80,9 +80,13 @@ def test_the_latency_model_learns_base_and_prefill_rate_and_counts_work_by_engin
     model = LatencyModel()
     for i in range(3 * MIN_FIT):  # engine TTFT = 20 ms + 0.2 ms per token of work ahead
         work = 50 + 97 * (i % 7)
-        model.observe_ttft(work, 0.020 + 2e-4 * work)
-    base, per_token = model.coefficients()
+        model.observe_ttft(1, work, 0.020 + 2e-4 * work)
+    base, per_token = model.coefficients(1)
     assert base == pytest.approx(0.020, rel=0.02) and per_token == pytest.approx(2e-4, rel=0.02)
+    assert model.coefficients(104) == (base, per_token), "a priority not seen yet: the fit over all of them"
+    for i in range(MIN_FIT):
+        model.observe_ttft(104, 300, 0.5)
+    assert model.predict_ttft(104, 300) == pytest.approx(0.5, rel=0.01), "then its own"
     assert model.admitted(1, 100) == 100
     assert model.admitted(104, 500) == 600, "a borrower's prefill waits for every higher priority's"
     assert model.ahead(1) == 100, "a lower priority's prefill is not ahead of a critical request"
