@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]  # the cells live with the tests' process helpers
 
 from bench.run_info import command, describe, write_report  # noqa: E402
-from support.fault_matrix import CELLS, Fleet, Row, redis_killed, run_cell  # noqa: E402
+from support.fault_matrix import CELLS, Cell, Fleet, Row, redis_killed, run_cell  # noqa: E402
 
 COLUMNS = ("preemptions", "ok", "refused", "lost", "cut", "over_budget", "blocks_back", "reservations_back")
 
@@ -40,11 +40,11 @@ def main() -> None:
     rows = []
     print(f"{'cell':<48}" + "".join(f"{c:>18}" for c in COLUMNS))
     with tempfile.TemporaryDirectory() as root, Fleet(Path(root), seconds=args.seconds) as fleet:
-        for name, (fault, victim) in CELLS.items():
-            rows.append(_row(fleet, name, lambda f=fault, v=victim, n=name: run_cell(fleet, n, f, v)))
+        for name, cell in CELLS.items():
+            rows.append(_row(fleet, name, lambda c=cell, n=name: run_cell(fleet, n, c)))
         # The relay swallows from here on: the issue's row uses e0 alone.
         rows.append(_row(fleet, "issue: 1 engine, 24 streams/guard, redis killed",
-                         lambda: run_cell(fleet, "issue", redis_killed, streams=24, one_engine=True)))
+                         lambda: run_cell(fleet, "issue", Cell(redis_killed), streams=24, one_engine=True)))
     if args.report is not None:
         write_report(args.report, {"machine": describe(torch.device("cpu")), "command": command(), "rows": rows})
 

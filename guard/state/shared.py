@@ -191,10 +191,11 @@ class SharedState:
         renewed = await self.call("RENEW", self.config.lease_ttl_s, self.epoch)
         if renewed is None:
             return
+        if not renewed[1]:  # its count and ledger may lack guards that have not resynced yet either
+            self._set_up(False, StaleEpoch(f"Redis no longer knows guard {self.guard_id}"))
+            return
         self._live(int(renewed[0]))
         self.on_others(json.loads(renewed[2]) or {})  # cjson writes an empty table as {}
-        if not renewed[1]:
-            self._set_up(False, StaleEpoch(f"Redis no longer knows guard {self.guard_id}"))
 
     async def resync(self) -> bool:
         """Write this guard's own ledger and backlog into Redis, replacing what it holds there; up on success.

@@ -217,11 +217,21 @@ def settle(fleet: Fleet, guards: list[GuardThread], row: Row, timeout: float = 2
 Fault = Callable[[Fleet, Callable[[], None]], None]  # (the fleet, SIGKILL the first guard) -> None
 
 
-def run_cell(fleet: Fleet, name: str, fault: Fault, victim: bool = False, streams: int = STREAMS,
-             one_engine: bool = False) -> Row:
-    """Two guards (the first a process when ``victim``: the cell may SIGKILL it) flooded by a and b with
-    ``streams`` clients each (in front of e0 alone when ``one_engine``), the fault run from its own thread
-    half a second in; then Redis back, and the closing checks."""
+@dataclass(frozen=True, slots=True)
+class Cell:
+    fault: Fault
+    victim: bool = False  # the first guard is a process, which the fault may SIGKILL
+    # The first guard floods alone with twice the streams (its tenant borrows every engine's whole budget
+    # while Redis is up); the second guard's tenant arrives just after the fault.
+    lopsided: bool = False
+
+
+def run_cell(fleet: Fleet, name: str, cell: Cell, streams: int = STREAMS, one_engine: bool = False) -> Row:
+    """Two guards (the first a process when ``cell.victim``) flooded by a and b with ``streams`` clients each
+    (in front of e0 alone when ``one_engine``), the fault run from its own thread half a second in (a
+    second, ``lopsided``); then Redis back, and the closing checks."""
+    victim, fault_at = cell.victim, 1.0 if cell.lopsided else 0.5
+    max_tokens = 64 if cell.lopsided else 32  # longer streams: the first guard's excess drains slower
     row = Row(name)
     before = fleet.preemptions()
     raws = [fleet.guard_config(f"{name}-{i}", [fleet.e0.url] if one_engine else None) for i in range(2)]
@@ -240,12 +250,18 @@ def run_cell(fleet: Fleet, name: str, fault: Fault, victim: bool = False, stream
             kill = lambda: None  # noqa: E731
         joined(threads, 2)
         until = time.monotonic() + fleet.seconds
-        chaos = threading.Thread(target=lambda: (time.sleep(0.5), fault(fleet, kill)), daemon=True)
+        chaos = threading.Thread(target=lambda: (time.sleep(fault_at), cell.fault(fleet, kill)), daemon=True)
 
         async def load() -> None:
             victim_row = Row("victim")
-            await asyncio.gather(flood(first_url, "sk-a", until, victim_row if victim else row, streams, stop=killed),
-                                 flood(survivor.url, "sk-b", until, row, streams))
+            async def second() -> None:
+                if cell.lopsided:
+                    await asyncio.sleep(fault_at + 0.05)
+                await flood(survivor.url, "sk-b", until, row, streams, max_tokens)
+
+            first_streams = 2 * streams if cell.lopsided else streams
+            await asyncio.gather(flood(first_url, "sk-a", until, victim_row if victim else row, first_streams,
+                                       max_tokens, stop=killed), second())
             if victim:  # what was in flight at the killed guard died with it: cut, not lost
                 row.ok += victim_row.ok
                 row.refused += victim_row.refused
@@ -308,11 +324,12 @@ def engine_blackholed(fleet: Fleet, kill: Callable[[], None]) -> None:
     fleet.hole.swallow()
 
 
-CELLS: dict[str, tuple[Fault, bool]] = {  # name -> (the fault, whether the first guard is a process it kills)
-    "redis killed": (redis_killed, False),
-    "redis slow (DEBUG SLEEP)": (redis_slow, False),
-    "redis flapping": (redis_flapping, False),
-    "guard SIGKILLed in an outage": (guard_killed_in_outage, True),
-    "engine restarted in an outage": (engine_restarted_in_outage, False),
-    "engine black-holed": (engine_blackholed, False),  # last: the relay stays a black hole
+CELLS = {
+    "redis killed": Cell(redis_killed),
+    "redis killed after one guard borrowed all": Cell(redis_killed, lopsided=True),
+    "redis slow (DEBUG SLEEP)": Cell(redis_slow),
+    "redis flapping": Cell(redis_flapping),
+    "guard SIGKILLed in an outage": Cell(guard_killed_in_outage, victim=True),
+    "engine restarted in an outage": Cell(engine_restarted_in_outage),
+    "engine black-holed": Cell(engine_blackholed),  # last: the relay stays a black hole
 }
