@@ -17,7 +17,11 @@ Integrity checks and purpose-built parts
   check ``assert_nothing_lost`` (every request answered, every block back, nothing held by the guard).
 - ``fault_upstream``: ``FaultUpstream``, a fake engine for the faults a real one cannot produce on demand.
 - ``redis_server``: ``RedisServer``, a real ``redis-server`` on a free loopback port (restartable, no
-  persistence), for the guards' shared state.
+  persistence, ``DEBUG SLEEP`` allowed), for the guards' shared state.
+- ``blackhole``: ``BlackHole``, a TCP relay in front of a real engine that can swallow everything (connections
+  accepted, nothing answered).
+- ``fault_matrix``: the fleet fault matrix's ``Fleet`` (Redis and two engines), its cells and ``run_cell``
+  (two guards under one fault: preemptions, ok/refused/lost, reservations against the pool, all back).
 - ``live_stack``: engine, guard, Prometheus, Alertmanager and an on-call webhook receiver, as processes.
 - ``browser``: ``Chromium``, a real headless Chromium driven over the DevTools protocol (``Page.evaluate``,
   ``wait_for`` in the live page, ``screenshot``), for the operator console.
