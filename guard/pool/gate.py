@@ -180,11 +180,13 @@ class AdmissionGate:
         current threshold (telemetry assumed usable)."""
         assert self.snapshot is not None
         threshold_room, pool_room = self.rooms()
+        # Asked for every reservation: no call at all in the usual case (the link up, or no shared state).
+        threshold, pool = ((threshold_room, pool_room) if self.share >= 1.0
+                           else (self.mine(threshold_room), self.mine(pool_room)))
         if borrowed:
-            return self.reserved + blocks <= self.mine(threshold_room)
+            return self.reserved + blocks <= threshold
         # Within a guarantee, what others borrowed is reclaimable up to the engine's whole pool.
-        return (self.reserved - self.borrowed + blocks <= self.mine(threshold_room)
-                and self.reserved + blocks <= self.mine(pool_room))
+        return self.reserved - self.borrowed + blocks <= threshold and self.reserved + blocks <= pool
 
     def mine(self, room: int) -> float:
         """Of ``room``, what this guard's reservations may sum to: all of it, or while guards that share
