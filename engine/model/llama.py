@@ -30,6 +30,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # the same maths in one fused op: six fewer per call at decode
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in fp32 and cast back before the weight, as HF does: bf16 models were trained that way.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -52,13 +54,20 @@ class RotaryEmbedding(nn.Module):
         angles = torch.cat((angles, angles), dim=-1)  # [max_pos, head_dim]: both halves share a frequency
         self.register_buffer("cos_cache", angles.cos(), persistent=False)
         self.register_buffer("sin_cache", angles.sin(), persistent=False)
+        # Every layer of a step passes the same ``positions`` tensor: its rows are gathered once per step (on
+        # CPU; a CUDA graph replays one positions buffer with new contents, so CUDA gathers every time).
+        self._step: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``query [T, heads, D]`` and ``key [T, kv_heads, D]`` by their tokens' positions."""
-        cos = self.cos_cache[positions].to(query.dtype)[:, None, :]
-        sin = self.sin_cache[positions].to(query.dtype)[:, None, :]
+        step = self._step
+        if step is None or step[0] is not positions or step[1] != query.dtype or positions.is_cuda:
+            cos = self.cos_cache[positions].to(query.dtype)[:, None, :]
+            sin = self.sin_cache[positions].to(query.dtype)[:, None, :]
+            step = self._step = (positions, query.dtype, cos, sin)
+        _, _, cos, sin = step
         return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
 
 

@@ -19,15 +19,17 @@ holds with its scale and zero rounded to bfloat16. int4 applies to projections w
 multiple of 64 and input a multiple of 32 (the packed kernel's tiles); other projections take int8 instead, and so
 does the token embedding (whose rows are gathered, and which is also the LM head when tied).
 
-Multiplying (``QuantizedLinear``): up to ``KERNEL_MAX_ROWS`` rows (decode) use torch's weight-only kernels
-on bfloat16 activations (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``), which read the small
-weights directly; more rows (prefill) dequantize the matrix to the activations' dtype for one dense GEMM,
-whose cost the many rows amortize. Measured on this project's 2-core Xeon (AVX-512 VNNI, no AVX512-BF16),
-one thread, 576x1536: 1 row fp32 124 us, int8 60 us, int4 54 us; 1,000 rows fp32 19 ms, the int4 kernel
-48 ms, dequantize + fp32 GEMM 29 ms (docs/benchmarks.md, "CPU weight formats").
+Multiplying (``QuantizedLinear``): int4 and bf16 use a weight-only kernel on bfloat16 activations
+(``_weight_int4pack_mm_for_cpu``) up to ``KERNEL_MAX_ROWS`` rows (decode), which reads the small weights
+directly; more rows (prefill) dequantize the matrix to the activations' dtype for one dense GEMM, whose cost
+the many rows amortize. int8 uses its weight-only kernel for a few rows and multiplies in integers
+(``torch._int_mm``, VNNI, each activation row quantized to int8) for more (``Int8Linear``). Measured on this
+project's 2-core Xeon (AVX-512 VNNI, no AVX512-BF16), one thread, 576x1536: 1 row fp32 124 us, int8 60 us,
+int4 54 us; 1,000 rows fp32 19 ms, the int4 kernel 48 ms, dequantize + fp32 GEMM 29 ms.
 
-Quantized formats are lossy (bfloat16 activations into the kernels, requantized scales); the parity tests
-(tests/engine/test_weight_formats.py) bound their logits against the fp32 path, and fp32 stays exact.
+Quantized formats are lossy (bfloat16 or int8 activations into the kernels, requantized scales): the
+parity tests (tests/engine/test_weight_formats.py) bound their logits against the fp32 path, which stays
+exact (tests/engine/test_gguf_smollm2.py).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ _AUTO = {Q.Q4_0: "int4", Q.Q4_1: "int4", Q.Q4_K: "int4", Q.Q5_0: "int8", Q.Q5_1:
          Q.Q6_K: "int8", Q.Q8_0: "int8"}
 # Above this many rows the dequantize-then-GEMM path beats the weight-only kernels (module docstring).
 KERNEL_MAX_ROWS = 64
+INT8_KERNEL_MAX_ROWS = 8  # int8: weight-only kernel up to here, integer GEMM above (Int8Linear)
 GROUP = 32  # int4 group along the input dimension (Q4_* blocks are 32 weights)
 _PACK_ROWS = 64  # int4 packing tile along the output dimension
 
@@ -62,14 +65,17 @@ class QuantizedLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] <= KERNEL_MAX_ROWS:
-            y = self._kernel(rows.to(torch.bfloat16)).to(x.dtype)
-        else:
-            y = F.linear(rows, self.dequantize(x.dtype))
+        y = self._matmul(x.reshape(-1, self.in_features))
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
+
+    def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows @ W^T`` in the rows' dtype: the weight-only kernel on bfloat16 activations for few rows,
+        one dense GEMM on the dequantized matrix for many (module docstring)."""
+        if rows.shape[0] <= KERNEL_MAX_ROWS:
+            return self._kernel(rows.to(torch.bfloat16)).to(rows.dtype)
+        return F.linear(rows, self.dequantize(rows.dtype))
 
     def _kernel(self, rows: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -99,7 +105,17 @@ class Bf16Linear(QuantizedLinear):
 
 
 class Int8Linear(QuantizedLinear):
-    """Symmetric int8 per output row: ``W[n, k] = qweight[n, k] * scales[n]``."""
+    """Symmetric int8 per output row: ``W[n, k] = qweight[n, k] * scales[n]``.
+
+    Up to ``INT8_KERNEL_MAX_ROWS`` rows (one stream's decode) use the weight-only kernel on bfloat16
+    activations. More rows multiply in integers: each activation row is quantized to int8 with its own scale
+    (absmax / 127, so a row's result never depends on the other rows of the batch), ``torch._int_mm`` sums
+    int8 x int8 into int32 (VNNI), and the two scales come back in one multiply. Measured here, one thread,
+    against the dense fp32 GEMM: at 32 rows 1.2-2.4x faster (the 49152-row LM head 48 -> 27-42 ms), where the
+    weight-only kernel is 1.3-2.7x slower; at one row both beat fp32 (LM head 13.7 ms: 6.2 weight-only, 4.0
+    integer). The integer path costs precision on activations with outlier channels (SmolLM2 with every
+    matrix int8: max logit error 9-13% of the largest logit, against 3-6% weight-only), hence the split.
+    """
 
     format = "int8"
 
@@ -108,10 +124,17 @@ class Int8Linear(QuantizedLinear):
         qweight, scales = quantize_int8(weight)
         self.register_buffer("qweight", qweight)
         self.register_buffer("scales", scales)
-        self.register_buffer("scales_bf16", scales.to(torch.bfloat16))  # the kernel wants the activations' dtype
+        self.register_buffer("scales_bf16", scales.to(torch.bfloat16))  # the weight-only kernel's dtype
 
-    def _kernel(self, rows: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int8pack_mm(rows, self.qweight, self.scales_bf16)
+    def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        if rows.shape[0] <= INT8_KERNEL_MAX_ROWS:
+            x = rows.to(torch.bfloat16)
+            return torch._weight_int8pack_mm(x, self.qweight, self.scales_bf16).to(rows.dtype)
+        x = rows.float()
+        x_scales = x.abs().amax(dim=1, keepdim=True).clamp_min_(1e-30) / 127
+        x_int8 = torch.round(x / x_scales).to(torch.int8)
+        # qweight.t() is a view: _int_mm takes the transposed layout without a copy of the weight.
+        return (torch._int_mm(x_int8, self.qweight.t()) * (x_scales * self.scales)).to(rows.dtype)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         return self.qweight.to(dtype) * self.scales.to(dtype)[:, None]

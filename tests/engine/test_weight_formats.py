@@ -1,0 +1,166 @@
+"""Weight formats (engine/model/weights.py, ``--weight-format``): quantized matrices stay resident, multiply
+within a documented logit tolerance of the exact fp32 path, and ``auto`` follows each GGUF tensor's type.
+
+The documented tolerance is the largest logit error relative to the largest logit, on SmolLM2-135M (Q4_1
+GGUF) chat prompts of 30-40 tokens, against the fp32 path (which equals transformers: test_gguf_smollm2.py).
+A prompt's rows take the paths of a prefill (int8: its integer GEMM, activations quantized per row; int4:
+the weight-only kernel; more than 64 rows: dequantize + GEMM). Measured when the formats were written:
+bf16 0.7-1.1%, int4 (what ``auto`` gives this file, with its int8 LM head) 4.2-7.1%, int8 8.7-12.9%; the
+bounds below leave room for summation-order noise. fp32 is exact and has no tolerance.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize, quantize
+from support.gguf_files import write_tiny_gguf
+from support.single_sequence import SingleSequence
+
+from engine import LLM, SamplingParams
+from engine.kernels import TorchAttentionBackend
+from engine.model import LoadedModel, load_model
+from engine.model.gguf_loader import gguf_name
+from engine.model.sources import smollm2_path
+from engine.model.weights import (
+    Bf16Linear,
+    Int4Linear,
+    Int8Linear,
+    QuantizedEmbedding,
+    apply_weight_formats,
+    weight_bytes,
+)
+from engine.protocol import ChatMessage
+
+Q = gguf.GGMLQuantizationType
+TOLERANCE = {"bf16": 0.02, "int4": 0.10, "int8": 0.16}  # of the largest logit (module docstring)
+QUESTIONS = ["What is the capital of France?", "Write a haiku about autumn."]
+CPU = torch.device("cpu")
+
+
+def test_int4_dequantize_reads_torchs_packed_layout() -> None:
+    """``dequantize`` unpacks the layout documented on Int4Linear: the kernel times the identity is W^T."""
+    weight = torch.randn(192, 96)
+    layer = Int4Linear(weight, None)
+    through_kernel = torch._weight_int4pack_mm_for_cpu(torch.eye(96, dtype=torch.bfloat16), layer.packed, 32,
+                                                       layer.scales_zeros).t()
+    assert torch.equal(layer.dequantize(torch.bfloat16), through_kernel)
+
+
+@pytest.mark.parametrize("cls", [Bf16Linear, Int8Linear, Int4Linear])
+@pytest.mark.parametrize("rows", [1, 16, 100])  # 1: one stream; 16: int8's integer GEMM; 100: dequantize path
+def test_a_quantized_projection_multiplies_by_its_own_weights(cls: type, rows: int) -> None:
+    torch.manual_seed(rows)
+    weight, bias, x = torch.randn(128, 64) * 0.05, torch.randn(128), torch.randn(rows, 64)
+    layer = cls(weight, bias)
+    expected = torch.nn.functional.linear(x, layer.dequantize(torch.float32), bias)
+    got = layer(x)
+    assert got.dtype == torch.float32 and got.shape == (rows, 128)
+    assert (got - expected).abs().max() <= 0.02 * expected.abs().max()  # bf16 or int8 activations only
+    # ... and those weights are the original ones within the format's rounding.
+    step = {Bf16Linear: 2**-8, Int8Linear: 1 / 127, Int4Linear: 1 / 15}[cls]
+    assert (layer.dequantize(torch.float32) - weight).abs().max() <= step * weight.abs().max()
+
+
+def test_q4_1_blocks_survive_int4_up_to_bf16_scales() -> None:
+    """A Q4_1 block is ``d * q + m`` over 32 weights: int4 keeps every q and rounds d and the zero to bf16."""
+    rng = np.random.default_rng(0)
+    original = rng.standard_normal((64, 256)).astype(np.float32) * 0.05
+    q4_1 = torch.from_numpy(dequantize(quantize(original, Q.Q4_1), Q.Q4_1)).reshape(64, 256)
+    restored = Int4Linear(q4_1, None).dequantize(torch.float32)
+    # bf16 rounds d and the zero by at most 2^-9 of themselves: (q - 8) * d-error + zero-error stays within
+    # 2^-9 * (8 d + |zero|) < 2^-7 * max|w|, while a different q would be off by a whole step d.
+    assert (restored - q4_1).abs().max() <= 2**-7 * q4_1.abs().max()
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> Iterator[LoadedModel]:
+    # One torch thread, as the engine runs (cpu_threads=1): more spin-wait on a busy machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield load_model("smollm2", CPU, torch.float32, TorchAttentionBackend(), "fp32")
+    torch.set_num_threads(threads)
+
+
+def matrices(model: torch.nn.Module) -> list[str]:
+    return [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear | torch.nn.Embedding)]
+
+
+@pytest.fixture(scope="module")
+def chat_prompts(smollm2: LoadedModel) -> list[list[int]]:
+    tokenizer, template = smollm2.tokenizer, smollm2.chat_template
+    assert tokenizer is not None
+    chats = [template.render([ChatMessage(role="user", content=q)]) for q in QUESTIONS]
+    long = template.render([ChatMessage(role="user", content=" ".join(QUESTIONS * 4))])  # > 64 tokens
+    return [tokenizer.encode(text, add_special_tokens=False) for text in [*chats, long]]
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int4", "int8"])
+def test_smollm2_logits_stay_within_the_formats_tolerance(
+    smollm2: LoadedModel, chat_prompts: list[list[int]], fmt: str
+) -> None:
+    quantized = copy.deepcopy(smollm2.model)
+    apply_weight_formats(quantized, dict.fromkeys(matrices(quantized), fmt))
+    assert len(chat_prompts[-1]) > 64, "the long prompt takes the dequantize-then-GEMM path"
+    for prompt in chat_prompts:
+        exact = SingleSequence(smollm2.model, block_size=16, num_blocks=16).step(prompt)[-1]
+        ours = SingleSequence(quantized, block_size=16, num_blocks=16).step(prompt)[-1]
+        largest = exact.abs().max().item()
+        assert (ours - exact).abs().max().item() <= TOLERANCE[fmt] * largest
+        top2 = exact.topk(2).values
+        if (top2[0] - top2[1]).item() > 2 * TOLERANCE[fmt] * largest:  # a clear winner stays the winner
+            assert ours.argmax() == exact.argmax()
+
+
+def test_smollm2_auto_stays_within_1_3x_of_the_gguf_tensors() -> None:
+    path = smollm2_path()
+    file_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
+    llm = LLM("smollm2", device="cpu", num_blocks=8, weight_format="auto")
+    model = llm.core.loaded.model
+    assert isinstance(model.model.layers[0].mlp.up_proj, Int4Linear), "Q4_1 projections stay 4-bit"
+    assert isinstance(model.model.embed_tokens, QuantizedEmbedding), "the Q8_0 embedding (and LM head) int8"
+    resident = weight_bytes(model)
+    assert resident <= 1.3 * file_bytes, (resident, file_bytes)
+    assert llm.core.runner.weight_bytes == resident  # what the bandwidth telemetry counts per step
+    out = llm.generate("The capital of France is", SamplingParams(max_tokens=4, temperature=0.0))
+    assert "Paris" in out[0].outputs[0].text
+
+
+def test_auto_follows_each_gguf_tensors_type(tmp_path: Path) -> None:
+    """The random two-layer file gives its 2-D tensors every type in turn; auto picks by type, and the engine
+    serves the result through chunked prefill and preemption."""
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    loaded = load_model(str(path), CPU, torch.float32, TorchAttentionBackend(), "auto")
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(path).tensors}
+    expected = {Q.Q4_0: Int4Linear, Q.Q4_1: Int4Linear, Q.Q4_K: Int4Linear, Q.Q5_0: Int8Linear,
+                Q.Q5_1: Int8Linear, Q.Q5_K: Int8Linear, Q.Q6_K: Int8Linear, Q.Q8_0: Int8Linear,
+                Q.F32: torch.nn.Linear, Q.F16: torch.nn.Linear, Q.BF16: torch.nn.Linear}
+    seen = set()
+    for name in _linear_names(loaded.model):
+        module = loaded.model.get_submodule(name)
+        source = types[gguf_name(f"{name}.weight")]
+        assert type(module) is expected[source], (name, source.name)
+        seen.add(source)
+    assert len(seen) >= 8, "the file exercises most types"
+    llm = LLM(str(path), device="cpu", block_size=4, num_blocks=16, max_num_batched_tokens=8)
+    prompts = [[first + i for i in range(9)] for first in (5, 40, 80, 120)]  # 4 x 7 blocks > 16
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 16 for o in outputs)
+    assert llm.telemetry().preemptions_total > 0
+
+
+def _linear_names(model: torch.nn.Module) -> list[str]:
+    """The projections, quantized or not (the embedding is checked by the SmolLM2 test)."""
+    return [name for name, m in model.named_modules()
+            if name.rsplit(".", 1)[-1].endswith("_proj") or name == "lm_head"]
+
+
+def test_an_unknown_weight_format_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="weight_format"):
+        LLM("tiny", weight_format="int3")
