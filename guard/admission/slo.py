@@ -15,8 +15,8 @@ everything queued. With blocks ahead, the wait is them over the pace at which bl
 (``Departures``); with none, it is the blocks it needs past the pool's budget over the replicas' drain rate
 (none when it fits now; what others borrowed counts as room for a request that does not borrow itself).
 
-A sheddable request predicted to miss its TTFT objective, or to come within ``SHED_MARGIN`` of it, is
-refused at once (``slo_unattainable``, with ``Retry-After`` from the predicted wait): waiting would only make it late and hold blocks that requests
+A sheddable request predicted to miss its TTFT objective is refused at once (``slo_unattainable``, with
+``Retry-After`` from the predicted wait): waiting would only make it late and hold blocks that requests
 still on time need. One that queues leaves the queue, refused the same way, once too little of its
 objective is left for its prefill (``queue_timeout``). Critical and standard requests are never refused for
 their objective: they are served and counted (``guard_slo_requests_total``). Before anything has drained
@@ -44,9 +44,6 @@ MIN_LEARNED_WAIT_S = 0.05  # predicted waits below this teach the correction not
 MAX_LOG_RATIO = math.log(30.0)  # one ticket moves the correction by at most 30x
 CORRECTION_DECAY = 0.9  # weight of the past per queued ticket
 DEADLINE_MARGIN = 0.05  # of a sheddable request's TTFT objective, left for its prefill when it leaves the queue
-# A sheddable request predicted within this share of its objective is refused at once too: one that queues
-# and is late anyway is refused only at its deadline, seconds later.
-SHED_MARGIN = 0.2
 
 
 @dataclass(slots=True, frozen=True)
@@ -180,10 +177,9 @@ def judge(pool: ReplicaPool, departures: Departures, correction: WaitCorrection,
     ticket.predicted_tpot = min((r.latency.predict_tpot() for r in pool.replicas if r.usable()), default=None)
     if objective.priority_class != SHEDDABLE or objective.ttft_s is None or wait is None:
         return
-    if ticket.predicted_ttft > (1 - SHED_MARGIN) * objective.ttft_s:
-        raise GuardError(503, f"predicted time to first token {ticket.predicted_ttft:.2f} s is past this "
-                         f"request's objective ({objective.ttft_s:g} s) or within {SHED_MARGIN:.0%} of it; the "
-                         "lane is sheddable",
+    if ticket.predicted_ttft > objective.ttft_s:
+        raise GuardError(503, f"predicted time to first token {ticket.predicted_ttft:.2f} s exceeds this "
+                         f"request's objective ({objective.ttft_s:g} s); the lane is sheddable",
                          code="slo_unattainable", retry_after=max(1, min(60, math.ceil(wait))),
                          outcome=Outcome.REJECTED_OVERLOAD)
 
