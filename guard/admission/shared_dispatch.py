@@ -53,6 +53,9 @@ class SharedDispatcher(Dispatcher):
         super().__init__(config, pool, profile)
         self.shared = shared
         self._wake = asyncio.Event()
+        # True while the admission task's round asks the ledger about a queued head: that head is still in
+        # the queue, so a local pump now (the link went down meanwhile) could reserve it a second time.
+        self._in_round = False
         self.fair.on_backlog = lambda tenant, delta: shared.send("BACKLOG", tenant, delta)
         shared.holdings = self.holdings
         shared.on_change = self._link_changed
@@ -118,8 +121,8 @@ class SharedDispatcher(Dispatcher):
             replica.admitted()
 
     def pump(self) -> None:
-        if self.shared.up:
-            self._wake.set()  # the admission task asks the ledger: a pump cannot wait for Redis
+        if self.shared.up or self._in_round:
+            self._wake.set()  # the admission task asks the ledger (a pump cannot wait for Redis), or pumps
         else:
             super().pump()
 
@@ -128,10 +131,19 @@ class SharedDispatcher(Dispatcher):
         while not self.shared.stopping:
             await self._wake.wait()
             self._wake.clear()
-            while self.fair.queued and self.shared.up and not await self._admit_round():
+            while self.fair.queued and self.shared.up and not await self._round():
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), RETRY_S)
                 self._wake.clear()
+            if not self.shared.up:
+                super().pump()  # the link went down during a round: the gates decide alone from here
+
+    async def _round(self) -> bool:
+        self._in_round = True
+        try:
+            return await self._admit_round()
+        finally:
+            self._in_round = False
 
     async def _admit_round(self) -> bool:
         """Admit heads in VTC order until one finds no room; True when the queue emptied."""
