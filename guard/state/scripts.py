@@ -15,7 +15,10 @@ Keys (all under ``PREFIX``):
   totals again (``resync``). ``{guard}|epoch`` -> the number of that guard's last resync: a batch that
   names another epoch is refused whole (``"stale"``), so ops written before a resync (a batch that timed out
   and ran late) or into a Redis that lost the guard (restarted empty, or its lease lapsed) change nothing;
-  the guard resyncs, then decides again.
+  the guard resyncs, then decides again. ``{guard}|alone`` -> 1 while that guard has written its holdings
+  but still decides alone (it waits for the guards that were live before an outage to write theirs,
+  guard/state/shared.py): it may take up to its share of each engine meanwhile, unseen here, so every
+  ``admit`` counts it as holding at least that share.
 - ``vtc``: hash, tenant -> its virtual token counter (weighted service / weight), one for every guard.
 - ``backlog``: hash, ``{guard}|{tenant}`` -> requests of that tenant queued at that guard.
 - ``verdicts``: hash, tenant -> until when (server time) it stands confirmed as a Fill-and-Squeeze attacker;
@@ -56,12 +59,12 @@ end
 # What the ops read, read once per script and kept up to date by its own writes (nothing else writes while
 # a script runs), so that a batch of dozens of ops reads each hash once instead of once per op.
 _READS = """
-local sums = {}  -- engine -> {reserved, of which borrowed, {guard -> reserved}}, over every live guard
+local sums = {}  -- engine -> {reserved, of which borrowed, {guard -> reserved}, {guard alone -> true}}
 local counters = {}  -- tenant -> its virtual counter
 local queued = nil  -- tenant -> requests queued at any guard
 local function ledger_sums(engine)
   if sums[engine] == nil then
-    local reserved, lent, by_guard = 0, 0, {}
+    local reserved, lent, by_guard, alone = 0, 0, {}, {}
     local suffix_r, suffix_b = '|' .. engine .. '|r', '|' .. engine .. '|b'
     local fields = redis.call('HGETALL', KEYS[2])
     for i = 1, #fields, 2 do
@@ -69,9 +72,10 @@ local function ledger_sums(engine)
       if string.sub(f, -#suffix_r) == suffix_r then
         reserved = reserved + tonumber(fields[i + 1])
         by_guard[string.sub(f, 1, -#suffix_r - 1)] = tonumber(fields[i + 1])
-      elseif string.sub(f, -#suffix_b) == suffix_b then lent = lent + tonumber(fields[i + 1]) end
+      elseif string.sub(f, -#suffix_b) == suffix_b then lent = lent + tonumber(fields[i + 1])
+      elseif string.sub(f, -6) == '|alone' then alone[string.sub(f, 1, -7)] = true end
     end
-    sums[engine] = {reserved, lent, by_guard}
+    sums[engine] = {reserved, lent, by_guard, alone}
   end
   return sums[engine]
 end
@@ -103,6 +107,17 @@ local function others_on(engine, guard)
   end
   return held
 end
+local live = nil
+local function alone_extra(sum, room, guard)
+  -- what the guards deciding alone may hold beyond what they wrote: up to their share of ``room`` each
+  if next(sum[4]) == nil then return 0 end
+  live = live or redis.call('ZCARD', KEYS[1])
+  local extra = 0
+  for g, _ in pairs(sum[4]) do
+    if g ~= guard then extra = extra + math.max(0, room / live - (sum[3][g] or 0)) end
+  end
+  return extra
+end
 local function backlogged_min(except)
   -- the lowest counter among tenants queued at any guard, ``except`` left out (nil: nobody is)
   local low = nil
@@ -129,9 +144,10 @@ local function admit(guard, a)
   local sum = ledger_sums(engine)
   local fits
   if borrowed > 0 then
-    fits = sum[1] + blocks <= threshold
+    fits = sum[1] + alone_extra(sum, threshold, guard) + blocks <= threshold
   else
-    fits = sum[1] - sum[2] + blocks <= threshold and sum[1] + blocks <= pool
+    fits = sum[1] - sum[2] + alone_extra(sum, threshold, guard) + blocks <= threshold
+      and sum[1] + alone_extra(sum, pool, guard) + blocks <= pool
   end
   if not fits then return {0, 'full', others_on(engine, guard)} end
   local field = guard .. '|' .. engine
@@ -185,9 +201,10 @@ local function backlog(guard, a)
 end
 """
 
-# ARGV: guard, lease_ttl_s, epoch, then (kind, field, value) triples: the guard's ledger and backlog as it knows
-# them, which replace whatever Redis holds for it (after Redis lost it, or at start); from now on only batches
-# of this epoch count. Returns the live guards.
+# ARGV: guard, lease_ttl_s, epoch, expected, then (kind, field, value) triples: the guard's ledger and backlog
+# as it knows them, which replace whatever Redis holds for it (after Redis lost it, or at start); from now on
+# only batches of this epoch count. Fewer live guards than ``expected``: the guard goes on deciding alone, and
+# is marked so (``|alone``). Returns the live guards.
 RESYNC = _PROLOGUE + """
 local guard = ARGV[1]
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), guard)
@@ -197,11 +214,13 @@ for _, h in ipairs({KEYS[2], KEYS[4]}) do
   end
 end
 redis.call('HSET', KEYS[2], guard .. '|epoch', ARGV[3])
-for i = 4, #ARGV, 3 do
+for i = 5, #ARGV, 3 do
   local h = ARGV[i] == 'ledger' and KEYS[2] or KEYS[4]
   redis.call('HSET', h, guard .. '|' .. ARGV[i + 1], ARGV[i + 2])
 end
-return redis.call('ZCARD', KEYS[1])
+local live = redis.call('ZCARD', KEYS[1])
+if live < tonumber(ARGV[4]) then redis.call('HSET', KEYS[2], guard .. '|alone', 1) end
+return live
 """
 
 # ARGV: guard, lease_ttl_s, epoch. Renews the lease; returns the live guards, whether this one was still known

@@ -27,7 +27,8 @@ Coming back, nothing is counted twice or missed:
 - the link is up again only once as many guards have resynced as were live before the outage
   (``live_guards``), or ``lease_ttl_s`` after this guard's own return (a guard that died meanwhile never
   comes back): until the others have written their holdings, a ledger without them would let this guard
-  admit into blocks they hold. Meanwhile it stays conservative, and writes its holdings again at each try.
+  admit into blocks they hold. Meanwhile it stays conservative, writes its holdings again at each try, and
+  is marked alone in Redis, so that a guard already back counts it at its share at least.
 """
 
 from __future__ import annotations
@@ -211,7 +212,10 @@ class SharedState:
         self._drop_wire(held_only=True)  # what they would change, the holdings below already say
         ledger, backlog = self.holdings()
         self.epoch += 1  # each try a new one: a try that times out and runs late leaves a stale epoch behind
-        args: list[Any] = [self.config.lease_ttl_s, self.epoch]
+        now = time.monotonic()
+        waiting = self.rejoined_at is None or now - self.rejoined_at < self.config.lease_ttl_s
+        expected = self.live_guards if waiting else 0  # past the wait, a guard that never came back is gone
+        args: list[Any] = [self.config.lease_ttl_s, self.epoch, expected]
         for engine, (reserved, borrowed) in ledger.items():
             args += ["ledger", f"{engine}|r", reserved, "ledger", f"{engine}|b", borrowed]
         for tenant, queued in backlog.items():
@@ -224,11 +228,10 @@ class SharedState:
             self.rejoined_at = None
             return False
         self.metrics.shared_round_trip.labels("resync").observe(time.perf_counter() - started)
-        now = time.monotonic()
         if self.rejoined_at is None:
             self.rejoined_at = now
-        if int(guards) < self.live_guards and now - self.rejoined_at < self.config.lease_ttl_s:
-            return False  # the others have not written their holdings back yet: still alone, conservatively
+        if int(guards) < expected:  # the others have not written theirs back yet: still alone, conservatively
+            return False
         self._live(int(guards))
         self._set_up(True)
         return True

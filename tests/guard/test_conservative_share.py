@@ -5,6 +5,7 @@ the others have written theirs back."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -65,7 +66,8 @@ def make_link(url: str) -> SharedState:
 
 async def test_back_from_an_outage_a_guard_waits_for_the_others_to_write_back(redis: RedisServer) -> None:
     """Redis restarts empty: the first guard back finds itself alone in it, but two guards were live, so it
-    stays conservative (its link down, its holdings written) until the second has resynced too."""
+    stays conservative (its link down, its holdings written, marked alone) until the second has resynced
+    too; meanwhile the second, back, counts it at its share at least."""
     first, second = make_link(redis.url), make_link(redis.url)
     try:
         assert await first.resync() and await second.resync()
@@ -79,6 +81,13 @@ async def test_back_from_an_outage_a_guard_waits_for_the_others_to_write_back(re
         assert not await first.resync(), "one guard of two in Redis: not up yet"
         assert not first.up and first.live_guards == 2
         assert await second.resync()
+        # The second decides through the ledger; the first, still alone, counts at its share (20 of 40) at
+        # least, though it wrote 10: with the second's own 10, 10 more fit and 11 do not.
+        delivering = asyncio.create_task(second.deliver())
+        assert (await second.ask("ADMIT", "e", "t", 11, 0, 40, 40, 1.0, 64.0))[:2] == [0, "full"]
+        assert (await second.ask("ADMIT", "e", "t", 10, 0, 40, 40, 1.0, 64.0))[0] == 1
+        second.stop()
+        await delivering
         assert await first.resync() and first.up and first.live_guards == 2
     finally:
         for shared in (first, second):
