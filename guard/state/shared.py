@@ -52,7 +52,7 @@ from guard.state import scripts
 log = logging.getLogger("guard.state.shared")
 
 WIRE_BATCH = 256  # ops per round trip at most
-RENEW_S = 0.5  # the lease is renewed at least this often (and what the others hold learned with it)
+RENEW_S = 0.2  # the lease is renewed at least this often (and what the others hold learned with it)
 RETRY_S = 1.0  # while the link is down, how often a resync is tried
 
 
