@@ -40,7 +40,6 @@ from collections.abc import Sequence
 from guard.admission.dispatch import Dispatcher, Ticket, TicketState
 from guard.admission.fairness import INPUT_COST, OUTPUT_COST, TenantQueue
 from guard.config import GuardConfig
-from guard.pool.gate import AdmissionGate
 from guard.pool.pool import ReplicaPool
 from guard.pool.scheduling import Candidate, Profile
 from guard.state.shared import Holdings, SharedState
@@ -74,22 +73,7 @@ class SharedDispatcher(Dispatcher):
         share = 1.0 if up else 1.0 / self.shared.live_guards
         for replica in self.pool:
             replica.gate.share = share
-            if not up:
-                self._others_at_worst(replica.gate)
         self.pump()
-
-    @staticmethod
-    def _others_at_worst(gate: AdmissionGate) -> None:
-        """What the other guards hold was last heard up to a renewal ago, and they may have been granted
-        more since; never more than the ledger allows, though: the engine's pool less this guard's own. The
-        growth not heard of is counted on the guard whose excess it raises most (the one holding most)."""
-        if not gate.usable:
-            return
-        unheard = gate.rooms()[1] - gate.reserved - sum(gate.others)
-        if unheard > 0:
-            others = sorted(gate.others) or [0]
-            others[-1] += unheard
-            gate.others = others
 
     # -- admission ---------------------------------------------------------------------------------------
     async def _place_now(self, queue: TenantQueue[Ticket], ticket: Ticket) -> bool:

@@ -13,8 +13,8 @@ Redis down or slow: a call that fails or takes longer than ``timeout_s`` (the de
 marks the link down (``up`` False, ``guard_shared_state_up`` 0) and the caller decides alone, conservatively:
 ``live_guards`` keeps the number of guards last seen, and each guard then commits at most its share of each
 engine, less what the others held beyond theirs when the ledger last answered (guard/pool/gate.py, ``share``
-and ``others``, which ``on_others`` keeps current from every answer; what they may have been granted since,
-the dispatcher counts at the most the ledger allowed). No request waits longer than the
+and ``others``, which ``on_others`` keeps current from every answer and renewal: what they were granted in
+the last 0.2 s before the outage is not seen, the one over-commit left). No request waits longer than the
 deadline for a decision: the round trip that passes it is given up, and its ops are decided locally. The
 renewal task keeps trying; when Redis answers again the guard writes its own ledger and backlog back
 (``resync``: what Redis lost, or what the others expired while it was away) and the link is up. A guard that
