@@ -36,6 +36,11 @@ EVENT_ONLY = {
     "guard_detections_total": "the Fill-and-Squeeze detector's transitions: no tenant attacks here",
     "guard_shared_state_round_trip_seconds_bucket": "Redis round trips: the stack's guard has no shared_state",
     "guard_ratelimit_rejections_total": "rate-limit refusals: the stack's one limited tenant stays far below",
+    "engine_lora_requests_total": "LoRA adapters: the stack's engines serve the base model only",
+    "engine_lora_resident": "LoRA adapters: the stack's engines serve the base model only",
+    "guard_slo_requests_total": "latency objectives: the stack's lanes set no slo",
+    "guard_ttft_predicted_seconds_bucket": "latency objectives: the stack's lanes set no slo",
+    "guard_ttft_prediction_error_seconds_bucket": "latency objectives: the stack's lanes set no slo",
 }
 STEP_S = 1
 # Grafana's $__rate_interval: max($__interval + scrape interval, 4 x scrape interval).
