@@ -262,7 +262,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.quick:
-        args.baseline, args.attack, args.drain = 2.0, 5.0, 2.0
+        args.baseline, args.attack, args.drain = 1.5, 3.0, 1.0
     with tempfile.TemporaryDirectory(prefix="fill-squeeze-") as workdir:
         report = asyncio.run(run(args, Path(workdir)))
     args.out.mkdir(parents=True, exist_ok=True)
