@@ -12,7 +12,7 @@ import openai
 import pytest
 from aiohttp import web
 from support.engine_server import ServerThread
-from support.guard_server import GuardThread, guard_config
+from support.guard_server import GuardThread, guard_config, usable_guard
 from support.net import request
 from support.wait import wait_for
 
@@ -25,8 +25,7 @@ def engine():
 
 @pytest.fixture(scope="module")
 def guard(engine):
-    with GuardThread(guard_config(engine.url)) as g:
-        wait_for(lambda: g.call(lambda: g.state.pool.any_usable()), bool, 5)
+    with usable_guard(guard_config(engine.url)) as g:
         yield g
 
 

@@ -24,7 +24,7 @@ import jsonschema
 import openai
 import pytest
 from support.engine_server import ServerThread
-from support.guard_server import GuardThread, guard_config
+from support.guard_server import GuardThread, guard_config, usable_guard
 from support.net import request
 from support.wait import wait_for
 
@@ -51,8 +51,7 @@ def engine() -> Iterator[ServerThread]:
 
 @pytest.fixture(scope="module")
 def guard(engine: ServerThread) -> Iterator[GuardThread]:
-    with GuardThread(guard_config(engine.url)) as g:
-        wait_for(lambda: g.call(lambda: g.state.pool.any_usable()), bool, 5)
+    with usable_guard(guard_config(engine.url)) as g:
         yield g
 
 
@@ -185,8 +184,7 @@ def test_a_tenant_reads_and_continues_only_its_own_responses(guard: GuardThread,
 
 def test_reading_stored_responses_counts_against_the_tenants_rpm(engine: ServerThread) -> None:
     tenants = [{"name": "acme", "api_keys": ["sk-acme"], "lane": "interactive", "rpm": 2}]
-    with GuardThread(guard_config(engine.url, tenants=tenants)) as limited:
-        wait_for(lambda: limited.call(lambda: limited.state.pool.any_usable()), bool, 5)
+    with usable_guard(guard_config(engine.url, tenants=tenants)) as limited:
         client = sdk(limited.url)
         for _ in range(2):
             with pytest.raises(openai.NotFoundError):

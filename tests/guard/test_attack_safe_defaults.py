@@ -10,7 +10,7 @@ import time
 
 import aiohttp
 from support.engine_server import ServerThread
-from support.guard_server import GuardThread, guard_config
+from support.guard_server import guard_config, usable_guard
 from support.net import request
 from support.wait import until, wait_for
 
@@ -49,8 +49,7 @@ def test_a_tenant_within_its_guarantee_reclaims_the_headroom_and_borrowers_run_b
     the budget keeps (34 + 6 = 40: the engine can still hold every reservation, so nobody is preempted). In
     the engine, bulk's requests run at the borrowed priority, behind acme's."""
     tenants = [{"name": "acme", "api_keys": ["sk-acme"], "weight": 3}, {"name": "bulk", "api_keys": ["sk-bulk"]}]
-    with ServerThread(num_blocks=40) as engine, GuardThread(guard_config(engine.url, tenants=tenants)) as guard:
-        wait_for(lambda: guard.call(lambda: guard.state.pool.any_usable()), bool, 5)
+    with ServerThread(num_blocks=40) as engine, usable_guard(guard_config(engine.url, tenants=tenants)) as guard:
         priorities: dict[str, set[int]] = {}
 
         def read_priorities() -> None:
@@ -94,8 +93,7 @@ def confirm(state: GuardState, tenant: str) -> None:
 def test_a_confirmed_attackers_running_streams_end_with_its_error_and_give_their_blocks_back() -> None:
     """128 blocks, a budget of 108: globex (guaranteed 27) borrows for three 500-token fills (32 blocks each)
     and its fourth waits for room, as an attacker's do at its edge. Confirmed, it loses all four."""
-    with ServerThread(num_blocks=128) as engine, GuardThread(guard_config(engine.url)) as guard:
-        wait_for(lambda: guard.call(lambda: guard.state.pool.any_usable()), bool, 5)
+    with ServerThread(num_blocks=128) as engine, usable_guard(guard_config(engine.url)) as guard:
 
         async def scenario() -> None:
             async with aiohttp.ClientSession() as session:
@@ -127,8 +125,7 @@ def test_a_confirmed_attackers_running_streams_end_with_its_error_and_give_their
 def test_a_confirmed_attacker_is_refused_before_its_prompt_is_counted() -> None:
     """Its prompt is never tokenized: a prompt past the context window, which another tenant gets a 400 for,
     is a 429 for the confirmed tenant, whose arrival the detector still records."""
-    with ServerThread(num_blocks=64) as engine, GuardThread(guard_config(engine.url)) as guard:
-        wait_for(lambda: guard.call(lambda: guard.state.pool.any_usable()), bool, 5)
+    with ServerThread(num_blocks=64) as engine, usable_guard(guard_config(engine.url)) as guard:
         guard.call(lambda: guard.state.escalation.adopt(["globex"]))  # as another guard's verdict arrives
         assert guard.call(lambda: guard.state.detector.state("globex")) == "confirmed"
         too_long = {"model": "tiny", "prompt": "x" * 100_000, "max_tokens": 4}

@@ -9,8 +9,7 @@ import time
 import aiohttp
 import pytest
 from support.engine_server import ServerThread
-from support.guard_server import GuardThread, guard_config
-from support.wait import wait_for
+from support.guard_server import guard_config, usable_guard
 
 PROMPT = "fair share please"  # 17 byte tokens
 
@@ -30,8 +29,7 @@ def test_three_backlogged_tenants_share_by_weight() -> None:
                for name, weight in (("a", 1), ("b", 2), ("c", 1))]
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
     with ServerThread(num_blocks=48, block_size=16, max_num_seqs=32) as engine, \
-            GuardThread(guard_config(engine.url, tenants=tenants)) as guard:
-        wait_for(lambda: guard.call(lambda: guard.state.pool.any_usable()), bool, 5)
+            usable_guard(guard_config(engine.url, tenants=tenants)) as guard:
 
         def service() -> dict[str, float]:
             return guard.call(lambda: {n: q.service for n, q in guard.state.dispatcher.fair.tenants.items()})
@@ -83,8 +81,7 @@ def test_backpressure_keeps_the_engine_from_preempting(small_engine: ServerThrea
             return await asyncio.gather(*(one() for _ in range(36)))
 
     before = engine.telemetry()["preemptions_total"]
-    with GuardThread(guard_config(engine.url, tenants=tenants)) as guard:
-        wait_for(lambda: guard.call(lambda: guard.state.pool.any_usable()), bool, 5)
+    with usable_guard(guard_config(engine.url, tenants=tenants)) as guard:
         guarded = asyncio.run(burst(guard.url, "sk-load"))
         idle = engine.wait_idle()
         assert idle["preemptions_total"] == before, "the guard kept the engine from preempting"

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.engine_server import ServerThread
-from support.guard_server import GuardThread, guard_config
+from support.guard_server import GuardThread, guard_config, usable_guard
 from support.net import request
 from support.wait import wait_for
 
@@ -142,8 +142,7 @@ def engine() -> Iterator[ServerThread]:
 
 @pytest.fixture(scope="module")
 def guard(engine: ServerThread) -> Iterator[GuardThread]:
-    with GuardThread(guard_config(engine.url)) as g:
-        wait_for(lambda: g.call(lambda: g.state.pool.any_usable()), bool, 5)
+    with usable_guard(guard_config(engine.url)) as g:
         yield g
 
 

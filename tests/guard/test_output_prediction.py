@@ -9,7 +9,7 @@ import urllib.request
 import pytest
 from support.admission_parts import snapshot
 from support.engine_server import ServerThread
-from support.guard_server import GuardThread, guard_config
+from support.guard_server import GuardThread, guard_config, usable_guard
 from support.net import request
 from support.wait import wait_for
 
@@ -43,8 +43,7 @@ def test_a_reservation_grows_only_into_room() -> None:
 
 def test_a_stream_without_max_tokens_reserves_the_prediction_and_grows_past_it() -> None:
     with ServerThread(num_blocks=256, max_model_len=1024) as engine, \
-            GuardThread(guard_config(engine.url)) as guard:
-        wait_for(lambda: guard.call(lambda: guard.state.pool.any_usable()), bool, 5)
+            usable_guard(guard_config(engine.url)) as guard:
         guard.call(lambda: [guard.state.predictor.record("acme", "interactive", 1) for _ in range(MIN_SAMPLES)])
         seen: list[int] = []  # the request's reserved blocks, sampled while it streams
         # The built-in model's bytes rarely make whole characters, so few of its tokens become events: the

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.engine_server import ServerThread
-from support.guard_server import GuardThread, guard_config
+from support.guard_server import GuardThread, guard_config, usable_guard
 from support.net import request
 from support.wait import wait_for
 
@@ -205,8 +205,7 @@ def guard(engine):
                {"name": "globex", "api_keys": ["sk-globex"]},
                {"name": "burst", "api_keys": ["sk-burst"], "tpm": 2000},
                {"name": "settle", "api_keys": ["sk-settle"], "tpm": 10000}]
-    with GuardThread(guard_config(engine.url, tenants=tenants)) as g:
-        wait_for(lambda: g.call(lambda: g.state.pool.any_usable()), bool, 5)
+    with usable_guard(guard_config(engine.url, tenants=tenants)) as g:
         yield g
 
 

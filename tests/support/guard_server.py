@@ -4,6 +4,8 @@ thread, so synchronous clients (the ``openai`` SDK) and the engine's own server 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,7 @@ from guard.server.app import create_app
 
 from .loop_thread import AppThread
 from .net import request
+from .wait import wait_for
 
 
 def guard_config(engine_url: str | list[str], tmp_path: Path | None = None, **overrides: Any) -> GuardConfig:
@@ -59,6 +62,15 @@ class GuardThread(AppThread):
     @property
     def state(self) -> GuardState:
         return self.app[STATE]
+
+
+@contextlib.contextmanager
+def usable_guard(config: GuardConfig, timeout: float = 5.0) -> Iterator[GuardThread]:
+    """A guard with a usable replica (its first telemetry snapshot came), for synchronous tests; stopped on
+    the way out. ``ready_guard`` (support.nothing_lost) is the ``async`` twin."""
+    with GuardThread(config) as guard:
+        wait_for(lambda: guard.call(guard.state.pool.any_usable), bool, timeout)
+        yield guard
 
 
 def mode_transitions(guard_url: str) -> dict[tuple[str, str], float]:
