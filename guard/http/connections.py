@@ -118,6 +118,9 @@ class ConnectionGuard:
             log.warning("connections.max_connections %d exceeds what the descriptor limit (%d) affords; "
                         "holding at most %d", self.max_connections, soft, affordable)
             self.max_connections = affordable
+        # The longest a connection's timer waits (see GuardedConnection): the shortest of the deadlines, so
+        # that whichever phase comes next, its deadline is never before the timer already pending.
+        self.tick = min(settings.header_timeout_s, settings.body_timeout_s, settings.keepalive_timeout_s)
         self.open = 0
         self.lingering = 0  # refusals still draining
         self.warned_at = -CAPACITY_WARNING_INTERVAL_S
@@ -147,11 +150,17 @@ class ConnectionGuard:
 
 class GuardedConnection(asyncio.Protocol):
     """aiohttp's request handler for one connection (``handler``), with its deadlines: every call of the
-    transport's is passed on unchanged after the phase has been noted. Invariant: from ``connection_made``
-    until the connection is lost or cut, ``timer`` is pending exactly while the phase has a deadline."""
+    transport's is passed on unchanged after the phase has been noted.
 
-    __slots__ = ("body_bytes", "body_start", "guard", "handler", "last_read", "phase", "request", "timer",
-                 "transport")
+    Invariant: from ``connection_made`` until the connection is lost or cut, while the phase has a deadline
+    (``deadline``, loop time) a ``timer`` is pending at or before it, and never later than ``guard.tick``
+    after it was set. A timer that goes off before the deadline sets the next one. So a phase change only
+    moves ``deadline``: the deadline it sets (``tick`` or more from now) is never before the pending timer,
+    and a keep-alive request, which changes phase three times, costs no timer at all (a timer per phase
+    change was the largest of the guard's own costs per request)."""
+
+    __slots__ = ("body_bytes", "body_start", "deadline", "guard", "handler", "last_read", "loop", "phase",
+                 "request", "timer", "transport")
 
     def __init__(self, guard: ConnectionGuard, handler: asyncio.Protocol) -> None:
         self.guard = guard
@@ -159,6 +168,8 @@ class GuardedConnection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.phase = Phase.HEADERS
         self.timer: asyncio.TimerHandle | None = None
+        self.deadline: float | None = None  # when the phase's deadline passes (None: the phase has none)
+        self.loop = asyncio.get_running_loop()
         self.request: web.BaseRequest | None = None  # the one being read, while in BODY
         self.body_start = self.last_read = 0.0
         self.body_bytes = 0
@@ -176,7 +187,7 @@ class GuardedConnection(asyncio.Protocol):
             return
         if phase is Phase.BODY:
             self.body_bytes += len(data)
-            self.last_read = asyncio.get_running_loop().time()
+            self.last_read = self.loop.time()
         elif phase is Phase.IDLE:  # the next request begins: its headers are due from now
             self._enter(Phase.HEADERS, self.guard.settings.header_timeout_s)
         self.handler.data_received(data)
@@ -207,7 +218,7 @@ class GuardedConnection(asyncio.Protocol):
             self._enter(Phase.SERVING, None)
             return
         self.request = request
-        self.body_start = self.last_read = asyncio.get_running_loop().time()
+        self.body_start = self.last_read = self.loop.time()
         self.body_bytes = 0
         self._enter(Phase.BODY, self.guard.settings.body_timeout_s)
 
@@ -218,12 +229,22 @@ class GuardedConnection(asyncio.Protocol):
 
     # -- deadlines ------------------------------------------------------------------------------------------
     def _enter(self, phase: Phase, timeout: float | None) -> None:
-        self._stop()
         self.phase = phase
-        if timeout is not None:
-            self.timer = asyncio.get_running_loop().call_later(timeout, self._expire)
+        if timeout is None:
+            self.deadline = None  # a pending timer goes off to find nothing due
+            return
+        now = self.loop.time()
+        self.deadline = now + timeout
+        if self.timer is None:
+            self._arm(now)
+
+    def _arm(self, now: float) -> None:
+        """A timer at the deadline, or at ``guard.tick`` from now if that is sooner."""
+        assert self.deadline is not None
+        self.timer = self.loop.call_at(min(self.deadline, now + self.guard.tick), self._expire)
 
     def _stop(self) -> None:
+        self.deadline = None
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
@@ -236,8 +257,11 @@ class GuardedConnection(asyncio.Protocol):
 
     def _expire(self) -> None:
         self.timer = None
-        transport = self.transport
-        if transport is None:
+        transport, deadline = self.transport, self.deadline
+        if transport is None or deadline is None:
+            return
+        if (now := self.loop.time()) < deadline:  # set before the deadline moved (or went off a bit early)
+            self._arm(now)
             return
         answer: bytes | None = None
         if self.phase is Phase.HEADERS:
@@ -247,13 +271,12 @@ class GuardedConnection(asyncio.Protocol):
         elif self.phase is Phase.BODY:
             request = self.request  # set on entering BODY
             if request is None or request.content.is_eof():  # the body is in: being served, no deadline
-                self.request = None
+                self.request, self.deadline = None, None
                 self.phase = Phase.SERVING
                 return
-            loop = asyncio.get_running_loop()
-            deadline = self._body_deadline()
-            if deadline > loop.time():  # bytes arrived since the timer was set
-                self.timer = loop.call_at(deadline, self._expire)
+            self.deadline = self._body_deadline()
+            if self.deadline > now:  # bytes arrived since the deadline was set
+                self._arm(now)
                 return
             if request.writer.output_size == 0:  # nothing of an answer on the wire: a 408 is the answer
                 answer = raw_response(408, "the request body stopped arriving (connections.body_timeout_s "
@@ -268,8 +291,8 @@ class GuardedConnection(asyncio.Protocol):
             return
         transport.write(answer)
         transport.write_eof()
-        self.phase = Phase.CLOSING
-        self.timer = asyncio.get_running_loop().call_later(REFUSAL_LINGER_S, transport.close)
+        self.phase, self.deadline = Phase.CLOSING, None
+        self.timer = self.loop.call_later(REFUSAL_LINGER_S, transport.close)
 
 
 class Refusal(asyncio.Protocol):

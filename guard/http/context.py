@@ -66,17 +66,18 @@ class GuardState:
         """Blocks committed plus blocks waiting in the guard's queues, over the blocks of the replicas that
         are up (0 without telemetry). Borrowed blocks do not count: the pool takes them back on demand
         (guard/admission/dispatch.py), so a tenant that borrows the idle pool does not make it saturated."""
-        num_blocks = self.pool.num_blocks()
-        if num_blocks == 0:
-            return 0.0
-        return (self.pool.committed() - self.pool.borrowed() + self.dispatcher.blocks_queued()) / num_blocks
+        return self._saturation(*self.pool.load()[1:])
+
+    def _saturation(self, held: int, num_blocks: int) -> float:
+        return 0.0 if num_blocks == 0 else (held + self.dispatcher.blocks_queued()) / num_blocks
 
     def over_share(self, tenant: Tenant) -> bool:
         """Holding more than its weighted share of the admission budget."""
         return self.pool.tenant_reserved(tenant.name) > self.dispatcher.guarantee(tenant)
 
     def update_mode(self) -> None:
-        change = self.modes.update(self.pool.any_up(), self.saturation())
+        up, held, num_blocks = self.pool.load()
+        change = self.modes.update(up, self._saturation(held, num_blocks))
         if change is not None:
             self.metrics.mode_transitions.labels(*change).inc()
             self.events.record("mode", was=change[0], now=change[1], saturation=round(self.saturation(), 3))

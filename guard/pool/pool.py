@@ -84,6 +84,18 @@ class ReplicaPool:
     def num_blocks(self) -> int:
         return sum(r.gate.snapshot.num_blocks for r in self.replicas if r.up() and r.gate.snapshot is not None)
 
+    def load(self) -> tuple[bool, int, int]:
+        """``(any_up(), committed() - borrowed(), num_blocks())`` in one pass: the mode machine's inputs,
+        read on every request (each of the three alone asks every replica whether it is up)."""
+        up, held, num_blocks = False, 0, 0
+        for replica in self.replicas:
+            if replica.up():
+                gate = replica.gate
+                up, held = True, held + gate.committed() - gate.borrowed
+                if gate.snapshot is not None:
+                    num_blocks += gate.snapshot.num_blocks
+        return up, held, num_blocks
+
     def tenant_reserved(self, tenant: str) -> int:
         return sum(replica.gate.tenant_reserved(tenant) for replica in self.replicas)
 
