@@ -8,10 +8,11 @@ minimum body rate) do.
 
 Mechanism: the guard's runner (``GuardRunner``) hands its listener a protocol factory that wraps each of
 aiohttp's request handlers in a ``GuardedConnection`` (the wrapping-protocol pattern of Twisted's
-``policies``): it sees every byte that arrives and owns one timer, and the ``track`` middleware tells it where
-its connection is in the request cycle. Nothing of aiohttp's is patched or subclassed::
+``policies``): it sees every byte that arrives and owns one timer, and the app's one middleware
+(guard/http/routes.py ``identify``, through ``request_began``) tells it where its connection is in the request
+cycle. Nothing of aiohttp's is patched or subclassed::
 
-    accept --> HEADERS --(track: request begins)--> BODY --(body at EOF)--> SERVING --(track: ends)--> IDLE
+    accept --> HEADERS --(request begins)--> BODY --(body at EOF)--> SERVING --(request ends)--> IDLE
                   ^                                                                                   |
                   +------------------------ first byte of the next request ---------------------------+
 
@@ -36,7 +37,7 @@ import functools
 import logging
 import resource
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from http import HTTPStatus
 from typing import Any, cast
 
@@ -209,7 +210,7 @@ class GuardedConnection(asyncio.Protocol):
     def resume_writing(self) -> None:
         self.handler.resume_writing()
 
-    # -- the request cycle (``track``) ----------------------------------------------------------------------
+    # -- the request cycle (``request_began``) -------------------------------------------------------------
     def request_began(self, request: web.BaseRequest) -> None:
         """Its headers are in; its body (if any) is still to come."""
         if self.transport is None or self.phase is Phase.CLOSING:
@@ -328,20 +329,16 @@ class Refusal(asyncio.Protocol):
 CONNECTIONS = web.AppKey("connections", ConnectionGuard)
 
 
-@web.middleware
-async def track(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-                ) -> web.StreamResponse:
-    """Tell the request's ``GuardedConnection`` when the request begins and ends (none when the app is served
-    by a runner other than ``GuardRunner``)."""
+def request_began(request: web.Request) -> GuardedConnection | None:
+    """Tell the request's ``GuardedConnection`` that the request began, and return it, to be told
+    ``request_ended`` once the answer is done (None when the app is served by a runner other than
+    ``GuardRunner``). The middleware calls it: a middleware of its own would cost a coroutine per request."""
     transport = request.transport
     connection = transport.get_protocol() if transport is not None else None
     if not isinstance(connection, GuardedConnection):
-        return await handler(request)
+        return None
     connection.request_began(request)
-    try:
-        return await handler(request)
-    finally:
-        connection.request_ended()
+    return connection
 
 
 class GuardRunner(web.AppRunner):

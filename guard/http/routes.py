@@ -12,6 +12,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from guard.errors import GuardError
+from guard.http.connections import request_began
 from guard.http.context import CLIENTS, REQUEST_ID, STATE, TENANT
 from guard.http.errors import error_response
 from guard.http.models import visible_models
@@ -34,7 +35,9 @@ def request_id_of(request: web.Request) -> str:
 
 @web.middleware
 async def identify(request: web.Request, handler) -> web.StreamResponse:
-    """Stamp every response, errors included, with the request id and the tenant; count what is in flight."""
+    """Stamp every response, errors included, with the request id and the tenant; count what is in flight;
+    tell the client connection's deadlines (guard/http/connections.py) when the request begins and ends."""
+    connection = request_began(request)
     request[REQUEST_ID] = request_id = request_id_of(request)
     state = request.app[STATE]
     state.in_flight += 1
@@ -44,6 +47,8 @@ async def identify(request: web.Request, handler) -> web.StreamResponse:
         response = error_response(exc.status, exc.reason)
     finally:
         state.in_flight -= 1
+        if connection is not None:
+            connection.request_ended()
     if not response.prepared:
         response.headers["X-Request-Id"] = request_id
         if TENANT in request:

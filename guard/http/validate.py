@@ -87,10 +87,14 @@ async def parse_request(request: web.Request, max_body_bytes: int) -> ParsedRequ
     if request.headers.get("Content-Type") != "application/json" and request.content_type != "application/json":
         raise GuardError(400, f"Content-Type must be application/json, got {request.content_type!r}",
                       param="Content-Type", code="invalid_content_type")
-    try:
-        raw = await request.read()  # aiohttp stops reading past client_max_size, just above max_body_bytes
-    except web.HTTPRequestEntityTooLarge:
-        raw = None
+    content = request.content
+    if content.is_eof():  # the whole body came with the headers (a small one does): take it as it lies
+        raw = content.read_nowait()
+    else:
+        try:
+            raw = await request.read()  # aiohttp stops reading past client_max_size, just above max_body_bytes
+        except web.HTTPRequestEntityTooLarge:
+            raw = None
     if raw is None or len(raw) > max_body_bytes:
         raise GuardError(413, f"request body exceeds the {max_body_bytes}-byte limit", code="request_too_large")
     try:

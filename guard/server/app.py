@@ -22,7 +22,7 @@ from guard.detect.escalation import Escalation
 from guard.detect.shared_verdicts import share_verdicts
 from guard.errors import GuardError
 from guard.http.auth import KeyStore
-from guard.http.connections import CONNECTIONS, ConnectionGuard, track
+from guard.http.connections import CONNECTIONS, ConnectionGuard
 from guard.http.context import CLIENTS, STATE, Clients, GuardState
 from guard.http.models import learn_adapters
 from guard.http.pipeline import completion
@@ -73,8 +73,9 @@ def create_app(config: GuardConfig, *, console: bool = True, worker: int | None 
                         metrics.prefix_reported_queries):
             counter.labels(replica.name)
     # Body size is enforced by parse_request with a JSON 413; aiohttp's own cap is only a backstop.
-    # track first: it tells the connection's deadlines (http/connections.py) when a request begins and ends.
-    app = web.Application(middlewares=[track, identify], client_max_size=config.limits.max_body_bytes + 1024)
+    # One middleware: identify also tells the connection's deadlines (http/connections.py) when a request
+    # begins and ends.
+    app = web.Application(middlewares=[identify], client_max_size=config.limits.max_body_bytes + 1024)
     app[STATE] = state
     app[CONNECTIONS] = ConnectionGuard(config.connections, metrics)
     app.router.add_post("/v1/completions", completion)
