@@ -42,8 +42,9 @@ class EngineConfig:
     # than free cores, OpenMP's spin-waits slowed the tiny model's steps 14x (15 ms -> 210 ms) here.
     cpu_threads: int = 1
     # How the matrices stay resident on CPU (engine/model/weights.py): 'auto' keeps a GGUF file's 4- and
-    # 8-bit tensors quantized and multiplies with them; 'fp32' is the dense, exact path. CUDA: dense always.
-    weight_format: str = "fp32"
+    # 8-bit tensors quantized and multiplies with them (as llama.cpp does; every other source stays fp32);
+    # 'fp32' is the dense path, exact to the file's dequantized weights. CUDA: dense always.
+    weight_format: str = "auto"
     # LoRA adapters (engine/model/lora.py): name -> PEFT directory, loaded at start; at most ``max_loras`` of
     # them resident on the device at once (least recently used evicted beyond), each of rank <= max_lora_rank.
     # ``allow_runtime_lora`` lets the server load and unload adapters while it runs.

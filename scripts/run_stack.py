@@ -120,7 +120,8 @@ def up_message(ports: Ports = DEFAULTS, config: Path = CONFIG, more_urls: str = 
     keys = ", ".join(f"{t['api_keys'][0]} ({t['name']})" for t in tenants)
     replicas = "".join(f"  engine {name}  {local(port)}       (/telemetry, /telemetry/stream, /metrics)\n"
                        for name, port in zip(replica_names(config), ports.engines))
-    chat = {"model": MODEL, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+    question = "What is the capital of France? Answer in one sentence."  # README: why the second sentence
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": question}],
             "max_tokens": 32, "temperature": 0}  # greedy: OpenAI's default of 1 rambles on a 135M model
     return (f"\nkvguard is up, serving {MODEL}:\n"
             f"  guard      {local(ports.guard)}/v1  (OpenAI-compatible; /metrics, /health)\n"
