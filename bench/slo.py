@@ -159,28 +159,41 @@ def summarize_config(label: str, tally: Tally, load: Load, seconds: float) -> di
             "goodput_per_s": good / seconds, "statuses": status_counts(results),
             "ttft": summarize([r.first_token - r.arrival for r in results if r.first_token is not None]),
             "engine_preemptions": tally.preemptions[tenant]}
-    refusals = [r.finished - r.arrival for rs in tally.results.values() for r in rs
-                if r.finished is not None and r.status not in (200, 0, None)]
+    refusals = sorted(r.finished - r.arrival for rs in tally.results.values() for r in rs
+                      if r.finished is not None and r.status not in (200, 0, None))
     return {"label": label, "lanes": lanes, "goodput_per_s": sum(lane["goodput_per_s"] for lane in lanes.values()),
             "refusals": len(refusals), "refusals_within_200ms": sum(seconds <= 0.2 for seconds in refusals),
-            "refusal_p95_ms": 1e3 * percentile(sorted(refusals), 95) if refusals else None,
+            "refusal_p50_ms": 1e3 * percentile(refusals, 50) if refusals else None,
+            "refusal_p95_ms": 1e3 * percentile(refusals, 95) if refusals else None,
             "load_average_1m": statistics.mean(tally.load_averages)}
 
 
 def prediction_error(log: Path) -> dict:
     """|predicted - actual| / actual TTFT over the SLO guard's streams that got a first token: median and
-    p90, over all and per lane."""
-    errors: dict[str, list[float]] = {"all": []}
+    p90, over all and per lane; and what the error is made of, per lane: the median of predicted / actual
+    (its bias), and the median absolute errors of its two parts, arrival to admission (the guard's queue)
+    and admission to the first token (the engine), each over the actual TTFT."""
+    rows: dict[str, list[tuple[float, float, float, float]]] = {"all": []}
     for line in log.read_text().splitlines() if log.exists() else []:
         record = json.loads(line)
-        slo = record.get("slo") or {}
-        if record.get("ttft_ms") and slo.get("predicted_ttft_ms") is not None:
-            error = abs(slo["predicted_ttft_ms"] - record["ttft_ms"]) / record["ttft_ms"]
-            errors["all"].append(error)
-            errors.setdefault(record["lane"], []).append(error)
-    return {lane: {"n": len(values), "median_abs_rel_error": statistics.median(values) if values else None,
-                   "p90_abs_rel_error": percentile(sorted(values), 90) if values else None}
-            for lane, values in errors.items()}
+        slo, actual, queue = record.get("slo") or {}, record.get("ttft_ms"), record.get("queue_ms")
+        if actual and queue is not None and slo.get("predicted_ttft_ms") is not None:
+            predicted_queue = slo.get("predicted_queue_ms") or 0.0
+            predicted_engine = slo.get("predicted_engine_ms") or 0.0
+            row = (abs(slo["predicted_ttft_ms"] - actual) / actual, slo["predicted_ttft_ms"] / actual,
+                   abs(predicted_queue - queue) / actual, abs(predicted_engine - (actual - queue)) / actual)
+            rows["all"].append(row)
+            rows.setdefault(record["lane"], []).append(row)
+
+    def median(values: list[float]) -> float | None:
+        return statistics.median(values) if values else None
+
+    return {lane: {"n": len(values), "median_abs_rel_error": median([v[0] for v in values]),
+                   "p90_abs_rel_error": percentile(sorted(v[0] for v in values), 90) if values else None,
+                   "median_predicted_over_actual": median([v[1] for v in values]),
+                   "median_queue_abs_error_over_actual": median([v[2] for v in values]),
+                   "median_engine_abs_error_over_actual": median([v[3] for v in values])}
+            for lane, values in rows.items()}
 
 
 def guard_config(engine_url: str, batch_ttft_ms: float | None, log: Path | None) -> dict:
@@ -208,12 +221,13 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict:
         load = Load(web_rate, batch_rate, args.web_max_tokens, args.batch_max_tokens, args.duration / args.rounds,
                     args.drain, args.batch_ttft_ms / 1e3)
         log = workdir / "decisions.jsonl"
-        for name, batch_ttft_ms in (("guard-slo", args.batch_ttft_ms), ("guard", None)):
+        for name, batch_ttft_ms in (("guard-slo", args.batch_ttft_ms), ("guard", None)):  # (a), (b)
             config = guard_config(engine.url, batch_ttft_ms, log if batch_ttft_ms is not None else None)
             guards.append(start_guard(workdir, config, name=name))
         configs = [("(a) kvguard with SLOs", guard_target(guards[0].url, KEYS)),
                    ("(b) kvguard without SLOs", guard_target(guards[1].url, KEYS)),
                    ("(c) FIFO straight to the engine", engine_target(engine.url, list(KEYS)))]
+        configs = [config for config, letter in zip(configs, "abc") if letter in args.configs]
         tallies = [Tally() for _ in configs]
         for round_index in range(args.rounds):
             turn = round_index % len(configs)
@@ -239,13 +253,18 @@ def table(phases: list[dict]) -> str:
                         f"{s['goodput_per_s']:>9.2f} {_ms(ttft['p50_ms']):>9} {_ms(ttft['p99_ms']):>8} "
                         f"{s['engine_preemptions']:>7}  {s['statuses']}")
         rows.append(f"{p['label']:32} {'total':12} {'':>5} {'':>5} {'':>7} {p['goodput_per_s']:>9.2f}  refusals "
-                    f"{p['refusals']} ({p['refusals_within_200ms']} within 200 ms), p95 {_ms(p['refusal_p95_ms'])} ms;"
+                    f"{p['refusals']} ({p['refusals_within_200ms']} within 200 ms), p50 {_ms(p['refusal_p50_ms'])} ms,"
+                    f" p95 {_ms(p['refusal_p95_ms'])} ms;"
                     f" load {p['load_average_1m']:.1f}")
     return "\n".join(rows)
 
 
 def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def _ms(value: float | None) -> str:
@@ -268,6 +287,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one round of 2-second blocks: checks that it runs")
     parser.add_argument("--json", type=Path, default=REPO / "bench" / "results" / "slo.json")
     parser.add_argument("--decision-log", type=Path, help="keep (a)'s decision log here (JSON lines)")
+    parser.add_argument("--configs", default="abc", help="which configurations to run (letters; default all)")
     args = parser.parse_args()
     if args.quick:
         args.duration, args.rounds, args.drain, args.calibrate = 2.0, 1, 2.0, 1.0
@@ -277,7 +297,8 @@ def main() -> None:
         outcome = asyncio.run(run(args, Path(workdir)))
         if args.decision_log is not None and (Path(workdir) / "decisions.jsonl").exists():
             shutil.copy(Path(workdir) / "decisions.jsonl", args.decision_log)
-    base = outcome["phases"][1]["goodput_per_s"]
+    phases = {phase["label"][:3]: phase for phase in outcome["phases"]}
+    base = phases["(b)"]["goodput_per_s"] if "(a)" in phases and "(b)" in phases else None
     report = {"benchmark": "slo", "machine": describe(torch.device("cpu")), "command": command(),
               "load_average_1m_at_start": started_load, "engine_flags": args.engine_flags,
               "load": {"offered_over_capacity": args.load, "web_share": args.web_share,
@@ -285,7 +306,7 @@ def main() -> None:
                        "web_ttft_ms": 1e3 * WEB_TTFT_S, "batch_ttft_ms": args.batch_ttft_ms,
                        "duration_s": args.duration, "rounds": args.rounds, "drain_s": args.drain, "seed": args.seed},
               **outcome,
-              "goodput_over_without_slo": outcome["phases"][0]["goodput_per_s"] / base if base else None}
+              "goodput_over_without_slo": phases["(a)"]["goodput_per_s"] / base if base else None}
     print(f"machine: {report['machine']}; load average at start {started_load:.2f}")
     print(f"command: {report['command']}")
     if args.quick:
@@ -297,7 +318,10 @@ def main() -> None:
     print(f"goodput with SLOs over without: {'-' if ratio is None else f'{ratio:.2f}x'}")
     for lane, prediction in outcome["prediction"].items():
         print(f"predicted vs actual TTFT (a), {lane}: median |error| {_pct(prediction['median_abs_rel_error'])}, "
-              f"p90 {_pct(prediction['p90_abs_rel_error'])} over {prediction['n']} streams")
+              f"p90 {_pct(prediction['p90_abs_rel_error'])} over {prediction['n']} streams; median predicted/actual "
+              f"{_ratio(prediction['median_predicted_over_actual'])}; median |error| of the queue part "
+              f"{_pct(prediction['median_queue_abs_error_over_actual'])}, of the engine part "
+              f"{_pct(prediction['median_engine_abs_error_over_actual'])} (of the actual TTFT)")
     write_report(args.json, report)
     print(f"json: {args.json}")
 

@@ -47,6 +47,8 @@ from guard.pool.pool import ReplicaPool
 from guard.pool.replica import Replica
 from guard.pool.scheduling import Candidate, Profile
 
+REJUDGE_S = 0.1  # queued sheddable tickets are judged again at most this often (a pump runs on every release)
+
 
 class TicketState(enum.Enum):
     NEW = "new"
@@ -83,12 +85,15 @@ class Ticket:
     predicted_ttft: float | None = None  # seconds from arrival, predicted when it reached the dispatcher
     predicted_tpot: float | None = None  # seconds per output token on the best replica, predicted then too
     predicted_wait: float | None = None  # of predicted_ttft, the queue wait before its correction
+    predicted_queue: float | None = None  # of predicted_ttft, arrival to admission (corrected)
+    predicted_engine: float | None = None  # of predicted_ttft, admission to the first token
     wait_key: tuple[str, bool] | None = None  # the correction that applied to it (guard/admission/slo.py)
     verdicts: dict[str, bool] | None = None  # objective ("ttft", "tpot") -> met, once it ended
     admitted_at: float = 0.0  # time.monotonic() of its admission
     uncached: int = 0  # its prompt tokens the replica has to prefill, until its first token (latency model)
     work: int = 0  # prefill tokens ahead of it on its replica when admitted, its own included
     priority: int = 0  # the engine priority it runs at, once admitted
+    band: tuple[int, bool] | None = None  # its load band there when admitted (guard/pool/latency.py)
 
 
 class Dispatcher:
@@ -103,6 +108,7 @@ class Dispatcher:
         self.running: dict[str, set[Ticket]] = {}  # tenant -> its admitted tickets, for revoke
         self.departures = slo.Departures()  # the queue's pace, which predicts a newcomer's wait
         self.correction = slo.WaitCorrection()  # and how the waits predicted from it turned out
+        self._next_rejudge = 0.0  # time.monotonic() before which queued tickets are not judged again
         self.total_weight = sum(tenant.weight for tenant in config.tenants)  # of the running config's tenants
         for tenant in config.tenants:
             self.fair.tenant(tenant.name, tenant.weight)
@@ -142,10 +148,10 @@ class Dispatcher:
     def blocks_before(self, ticket: Ticket) -> int:
         """Queued blocks to be admitted before the ticket, by its class: a critical one waits only for the
         critical tickets (they go first), a standard one for those and ``blocks_ahead_of`` it, a sheddable
-        one for everything queued."""
+        one for the sheddable tickets queued (the pace it is judged by has critical work in it already)."""
         priority_class = ticket.lane.priority_class
         if priority_class == slo.SHEDDABLE:
-            return self.blocks_queued()
+            return self.blocks_queued(slo.SHEDDABLE)
         critical = self.blocks_queued(slo.CRITICAL)
         return critical if priority_class == slo.CRITICAL else critical + self.blocks_ahead_of(ticket)
 
@@ -195,9 +201,15 @@ class Dispatcher:
             raise
 
     def pump(self) -> None:
-        """Admit as many queued tickets as the pool and the VTC order allow."""
+        """Admit as many queued tickets as the pool and the VTC order allow; then shed the sheddable ones
+        now predicted to be late."""
         if not self.fair.queued:
             return  # the usual case after a release
+        self._admit_queued()
+        if self.fair.queued and time.monotonic() >= self._next_rejudge:
+            self._shed_late()
+
+    def _admit_queued(self) -> None:
         capped: set[str] = set()
         while (queue := self._next_tenant(capped)) is not None:
             ticket = queue.head()
@@ -214,6 +226,23 @@ class Dispatcher:
             self.departures.add(ticket.blocks)
             self.correction.observe(ticket.wait_key, ticket.predicted_wait, time.monotonic() - ticket.enqueued_at)
             self._admitted(queue, ticket)
+
+    def _shed_late(self) -> None:
+        """Judge the queued sheddable tickets again, in the order they queued (slo.rejudge), and refuse
+        those now predicted to miss their TTFT objective. At most every ``REJUDGE_S``: a pump runs on every
+        release."""
+        self._next_rejudge = time.monotonic() + REJUDGE_S
+        waiting = sorted((t for q in self.fair.tenants.values() for lane in q.lanes.values() for t in lane
+                          if t.lane.priority_class == slo.SHEDDABLE), key=lambda t: t.enqueued_at)
+        ahead = 0
+        for ticket in waiting:
+            late = None if ticket.admitted is None else slo.rejudge(self.departures, self.correction, ticket, ahead)
+            if late is None:  # (a future not made yet: the ticket being submitted, judged a moment ago)
+                ahead += ticket.blocks
+                continue
+            self._dequeue(ticket)
+            assert ticket.admitted is not None
+            ticket.admitted.set_exception(late)
 
     def _next_tenant(self, skip: set[str]) -> TenantQueue[Ticket] | None:
         """The priority band before fairness: the tenants whose next ticket is critical, by VTC among them,
@@ -276,6 +305,8 @@ class Dispatcher:
     def _admitted(self, queue: TenantQueue[Ticket], ticket: Ticket) -> None:
         """The ticket's reservation is committed: charge its input and wake its request."""
         self.fair.charge(queue, input_tokens=ticket.prompt_tokens)
+        if ticket.enqueued_at and ticket.lane.priority_class == slo.SHEDDABLE:  # (0: admitted without queueing)
+            self.departures.sheddable.left(ticket.enqueued_at, ticket.blocks)
         ticket.state = TicketState.ADMITTED
         if ticket.replica is not None:  # the prefill now ahead of later requests there (guard/pool/latency.py)
             ticket.admitted_at = time.monotonic()
@@ -283,7 +314,7 @@ class Dispatcher:
             cached = ticket.hit_blocks * snapshot.block_size if snapshot is not None else 0
             ticket.uncached = max(0, ticket.prompt_tokens - cached)
             ticket.priority = engine_priority(ticket.lane.priority, ticket.borrowed)
-            ticket.work = ticket.replica.latency.admitted(ticket.priority, ticket.uncached)
+            ticket.work, ticket.band = ticket.replica.latency.admitted(ticket.priority, ticket.uncached)
         self.running.setdefault(queue.name, set()).add(ticket)
         if ticket.admitted is not None:  # None while submit is admitting it itself
             ticket.admitted.set_result(None)
@@ -309,7 +340,7 @@ class Dispatcher:
         latency = ticket.replica.latency
         latency.started(ticket.priority, ticket.uncached)
         if after_s is not None:
-            latency.observe_ttft(ticket.priority, ticket.work, after_s)
+            latency.observe_ttft(ticket.priority, ticket.work, after_s, ticket.band)
         ticket.uncached = ticket.work = 0
 
     def charge_output(self, ticket: Ticket, output_tokens: int) -> None:
@@ -381,3 +412,5 @@ class Dispatcher:
                                                                     ticket.lane.priority, ticket):
             ticket.state = TicketState.DONE
             self.departures.add(ticket.blocks)
+            if ticket.lane.priority_class == slo.SHEDDABLE:
+                self.departures.sheddable.left(ticket.enqueued_at, 0)

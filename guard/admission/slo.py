@@ -10,17 +10,24 @@ Its TTFT is predicted when it reaches the dispatcher, as
 
 The queue wait counts the blocks queued to be admitted before it: a critical request's are the critical
 requests queued (they go first, guard/admission/dispatch.py), a standard one's those and its own tenant's
-lanes before its own (VTC serves other tenants by their counters, not before it), a sheddable one's
-everything queued. With blocks ahead, the wait is them over the pace at which blocks leave the queue
-(``Departures``); with none, it is the blocks it needs past the pool's budget over the replicas' drain rate
-(none when it fits now; what others borrowed counts as room for a request that does not borrow itself).
+lanes before its own (VTC serves other tenants by their counters, not before it). With blocks ahead, the
+wait is them over the pace at which blocks leave the queue (``Departures``); with none, it is the blocks it
+needs past the pool's budget over the replicas' drain rate (none when it fits now; what others borrowed
+counts as room for a request that does not borrow itself).
 
-A sheddable request predicted to miss its TTFT objective is refused at once (``slo_unattainable``, with
+A sheddable request's wait is the sheddable blocks queued before it, and its own, over the pace at which
+the queue *admits* sheddable blocks: critical work that arrives after it still goes first, and that pace,
+measured while it does, has it in already; a sheddable ticket shed from the queue frees nothing on a
+replica, so it does not count in the pace (counting it made the queue look fast exactly when it was not).
+
+A sheddable request predicted to miss its TTFT objective (less ``QUEUE_MARGIN``) is refused at once (``slo_unattainable``, with
 ``Retry-After`` from the predicted wait): waiting would only make it late and hold blocks that requests
-still on time need. One that queues leaves the queue, refused the same way, once too little of its
-objective is left for its prefill (``queue_timeout``). Critical and standard requests are never refused for
-their objective: they are served and counted (``guard_slo_requests_total``). Before anything has drained
-there is no pace to predict a wait from, and nothing is refused at once.
+still on time need. While it queues it is judged again (``rejudge``, from the dispatcher's pump): with
+the blocks now queued before it and the pace now, once its TTFT is predicted past its objective it leaves
+the queue, refused the same way, rather than at its deadline; at the deadline (``queue_timeout``) it
+leaves in any case. Critical and standard requests are never refused for their objective: they are served
+and counted (``guard_slo_requests_total``). Before anything has drained there is no pace to predict a wait
+from, and nothing is refused at once.
 """
 
 from __future__ import annotations
@@ -40,6 +47,12 @@ from guard.pool.pool import ReplicaPool
 HEADERS = {"ttft": "X-SLO-TTFT-Ms", "tpot": "X-SLO-TPOT-Ms"}
 CRITICAL, STANDARD, SHEDDABLE = "critical", "standard", "sheddable"
 DEPARTURE_WINDOW_S = 5.0
+# A sheddable request is queued only when predicted within (1 - QUEUE_MARGIN) of its objective, and shed
+# from the queue once predicted past it: the gap keeps the pace's noise from refusing late what was
+# queued, and costs no goodput while the queue stays long enough never to run dry (its throughput is the
+# replicas', not the queue's length).
+QUEUE_MARGIN = 0.5
+SHEDDABLE_WINDOW_S = 10.0  # a sheddable ticket waits up to its objective: its pace, over about as long
 MIN_LEARNED_WAIT_S = 0.05  # predicted waits below this teach the correction nothing
 MAX_LOG_RATIO = math.log(30.0)  # one ticket moves the correction by at most 30x
 CORRECTION_DECAY = 0.9  # weight of the past per queued ticket
@@ -97,17 +110,17 @@ class Judged(Protocol):
     predicted_ttft: float | None
     predicted_tpot: float | None
     predicted_wait: float | None
+    predicted_queue: float | None
+    predicted_engine: float | None
     wait_key: tuple[str, bool] | None
+    enqueued_at: float
 
 
-class Departures:
-    """Blocks leaving the guard's queue per second (admitted from it, or gone: a deadline, a client that
-    left), over the last ``DEPARTURE_WINDOW_S``, to the second. A ticket that finds others queued reaches
-    the head when the blocks ahead of it have left, whichever way they leave: so their pace, not the
-    replicas' drain, predicts its wait (critical work that never queued, and tickets that leave early, are
-    both in it)."""
+class Pace:
+    """Blocks per second over the last ``window`` seconds, to the second."""
 
-    def __init__(self) -> None:
+    def __init__(self, window: float = DEPARTURE_WINDOW_S) -> None:
+        self._window = window
         self._seconds: deque[list[int]] = deque()  # [second, blocks], one entry per second
         self._blocks = 0
         self._started = time.monotonic()
@@ -122,9 +135,56 @@ class Departures:
 
     def rate(self) -> float:
         now = time.monotonic()
-        while self._seconds and now - self._seconds[0][0] > DEPARTURE_WINDOW_S:
+        while self._seconds and now - self._seconds[0][0] > self._window:
             self._blocks -= self._seconds.popleft()[1]
-        return self._blocks / min(DEPARTURE_WINDOW_S, max(now - self._started, 1.0))
+        return self._blocks / min(self._window, max(now - self._started, 1.0))
+
+
+class BacklogPace:
+    """Sheddable blocks admitted from the queue per second *of backlog* (while sheddable tickets waited),
+    over the last ``SHEDDABLE_WINDOW_S`` seconds of backlog: what the replicas give sheddable work while it
+    waits for them. Not per second of the clock: refusals keep the queue short, and the pace they allow
+    would predict ever longer waits and refuse more (in a trial, a third of the batch lane's throughput).
+    A backlog second is one some sheddable ticket spent queued, counted when it leaves the queue."""
+
+    def __init__(self) -> None:
+        self._busy = 0.0  # seconds of backlog so far
+        self._covered = 0.0  # time.monotonic() up to which backlog is counted
+        self._events: deque[tuple[float, int]] = deque()  # (``_busy`` when admitted, blocks)
+        self._blocks = 0
+
+    def left(self, enqueued_at: float, blocks: int) -> None:
+        """A sheddable ticket queued at ``enqueued_at`` left the queue now: admitted with ``blocks``, or
+        gone (0)."""
+        now = time.monotonic()
+        self._busy += max(0.0, now - max(enqueued_at, self._covered))
+        self._covered = max(self._covered, now)
+        if blocks:
+            self._events.append((self._busy, blocks))
+            self._blocks += blocks
+
+    def rate(self) -> float:
+        while self._events and self._busy - self._events[0][0] > SHEDDABLE_WINDOW_S:
+            self._blocks -= self._events.popleft()[1]
+        return self._blocks / min(SHEDDABLE_WINDOW_S, max(self._busy, 1.0))
+
+
+class Departures:
+    """Blocks leaving the guard's queue per second. ``rate()``: every way they leave (admitted from it, or
+    gone: a deadline, a client that left): a ticket that finds others queued reaches the head when the
+    blocks ahead of it have left, whichever way they leave, so their pace, not the replicas' drain,
+    predicts its wait (critical work that never queued, and tickets that leave early, are both in it).
+    ``rate(SHEDDABLE)``: the sheddable ``BacklogPace`` (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._all, self.sheddable = Pace(), BacklogPace()
+
+    def add(self, blocks: int) -> None:
+        """``blocks`` left the queue, whichever way."""
+        self._all.add(blocks)
+
+    def rate(self, priority_class: str | None = None) -> float:
+        return (self.sheddable if priority_class == SHEDDABLE else self._all).rate()
 
 
 class WaitCorrection:
@@ -149,22 +209,34 @@ class WaitCorrection:
         self._log_ratio[key] = ratio if before is None else CORRECTION_DECAY * before + (1 - CORRECTION_DECAY) * ratio
 
 
+def queue_wait(pool: ReplicaPool, departures: Departures, ticket: Judged, ahead: int) -> float | None:
+    """The ticket's queue wait as the pace or the drain predicts it, before the correction (None: nothing
+    measured to predict it from), with ``ahead`` blocks queued to be admitted before it; sets its
+    ``wait_key``."""
+    sheddable = ticket.lane.priority_class == SHEDDABLE
+    rate = departures.rate(ticket.lane.priority_class) if ahead else 0.0
+    ticket.wait_key = (ticket.lane.priority_class, rate > 0)
+    if rate > 0:  # a sheddable ticket at the head still waits for its own blocks to be free
+        return (ahead + (ticket.blocks if sheddable else 0)) / rate
+    # What others borrowed is reclaimed by a ticket that does not borrow itself (guard/pool/gate.py).
+    held = pool.committed() - (0 if sheddable else pool.borrowed())
+    return pool.expected_wait(max(0, held + ahead + ticket.blocks - pool.budget()))
+
+
 def predicted_ttft(pool: ReplicaPool, departures: Departures, ticket: Judged, ahead: int,
                    correction: WaitCorrection) -> tuple[float, float | None]:
     """(predicted TTFT from the ticket's arrival, the queue wait in it; None when nothing has been measured
-    to predict a wait from), with ``ahead`` blocks queued to be admitted before it: their departure pace,
-    or with nothing ahead, the blocks it needs past the pool's free budget at the replicas' drain rate."""
-    rate = departures.rate() if ahead else 0.0
-    # What others borrowed is reclaimed by a ticket that does not borrow itself (guard/pool/gate.py).
-    held = pool.committed() - (0 if ticket.lane.priority_class == SHEDDABLE else pool.borrowed())
-    wait = ahead / rate if rate > 0 else pool.expected_wait(max(0, held + ahead + ticket.blocks - pool.budget()))
-    ticket.predicted_wait, ticket.wait_key = wait, (ticket.lane.priority_class, rate > 0)
+    to predict a wait from), with ``ahead`` blocks queued to be admitted before it. Sets the ticket's
+    ``predicted_wait`` (before the correction), ``predicted_queue`` and ``predicted_engine``."""
+    ticket.predicted_wait = wait = queue_wait(pool, departures, ticket, ahead)
     if wait is not None:
         wait = correction.correct(ticket.wait_key, wait)
     priority = engine_priority(ticket.lane.priority, ticket.lane.priority_class == SHEDDABLE)
     engine = min((r.latency.predict_ttft(priority, ticket.prompt_tokens) for r in pool.replicas if r.usable()),
                  default=0.0)
-    return time.monotonic() - ticket.arrived + (wait or 0.0) + engine, wait
+    elapsed = time.monotonic() - ticket.arrived
+    ticket.predicted_queue, ticket.predicted_engine = elapsed + (wait or 0.0), engine
+    return elapsed + (wait or 0.0) + engine, wait
 
 
 def judge(pool: ReplicaPool, departures: Departures, correction: WaitCorrection, ticket: Judged, ahead: int
@@ -177,11 +249,28 @@ def judge(pool: ReplicaPool, departures: Departures, correction: WaitCorrection,
     ticket.predicted_tpot = min((r.latency.predict_tpot() for r in pool.replicas if r.usable()), default=None)
     if objective.priority_class != SHEDDABLE or objective.ttft_s is None or wait is None:
         return
-    if ticket.predicted_ttft > objective.ttft_s:
-        raise GuardError(503, f"predicted time to first token {ticket.predicted_ttft:.2f} s exceeds this "
-                         f"request's objective ({objective.ttft_s:g} s); the lane is sheddable",
-                         code="slo_unattainable", retry_after=max(1, min(60, math.ceil(wait))),
-                         outcome=Outcome.REJECTED_OVERLOAD)
+    if ticket.predicted_ttft > (1 - QUEUE_MARGIN) * objective.ttft_s:
+        raise unattainable(objective, ticket.predicted_ttft, wait)
+
+
+def rejudge(departures: Departures, correction: WaitCorrection, ticket: Judged, ahead: int) -> GuardError | None:
+    """A queued sheddable ticket judged again, with ``ahead`` sheddable blocks queued before it now: the
+    refusal once its TTFT is predicted past its objective, else None. Without a pace to predict from, it
+    waits for its deadline. (The correction does not learn from it: what it would have waited is itself a
+    prediction, made with the correction, and learning from it fed the correction back into itself.)"""
+    objective, rate = ticket.objective, departures.rate(SHEDDABLE)
+    if objective is None or objective.ttft_s is None or rate <= 0 or ticket.predicted_engine is None:
+        return None
+    left = correction.correct((SHEDDABLE, True), (ahead + ticket.blocks) / rate)
+    now = time.monotonic()
+    predicted = now - ticket.arrived + left + ticket.predicted_engine
+    return None if predicted <= objective.ttft_s else unattainable(objective, predicted, left)
+
+
+def unattainable(objective: Objective, predicted: float, wait: float) -> GuardError:
+    return GuardError(503, f"predicted time to first token {predicted:.2f} s exceeds this request's objective "
+                      f"({objective.ttft_s:g} s); the lane is sheddable", code="slo_unattainable",
+                      retry_after=max(1, min(60, math.ceil(wait))), outcome=Outcome.REJECTED_OVERLOAD)
 
 
 def queue_timeout(ticket: Judged) -> tuple[float, GuardError | None]:

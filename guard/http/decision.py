@@ -51,8 +51,13 @@ def build_record(ex: Exchange, response: web.StreamResponse | None, refused: Gua
 def slo_record(ticket: Ticket) -> dict:
     """The objective, the predictions it was judged by (a refusal's ``shed`` says the rest) and the verdicts."""
     assert ticket.objective is not None
-    predicted_tpot = ticket.predicted_tpot
     return {**ticket.objective.as_record(),
-            "predicted_ttft_ms": None if ticket.predicted_ttft is None else round(1e3 * ticket.predicted_ttft, 3),
-            "predicted_tpot_ms": None if predicted_tpot is None else round(1e3 * predicted_tpot, 3),
+            "predicted_ttft_ms": _ms(ticket.predicted_ttft),
+            # of it: arrival to admission (the guard's queue), admission to the first token (the replica)
+            "predicted_queue_ms": _ms(ticket.predicted_queue), "predicted_engine_ms": _ms(ticket.predicted_engine),
+            "predicted_tpot_ms": _ms(ticket.predicted_tpot),
             "met": ticket.verdicts}
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(1e3 * seconds, 3)

@@ -16,11 +16,18 @@ engine priority, since the engine treats them differently. Until the fit has
 nominal ``per_token`` (its token rate is throughput, not speed: an idle engine's says nothing). TPOT is the mean gap between streamed tokens that the guard observed on the
 replica (exponentially weighted), before any the engine's mean decode step (``itl_s``).
 
+On top of the fit, a residual correction by load band: the fit is one line through requests that met
+different engines, and what it misses most is whether a lower priority's prefill was in flight when the
+request was sent (the engine may be in the middle of a step that prefills it: the request waits for that
+step, then its own). Per band, ``(engine priority, a lower priority's prefill pending)``, an exponentially
+weighted mean of log(actual / fitted) multiplies the fit's prediction.
+
 The guard's queue wait, in front of every replica, is predicted elsewhere (guard/admission/slo.py).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from engine.protocol import TelemetrySnapshot
@@ -29,6 +36,10 @@ DECAY = 0.95  # weight of the past per observation: ~20 requests of memory
 MIN_FIT = 4  # observations before the fit replaces the telemetry's estimate
 MIN_SPREAD_TOKENS = 16.0  # the work's weighted standard deviation below which the slope is not fitted
 FALLBACK_PER_TOKEN_S = 1e-4  # 10k prefill tokens/s: until the fit has a slope
+RESIDUAL_DECAY = 0.9  # weight of the past per observation in a band's residual correction
+MAX_LOG_RESIDUAL = math.log(10.0)  # one observation moves a band's correction by at most 10x
+
+Band = tuple[int, bool]  # (engine priority, a lower priority's prefill pending)
 
 
 @dataclass(slots=True)
@@ -68,6 +79,7 @@ class LatencyModel:
     # behind decodes of higher ones), and one over all of them for a priority not seen ``MIN_FIT`` times.
     _fits: dict[int, Fit] = field(default_factory=dict)
     _all: Fit = field(default_factory=Fit)
+    _residual: dict[Band, float] = field(default_factory=dict)  # band -> weighted mean log(actual / fitted)
     _step_s: float = 0.0  # the telemetry's mean step time
     _itl_s: float = 0.0  # the telemetry's mean decode step
     _tpot_s: float | None = None  # observed mean gap between tokens, weighted
@@ -80,11 +92,17 @@ class LatencyModel:
         """Prefill tokens pending at ``priority`` or before it."""
         return sum(tokens for at, tokens in self.pending.items() if at <= priority)
 
-    def admitted(self, priority: int, uncached_tokens: int) -> int:
+    def band(self, priority: int) -> Band:
+        """The load band a request sent now at ``priority`` is in (see the module docstring)."""
+        return priority, any(tokens for at, tokens in self.pending.items() if at > priority)
+
+    def admitted(self, priority: int, uncached_tokens: int) -> tuple[int, Band]:
         """A request with ``uncached_tokens`` to prefill was sent here at engine ``priority``; returns the
-        work ahead of it (its own included), which ``observe_ttft`` is given back with its first token."""
+        work ahead of it (its own included) and its band, which ``observe_ttft`` is given back with its
+        first token."""
+        band = self.band(priority)
         self.pending[priority] = self.pending.get(priority, 0) + uncached_tokens
-        return self.ahead(priority)
+        return self.ahead(priority), band
 
     def started(self, priority: int, uncached_tokens: int) -> None:
         """The request's first token came (or it ended without one): its prefill is no longer ahead of anyone."""
@@ -108,11 +126,20 @@ class LatencyModel:
         """Seconds from being sent here at engine ``priority`` to the first token, for a request with
         ``uncached_tokens`` to prefill."""
         base, per_token = self.coefficients(priority)
-        return base + per_token * (self.ahead(priority) + uncached_tokens)
+        fitted = base + per_token * (self.ahead(priority) + uncached_tokens)
+        return fitted * math.exp(self._residual.get(self.band(priority), 0.0))
 
-    def observe_ttft(self, priority: int, work: int, seconds: float) -> None:
-        """A request sent at engine ``priority`` with ``work`` tokens ahead of it (its own included) saw its
-        first token after ``seconds``."""
+    def observe_ttft(self, priority: int, work: int, seconds: float, band: Band | None = None) -> None:
+        """A request sent at engine ``priority`` with ``work`` tokens ahead of it (its own included), in
+        ``band``, saw its first token after ``seconds``."""
+        base, per_token = self.coefficients(priority)
+        fitted = base + per_token * work
+        # Before the fit stands (MIN_FIT observations) its residuals say nothing about a band.
+        if band is not None and self._all.seen >= MIN_FIT and fitted > 0 and seconds > 0:
+            ratio = max(-MAX_LOG_RESIDUAL, min(MAX_LOG_RESIDUAL, math.log(seconds / fitted)))
+            before = self._residual.get(band)
+            self._residual[band] = ratio if before is None else \
+                RESIDUAL_DECAY * before + (1 - RESIDUAL_DECAY) * ratio
         self._fits.setdefault(priority, Fit()).add(work, seconds)
         self._all.add(work, seconds)
 

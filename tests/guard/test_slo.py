@@ -87,13 +87,25 @@ def test_the_latency_model_learns_base_and_prefill_rate_and_counts_work_by_engin
     for i in range(MIN_FIT):
         model.observe_ttft(104, 300, 0.5)
     assert model.predict_ttft(104, 300) == pytest.approx(0.5, rel=0.01), "then its own"
-    assert model.admitted(1, 100) == 100
-    assert model.admitted(104, 500) == 600, "a borrower's prefill waits for every higher priority's"
+    assert model.admitted(1, 100) == (100, (1, False))
+    assert model.admitted(104, 500) == (600, (104, False)), "a borrower's prefill waits for every higher priority's"
+    assert model.band(1) == (1, True), "a lower priority's prefill in flight: another band"
     assert model.ahead(1) == 100, "a lower priority's prefill is not ahead of a critical request"
     assert model.predict_ttft(1, 50) == pytest.approx(0.020 + 2e-4 * 150, rel=0.02)
     model.started(1, 100)
     model.started(104, 500)
     assert model.pending == {} and model.ahead(200) == 0
+
+
+def test_a_band_the_fit_misses_is_corrected_by_its_residual() -> None:
+    model = LatencyModel()
+    for _ in range(3 * MIN_FIT):  # alone: 20 ms; with a borrower's prefill in flight: 60 ms (its step first)
+        model.observe_ttft(1, 50, 0.020, (1, False))
+        model.observe_ttft(1, 50, 0.060, (1, True))
+    alone = model.predict_ttft(1, 50)
+    model.admitted(104, 500)
+    behind = model.predict_ttft(1, 50)
+    assert alone == pytest.approx(0.020, rel=0.1) and behind == pytest.approx(0.060, rel=0.1), (alone, behind)
 
 
 async def test_critical_work_reclaims_what_sheddable_work_holds_and_goes_first(tmp_path: Path) -> None:
@@ -144,7 +156,7 @@ async def test_a_sheddable_request_that_cannot_be_on_time_is_refused_at_once_or_
     assert (left.value.status, left.value.code) == (503, "slo_unattainable")
     assert time.monotonic() - queued.arrived < 0.5, "it left once its objective could no longer be met"
     dispatcher.departures = Departures()
-    dispatcher.departures.add(4)  # 4 blocks left the queue over the last second: ~4 blocks/s
+    dispatcher.departures.sheddable.left(time.monotonic() - 1.0, 4)  # 4 sheddable blocks in 1 s of backlog
     blocker = slo_ticket(dispatcher, 1, 40, "blocker")
     blocked = asyncio.create_task(dispatcher.submit(blocker))  # 40 blocks ahead of the next: ~10 s
     await asyncio.sleep(0.01)
