@@ -52,8 +52,11 @@ class ReplicaPool:
 
     async def wait_while_starting(self) -> None:
         """While no replica has been heard from and the start window is not over, hold the request."""
+        for replica in self.replicas:  # the usual case, asked on every request: one was heard from
+            if replica.heard.is_set():
+                return
         remaining = max(replica.start_left() for replica in self.replicas)
-        if remaining and not any(replica.heard.is_set() for replica in self.replicas):
+        if remaining:
             waits = [asyncio.ensure_future(replica.heard.wait()) for replica in self.replicas]
             try:
                 await asyncio.wait(waits, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
