@@ -21,8 +21,8 @@ block's arrivals end, its requests get ``--drain`` seconds; what is left then is
 missed. Also reported: how fast refusals were answered (p95), the engine's preemptions per tenant, and for
 (a) the TTFT the guard predicted against the TTFT it saw (its decision log: median absolute relative error).
 
-    .venv/bin/python bench/slo.py [--duration 120] [--rounds 2] [--json PATH]
-    .venv/bin/python bench/slo.py --quick      # one round of 2-second blocks: checks that it runs
+    .venv/bin/python bench/slo.py [--duration 60] [--rounds 2] [--drain 10] [--json PATH]   # ~4.5 min
+    .venv/bin/python bench/slo.py --quick      # one round of 1.5-second blocks: checks that it runs
 """
 
 from __future__ import annotations
@@ -273,9 +273,9 @@ def _ms(value: float | None) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--duration", type=float, default=120.0, help="seconds of arrivals per configuration")
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per configuration")
     parser.add_argument("--rounds", type=int, default=2, help="blocks per configuration, interleaved")
-    parser.add_argument("--drain", type=float, default=15.0, help="seconds a block's requests get after it")
+    parser.add_argument("--drain", type=float, default=10.0, help="seconds a block's requests get after it")
     parser.add_argument("--load", type=float, default=2.0, help="offered generated tokens over the capacity")
     parser.add_argument("--web-share", type=float, default=0.5, help="of the capacity, offered by web")
     parser.add_argument("--web-max-tokens", type=int, default=32)
@@ -284,13 +284,13 @@ def main() -> None:
     parser.add_argument("--num-blocks", type=int, default=256, help="the engine's KV pool")
     parser.add_argument("--calibrate", type=float, default=8.0, help="seconds of the capacity measurement")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="one round of 2-second blocks: checks that it runs")
+    parser.add_argument("--quick", action="store_true", help="one round of 1.5-second blocks: checks that it runs")
     parser.add_argument("--json", type=Path, default=REPO / "bench" / "results" / "slo.json")
     parser.add_argument("--decision-log", type=Path, help="keep (a)'s decision log here (JSON lines)")
     parser.add_argument("--configs", default="abc", help="which configurations to run (letters; default all)")
     args = parser.parse_args()
     if args.quick:
-        args.duration, args.rounds, args.drain, args.calibrate = 2.0, 1, 2.0, 1.0
+        args.duration, args.rounds, args.drain, args.calibrate = 1.5, 1, 1.0, 0.6
     args.engine_flags = ["--model", "tiny", "--device", "cpu", "--num-blocks", str(args.num_blocks)]
     started_load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="bench-slo-") as workdir:

@@ -36,7 +36,7 @@ DECAY = 0.95  # weight of the past per observation: ~20 requests of memory
 MIN_FIT = 4  # observations before the fit replaces the telemetry's estimate
 MIN_SPREAD_TOKENS = 16.0  # the work's weighted standard deviation below which the slope is not fitted
 FALLBACK_PER_TOKEN_S = 1e-4  # 10k prefill tokens/s: until the fit has a slope
-RESIDUAL_DECAY = 0.9  # weight of the past per observation in a band's residual correction
+RESIDUAL_DECAY = 0.5  # weight of the past per observation in a band's residual: the load changes within a second
 MAX_LOG_RESIDUAL = math.log(10.0)  # one observation moves a band's correction by at most 10x
 
 Band = tuple[int, bool]  # (engine priority, a lower priority's prefill pending)

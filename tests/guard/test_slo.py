@@ -174,6 +174,26 @@ async def test_a_sheddable_request_that_cannot_be_on_time_is_refused_at_once_or_
     assert not dispatcher.pool.reservations() and not dispatcher.fair.queued
 
 
+async def test_a_queued_sheddable_request_leaves_once_predicted_late_not_at_its_deadline(tmp_path: Path) -> None:
+    dispatcher = slo_dispatcher(tmp_path)
+    hog = slo_ticket(dispatcher, 0, 85, "hog")  # the critical tenant fills the budget
+    await dispatcher.submit(hog)
+    dispatcher.departures.sheddable.left(time.monotonic() - 1.0, 400)  # 400 blocks/s of backlog: ~0.1 s
+    queued = slo_ticket(dispatcher, 1, 40, "queued")  # its lane's objective: 1 s
+    task = asyncio.create_task(dispatcher.submit(queued))
+    await asyncio.sleep(0.15)
+    assert queued.state is TicketState.QUEUED, "predicted in time: it queues"
+    dispatcher.departures = Departures()
+    dispatcher.departures.sheddable.left(time.monotonic() - 1.0, 4)  # the pace falls to 4 blocks/s: ~10 s
+    dispatcher.pump()
+    with pytest.raises(GuardError) as left:
+        await asyncio.wait_for(task, 2.0)
+    assert (left.value.status, left.value.code) == (503, "slo_unattainable") and "predicted" in left.value.message
+    assert time.monotonic() - queued.arrived < 0.5, "refused when the prediction said so, before its deadline"
+    dispatcher.finish(hog)
+    assert not dispatcher.pool.reservations() and not dispatcher.fair.queued
+
+
 def test_the_slo_filter_holds_back_a_replica_predicted_to_be_late() -> None:
     profile = profile_for(Routing())  # the kvguard preset
     pool = pool_of([100, 100, 100])
