@@ -10,9 +10,11 @@ One engine (``python -m engine --model tiny --num-blocks N``) serves, in one run
 
 Two tenants of equal weight arrive open-loop (bench/tenant_load.py) with the same seeded arrival times for
 every configuration: ``web`` sends short streamed chats in the interactive lane, ``batch`` long streamed
-generations in the batch lane. Their rates are set from the engine's capacity, measured first (a saturating
-batch-only load straight to the engine, generated tokens per second): ``web`` offers ``--web-share`` of it
-and ``batch`` the rest of ``--load`` (2x by default), in generated tokens.
+generations in the batch lane. Their rates are set from the engine's capacity, measured at the start of
+every round (a saturating batch-only load straight to the engine, generated tokens per second; on a shared
+machine it moved by 2x within minutes, and one measurement at the start let a run's "2x" be ~1x by its
+end): ``web`` offers ``--web-share`` of it and ``batch`` the rest of ``--load`` (2x by default), in
+generated tokens; within a round the three configurations get the same rates and arrival times.
 
 A request *meets its objective* when its first token arrives within its lane's TTFT objective of its
 scheduled arrival (1.5 s interactive, ``--batch-ttft-ms`` batch; the same objectives judge (b) and (c),
@@ -37,7 +39,7 @@ import statistics
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import aiohttp
@@ -214,12 +216,9 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict:
     engine = start_engine(workdir, args.engine_flags)
     guards: list[Service] = []
     try:
-        probe = Load(0, 0, args.web_max_tokens, args.batch_max_tokens, 0, 0, args.batch_ttft_ms / 1e3)
-        capacity = await measure_capacity(engine, probe, args.calibrate)
-        web_rate = args.web_share * capacity / args.web_max_tokens
-        batch_rate = (args.load - args.web_share) * capacity / args.batch_max_tokens
-        load = Load(web_rate, batch_rate, args.web_max_tokens, args.batch_max_tokens, args.duration / args.rounds,
-                    args.drain, args.batch_ttft_ms / 1e3)
+        load = Load(0, 0, args.web_max_tokens, args.batch_max_tokens, args.duration / args.rounds, args.drain,
+                    args.batch_ttft_ms / 1e3)
+        capacities: list[float] = []
         log = workdir / "decisions.jsonl"
         for name, batch_ttft_ms in (("guard-slo", args.batch_ttft_ms), ("guard", None)):  # (a), (b)
             config = guard_config(engine.url, batch_ttft_ms, log if batch_ttft_ms is not None else None)
@@ -230,6 +229,10 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict:
         configs = [config for config, letter in zip(configs, "abc") if letter in args.configs]
         tallies = [Tally() for _ in configs]
         for round_index in range(args.rounds):
+            capacities.append(await measure_capacity(engine, load, args.calibrate))
+            load = replace(load, web_rate=args.web_share * capacities[-1] / args.web_max_tokens,
+                           batch_rate=(args.load - args.web_share) * capacities[-1] / args.batch_max_tokens)
+            print(f"  round {round_index + 1}/{args.rounds}: capacity {capacities[-1]:.0f} tokens/s", flush=True)
             turn = round_index % len(configs)
             for (label, target), tally in [*zip(configs, tallies)][turn:] + [*zip(configs, tallies)][:turn]:
                 await block(target, load, args.seed + 2 * round_index, engine, tally)
@@ -238,8 +241,10 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict:
         for service in (*guards, engine):
             service.stop()
     phases = [summarize_config(label, tally, load, args.duration) for (label, _), tally in zip(configs, tallies)]
-    return {"capacity_tokens_per_s": capacity, "web_rate_per_s": web_rate, "batch_rate_per_s": batch_rate,
-            "phases": phases, "prediction": prediction_error(log)}
+    capacity = statistics.mean(capacities)
+    return {"capacity_tokens_per_s": capacity, "capacity_per_round": capacities,
+            "web_rate_per_s": args.web_share * capacity / args.web_max_tokens,
+            "batch_rate_per_s": (args.load - args.web_share) * capacity / args.batch_max_tokens, "phases": phases, "prediction": prediction_error(log)}
 
 
 def table(phases: list[dict]) -> str:
@@ -282,7 +287,7 @@ def main() -> None:
     parser.add_argument("--batch-max-tokens", type=int, default=256)
     parser.add_argument("--batch-ttft-ms", type=float, default=10000.0, help="the batch lane's TTFT objective")
     parser.add_argument("--num-blocks", type=int, default=256, help="the engine's KV pool")
-    parser.add_argument("--calibrate", type=float, default=8.0, help="seconds of the capacity measurement")
+    parser.add_argument("--calibrate", type=float, default=6.0, help="seconds of each round's capacity measurement")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="one round of 1.5-second blocks: checks that it runs")
     parser.add_argument("--json", type=Path, default=REPO / "bench" / "results" / "slo.json")
@@ -311,8 +316,9 @@ def main() -> None:
     print(f"command: {report['command']}")
     if args.quick:
         print("QUICK RUN: blocks of a few seconds, not a measurement")
-    print(f"engine capacity {outcome['capacity_tokens_per_s']:.0f} generated tokens/s; web {outcome['web_rate_per_s']:.2f}"
-          f" req/s, batch {outcome['batch_rate_per_s']:.2f} req/s ({args.load:g}x)")
+    rounds = " / ".join(f"{capacity:.0f}" for capacity in outcome["capacity_per_round"])
+    print(f"engine capacity {outcome['capacity_tokens_per_s']:.0f} generated tokens/s (rounds: {rounds}); web "
+          f"{outcome['web_rate_per_s']:.2f} req/s, batch {outcome['batch_rate_per_s']:.2f} req/s ({args.load:g}x), on average")
     print(table(outcome["phases"]))
     ratio = report["goodput_over_without_slo"]
     print(f"goodput with SLOs over without: {'-' if ratio is None else f'{ratio:.2f}x'}")
