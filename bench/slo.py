@@ -23,7 +23,7 @@ block's arrivals end, its requests get ``--drain`` seconds; what is left then is
 missed. Also reported: how fast refusals were answered (p95), the engine's preemptions per tenant, and for
 (a) the TTFT the guard predicted against the TTFT it saw (its decision log: median absolute relative error).
 
-    .venv/bin/python bench/slo.py [--duration 60] [--rounds 2] [--drain 10] [--json PATH]   # ~4.5 min
+    .venv/bin/python bench/slo.py [--duration 40] [--rounds 2] [--drain 8] [--json PATH]   # ~4.5 min
     .venv/bin/python bench/slo.py --quick      # one round of 1.5-second blocks: checks that it runs
 """
 
@@ -278,9 +278,9 @@ def _ms(value: float | None) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per configuration")
+    parser.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals per configuration")
     parser.add_argument("--rounds", type=int, default=2, help="blocks per configuration, interleaved")
-    parser.add_argument("--drain", type=float, default=10.0, help="seconds a block's requests get after it")
+    parser.add_argument("--drain", type=float, default=8.0, help="seconds a block's requests get after it")
     parser.add_argument("--load", type=float, default=2.0, help="offered generated tokens over the capacity")
     parser.add_argument("--web-share", type=float, default=0.5, help="of the capacity, offered by web")
     parser.add_argument("--web-max-tokens", type=int, default=32)
