@@ -11,6 +11,11 @@ two starts alternates per round. Figures: medians over rounds, per workload, and
     .venv/bin/python bench/guard_ab.py --baseline <commit>          # A = that commit, B = this tree
     .venv/bin/python bench/guard_ab.py --a /path/to/tree --rounds 8
     .venv/bin/python bench/guard_ab.py --baseline HEAD --quick      # one 1-s round: checks that it runs
+
+The upstream runs this tree's bench/fast_upstream.py. A baseline whose guard cannot read this tree's telemetry
+(a guard refuses fields it does not know, and the engine's snapshot gained some since: a1b9534 is one) needs
+``--upstream-tree a``: the upstream then runs the baseline's own fast_upstream.py on the baseline's engine
+protocol, which the newer guard reads too (fields added since have defaults).
 """
 
 from __future__ import annotations
@@ -38,8 +43,12 @@ def compare(tree_a: Path, args: argparse.Namespace, workdir: Path) -> dict:
     kind = generator()
     loads = workloads(args.stream_events, args.interval_ms, args.firehose_events)
     port = free_port()
-    upstream = start("upstream", pinned([sys.executable, str(REPO / "bench" / "fast_upstream.py"), "--port",
-                                         str(port)], load_cpus), f"http://127.0.0.1:{port}", workdir)
+    upstream_tree = tree_a if args.upstream_tree == "a" else REPO
+    # The tree's own engine protocol first on the path: the installed package is this tree's.
+    launch = (f"import runpy, sys; sys.path.insert(0, {str(upstream_tree)!r}); "
+              f"runpy.run_path({str(upstream_tree / 'bench' / 'fast_upstream.py')!r}, run_name='__main__')")
+    upstream = start("upstream", pinned([sys.executable, "-c", launch, "--port", str(port)], load_cpus),
+                     f"http://127.0.0.1:{port}", workdir, tree=upstream_tree)
     config = {"engine": {"name": "primary", "url": upstream.url}, "secret": "bench-guard-ab",
               "tenants": [{"name": "bench", "api_keys": [API_KEY], "lane": "interactive", "max_queue": 100000}]}
     guards: dict[str, Service] = {}
@@ -67,7 +76,7 @@ def compare(tree_a: Path, args: argparse.Namespace, workdir: Path) -> dict:
             service.stop()
     return {
         "benchmark": "guard_ab", "machine": describe(torch.device("cpu")), "command": command(),
-        "a": str(tree_a), "b": str(REPO), "load_generator": kind, "rounds": args.rounds, "duration_s": args.duration,
+        "a": str(tree_a), "b": str(REPO), "upstream_tree": args.upstream_tree, "load_generator": kind, "rounds": args.rounds, "duration_s": args.duration,
         "connections": args.connections,
         "layout": "both guards pinned to core 0; load and upstream to core 1" if pin else "not pinned",
         "cpu_us_per_request": cpu,
@@ -87,6 +96,8 @@ def main() -> None:
     parser.add_argument("--stream-events", type=int, default=32)
     parser.add_argument("--interval-ms", type=float, default=20.0)
     parser.add_argument("--firehose-events", type=int, default=256)
+    parser.add_argument("--upstream-tree", choices=("a", "b"), default="b",
+                        help="whose bench/fast_upstream.py (and engine protocol) the upstream runs (see above)")
     parser.add_argument("--quick", action="store_true", help="one round of 1-s measurements: checks that it runs")
     parser.add_argument("--json", type=Path, help="write the raw report here")
     args = parser.parse_args()
