@@ -92,6 +92,11 @@ class Answer:
 
     async def read(self) -> bytes:
         """The whole body."""
+        if self._eof and self._error is None:  # it came with the headers, as a small answer does: no wait
+            body = b"".join(self._chunks)
+            self._chunks, self._size = [], 0
+            self._connection.drained()
+            return body
         parts = []
         while chunk := await self.readany():
             parts.append(chunk)

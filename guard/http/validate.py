@@ -30,6 +30,8 @@ MODELS: dict[str, type[BaseModel]] = {
 }
 # Fields a client may not choose: the guard derives them from the authenticated tenant.
 GUARD_OWNED = ("cache_salt", "priority", "tenant", "tenant_id", "x_tenant_id")
+# Left out of the body sent upstream: the guard's own fields, and the bound it sets under its own name.
+NOT_FORWARDED = frozenset((*GUARD_OWNED, "max_completion_tokens"))
 
 
 @dataclass(slots=True)
@@ -67,7 +69,7 @@ class ParsedRequest:
         """The body sent to an engine: the client's, with the guard's salt, priority and token bound (and the
         fallback engine's model name when it serves a different one). A stream always asks for usage."""
         bound = "max_output_tokens" if self.path == RESPONSES else "max_tokens"
-        body = {k: v for k, v in self.body.items() if k not in GUARD_OWNED and k != "max_completion_tokens"}
+        body = {k: v for k, v in self.body.items() if k not in NOT_FORWARDED}
         body.update(cache_salt=cache_salt, priority=priority)
         if self.adds_usage:  # the client's other stream options stay as it sent them
             body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
