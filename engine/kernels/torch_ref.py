@@ -18,7 +18,7 @@ per step for a 30-layer model at batch 32. The batched path gathers every sequen
 ``[num_seqs, kv_heads, max_seq_len, head_dim]`` tensor and makes a single SDPA call per layer::
 
     slots[i, p] = block_tables[i, p // bs] * bs + p % bs        p < max_seq_len   (padding: valid slots, masked)
-    mask[i, p]  = p < seq_lens[i]                                boolean, True = attend
+    mask[i, p]  = p < seq_lens[i]                                boolean, True = attend (None: no padding)
 
 ``slots`` and ``mask`` depend only on the step, so they are built once, on first use, and kept in
 ``meta.backend_cache`` for the remaining layers. A decode token is the last position of its context, so the
@@ -66,8 +66,9 @@ class TorchAttentionBackend:
         return self._forward_per_sequence(query, kv_cache, meta, scale)
 
     @staticmethod
-    def _decode_gather(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``slots [num_seqs, max_seq_len]`` and ``mask [num_seqs, 1, 1, max_seq_len]``, built once per step."""
+    def _decode_gather(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``slots [num_seqs, max_seq_len]`` and ``mask [num_seqs, 1, 1, max_seq_len]`` (None: no padding),
+        built once per step."""
         key = ("torch_decode", block_size)
         cached = meta.backend_cache.get(key)
         if cached is None:
@@ -76,8 +77,11 @@ class TorchAttentionBackend:
             tables = meta.block_tables[:, : -(-max_len // block_size)].long()
             offsets = torch.arange(block_size, device=device)
             slots = (tables[:, :, None] * block_size + offsets).flatten(1)[:, :max_len]
-            positions = torch.arange(max_len, device=device)
-            mask = (positions[None, :] < meta.seq_lens[:, None].long())[:, None, None, :]
+            # No padding when every context is max_len long (always so for one sequence): no mask at all.
+            mask = None
+            if min(meta.seq_lens_cpu) != max_len:
+                positions = torch.arange(max_len, device=device)
+                mask = (positions[None, :] < meta.seq_lens[:, None].long())[:, None, None, :]
             cached = meta.backend_cache[key] = (slots, mask)
         return cached
 
@@ -87,9 +91,15 @@ class TorchAttentionBackend:
         """One query token per sequence: a single padded, masked SDPA call over the whole batch."""
         block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
         slots, mask = self._decode_gather(meta, block_size)
-        # [num_seqs, max_seq_len, kv_heads, head_dim] -> [num_seqs, kv_heads, max_seq_len, head_dim]
-        key = kv_cache[0].view(-1, num_kv_heads, head_dim)[slots].transpose(1, 2).float()
-        value = kv_cache[1].view(-1, num_kv_heads, head_dim)[slots].transpose(1, 2).float()
+        num_seqs, max_len = slots.shape
+        # index_select on the flat slots, not advanced indexing with the 2-D ``slots``: the same rows, copied
+        # 1.6-2x faster on CPU (SmolLM2 shapes, one layer: 1 x 256 tokens 192 -> 102 us, 32 x 128 tokens
+        # 3.0 -> 1.9 ms). [num_seqs * max_seq_len, kv_heads, head_dim] -> [num_seqs, kv_heads, max_seq_len, D]
+        flat = slots.reshape(-1)
+        key = kv_cache[0].view(-1, num_kv_heads, head_dim).index_select(0, flat)
+        value = kv_cache[1].view(-1, num_kv_heads, head_dim).index_select(0, flat)
+        key = key.view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2).float()
+        value = value.view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2).float()
         attended = F.scaled_dot_product_attention(
             query[:, :, None].float(), key, value, attn_mask=mask, scale=scale, enable_gqa=True
         )
