@@ -156,3 +156,39 @@ async def test_a_broken_answer_raises_upstream_error(sent, error):
         answer = await client.post(url + "/x", b"", HEADERS, 1.0, 1.0)
         await answer.read()
     server.close()
+
+
+async def test_each_wait_on_a_reused_connection_keeps_its_own_deadline():
+    """The connection's one timer outlives its answers: a timer set for an earlier answer's deadline must not
+    end a later, longer wait, and a later, shorter wait must not wait for a timer set further out."""
+    accepted = []
+
+    async def keep_alive(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(writer)
+        while head := await reader.readuntil(b"\r\n\r\n"):
+            length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length"))
+            await reader.readexactly(length)
+            path = head.split(b" ")[1]
+            if path == b"/never":
+                await reader.read()  # until the client hangs up
+                return
+            if path == b"/late":
+                await asyncio.sleep(0.6)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+            await writer.drain()
+
+    url, server = await raw_server(keep_alive)
+    client = UpstreamClient(connect_timeout=1.0)
+    first = await client.post(url + "/now", b"{}", HEADERS, 0.3, 0.3)  # its timer is set for 0.3 s from now
+    assert await first.read() == b"{}"
+    first.release()
+    late = await client.post(url + "/late", b"{}", HEADERS, 3.0, 3.0)  # outlasts that timer, within its own
+    assert await late.read() == b"{}"
+    late.release()
+    begun = asyncio.get_running_loop().time()
+    with pytest.raises(TimeoutError):  # the pending timer is 2.4 s out: this wait must set an earlier one
+        await client.post(url + "/never", b"{}", HEADERS, 0.2, 0.2)
+    assert asyncio.get_running_loop().time() - begun < 1.0
+    assert len(accepted) == 1  # all three on one connection
+    server.close()
