@@ -213,10 +213,21 @@ def main() -> None:
         ratios[figure] = None if theirs is None else ours / theirs
         print(f"{labels[figure]:<34} {theirs or float('nan'):>10.1f} {ours:>10.1f} "
               f"{ratios[figure] or float('nan'):>6.2f}x")
+    unsteady = unsteady_figures(runs)
+    print("every round within 1.5x of the others: the medians are quotable" if not unsteady else
+          f"NOT QUOTABLE: rounds differ by more than 1.5x in {', '.join(unsteady)} (a busy machine; rerun)")
     if args.json is not None:
         write_report(args.json, {"command": command(), "gguf": args.gguf.name, "threads": args.threads,
                                  "weight_format": args.weight_format, "rounds": runs, "medians": medians,
-                                 "ratios": ratios})
+                                 "ratios": ratios, "unsteady": unsteady})
+
+
+def unsteady_figures(runs: dict[str, list[dict[str, float]]]) -> list[str]:
+    """``engine figure`` for each figure whose rounds differ by more than 1.5x: on a shared machine a round
+    can collapse (with more torch threads than free cores, OpenMP workers wait at every barrier for a
+    descheduled one: one stream once fell to 0.5 tok/s), and a median over such rounds means nothing."""
+    return [f"{engine} {figure}" for engine, rounds in runs.items() for figure in FIGURES
+            if max(r[figure] for r in rounds) > 1.5 * min(r[figure] for r in rounds)]
 
 
 if __name__ == "__main__":
