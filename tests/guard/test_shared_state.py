@@ -35,11 +35,11 @@ def shared_guard(engine_url: str, redis_url: str) -> GuardThread:
     return GuardThread(guard_config(engine_url, tenants=TENANTS, shared_state={"redis_url": redis_url}))
 
 
-def joined(*guards: GuardThread) -> None:
-    """Until every guard's link is up and it sees the others."""
+def joined(*guards: GuardThread, live: int | None = None) -> None:
+    """Until every guard's link is up and it sees ``live`` guards (default: these ones)."""
     for guard in guards:
         wait_for(lambda g=guard: g.call(lambda: (g.state.shared.up, g.state.shared.live_guards)),
-                 lambda seen: seen == (True, len(guards)), 10)
+                 lambda seen: seen == (True, live or len(guards)), 10)
         wait_for(lambda g=guard: g.call(lambda: g.state.pool.any_usable()), bool, 5)
 
 
@@ -143,7 +143,7 @@ def test_a_killed_guard_loses_its_reservations_within_its_lease(redis: RedisServ
         guard_config(engine.url, tmp_path, tenants=alone, listen={"host": "127.0.0.1", "port": free_port()},
                      shared_state={"redis_url": redis.url, "lease_ttl_s": 3})
         with GuardProcess(tmp_path / "guard.yaml", log=tmp_path / "g1.log") as g1:
-            joined(g2)
+            joined(g2, live=2)  # guard 2 sees guard 1 (a process, ready once it answers) before it fills up
             body = json.dumps({"model": "tiny", "prompt": "hold", "max_tokens": 200, "ignore_eos": True,
                                "stream": True})
             streams = [subprocess.Popen(["curl", "-sN", g1.url + "/v1/completions", "-H", "Authorization: Bearer sk-a",
