@@ -52,7 +52,8 @@ DEPARTURE_WINDOW_S = 5.0
 # queued, and costs no goodput while the queue stays long enough never to run dry (its throughput is the
 # replicas', not the queue's length).
 QUEUE_MARGIN = 0.5
-SHEDDABLE_WINDOW_S = 10.0  # a sheddable ticket waits up to its objective: its pace, over about as long
+SHEDDABLE_WINDOW_S = 10.0
+MIN_BACKLOG_WAIT_S = 0.5  # a sheddable ticket admitted sooner found room: it says nothing of the pace  # a sheddable ticket waits up to its objective: its pace, over about as long
 MIN_LEARNED_WAIT_S = 0.05  # predicted waits below this teach the correction nothing
 MAX_LOG_RATIO = math.log(30.0)  # one ticket moves the correction by at most 30x
 CORRECTION_DECAY = 0.9  # weight of the past per queued ticket
@@ -145,7 +146,10 @@ class BacklogPace:
     over the last ``SHEDDABLE_WINDOW_S`` seconds of backlog: what the replicas give sheddable work while it
     waits for them. Not per second of the clock: refusals keep the queue short, and the pace they allow
     would predict ever longer waits and refuse more (in a trial, a third of the batch lane's throughput).
-    A backlog second is one some sheddable ticket spent queued, counted when it leaves the queue."""
+    A backlog second is one some sheddable ticket spent queued, counted when it leaves the queue. A ticket
+    admitted within ``MIN_BACKLOG_WAIT_S`` of queueing found room rather than waited for it: it counts
+    neither its blocks nor its wait (as the queue forms, a few such tickets made the pace look several
+    times what it was, and what was queued on it had to be refused late)."""
 
     def __init__(self) -> None:
         self._busy = 0.0  # seconds of backlog so far
@@ -157,6 +161,8 @@ class BacklogPace:
         """A sheddable ticket queued at ``enqueued_at`` left the queue now: admitted with ``blocks``, or
         gone (0)."""
         now = time.monotonic()
+        if blocks and now - enqueued_at < MIN_BACKLOG_WAIT_S:
+            return
         self._busy += max(0.0, now - max(enqueued_at, self._covered))
         self._covered = max(self._covered, now)
         if blocks:
@@ -220,7 +226,12 @@ def queue_wait(pool: ReplicaPool, departures: Departures, ticket: Judged, ahead:
         return (ahead + (ticket.blocks if sheddable else 0)) / rate
     # What others borrowed is reclaimed by a ticket that does not borrow itself (guard/pool/gate.py).
     held = pool.committed() - (0 if sheddable else pool.borrowed())
-    return pool.expected_wait(max(0, held + ahead + ticket.blocks - pool.budget()))
+    wait = pool.expected_wait(max(0, held + ahead + ticket.blocks - pool.budget()))
+    if sheddable and (pace := departures.rate(SHEDDABLE)) > 0:
+        # The replicas' drain feeds critical work first: a sheddable ticket waits at least for its own
+        # blocks at the pace sheddable work is admitted.
+        wait = max(wait or 0.0, ticket.blocks / pace)
+    return wait
 
 
 def predicted_ttft(pool: ReplicaPool, departures: Departures, ticket: Judged, ahead: int,
