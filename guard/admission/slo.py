@@ -20,8 +20,8 @@ the queue *admits* sheddable blocks: critical work that arrives after it still g
 measured while it does, has it in already; a sheddable ticket shed from the queue frees nothing on a
 replica, so it does not count in the pace (counting it made the queue look fast exactly when it was not).
 
-A sheddable request predicted to miss its TTFT objective (less ``QUEUE_MARGIN``) is refused at once (``slo_unattainable``, with
-``Retry-After`` from the predicted wait): waiting would only make it late and hold blocks that requests
+A sheddable request predicted to miss its TTFT objective (less ``QUEUE_MARGIN``) is refused at once
+(``slo_unattainable``, with ``Retry-After`` from the predicted wait): waiting would only make it late and hold blocks that requests
 still on time need. While it queues it is judged again (``rejudge``, from the dispatcher's pump): with
 the blocks now queued before it and the pace now, once its TTFT is predicted past its objective it leaves
 the queue, refused the same way, rather than at its deadline; at the deadline (``queue_timeout``) it
@@ -42,6 +42,7 @@ from typing import Protocol
 from guard.config import Lane
 from guard.errors import GuardError, Outcome
 from guard.pool.gate import engine_priority
+from guard.pool.latency import LogRatioMean
 from guard.pool.pool import ReplicaPool
 
 HEADERS = {"ttft": "X-SLO-TTFT-Ms", "tpot": "X-SLO-TPOT-Ms"}
@@ -53,7 +54,7 @@ DEPARTURE_WINDOW_S = 5.0
 # replicas', not the queue's length).
 QUEUE_MARGIN = 0.5
 SHEDDABLE_WINDOW_S = 10.0
-MIN_BACKLOG_WAIT_S = 0.5  # a sheddable ticket admitted sooner found room: it says nothing of the pace  # a sheddable ticket waits up to its objective: its pace, over about as long
+MIN_BACKLOG_WAIT_S = 0.5  # a sheddable ticket admitted sooner found room: it says nothing of the pace
 MIN_LEARNED_WAIT_S = 0.05  # predicted waits below this teach the correction nothing
 MAX_LOG_RATIO = math.log(30.0)  # one ticket moves the correction by at most 30x
 CORRECTION_DECAY = 0.9  # weight of the past per queued ticket
@@ -202,17 +203,15 @@ class WaitCorrection:
     that left at its deadline counts with the wait it had, a lower bound), multiplies later predictions."""
 
     def __init__(self) -> None:
-        self._log_ratio: dict[tuple[str, bool], float] = {}
+        self._log_ratio = LogRatioMean(CORRECTION_DECAY, MAX_LOG_RATIO)
 
     def correct(self, key: tuple[str, bool], predicted: float) -> float:
-        return predicted * math.exp(self._log_ratio.get(key, 0.0))
+        return self._log_ratio.correct(key, predicted)
 
     def observe(self, key: tuple[str, bool] | None, predicted: float | None, actual: float) -> None:
         if key is None or predicted is None or predicted < MIN_LEARNED_WAIT_S or actual <= 0:
             return  # predicted to be admitted at once: says nothing about the queue's pace
-        ratio = max(-MAX_LOG_RATIO, min(MAX_LOG_RATIO, math.log(actual / predicted)))
-        before = self._log_ratio.get(key)
-        self._log_ratio[key] = ratio if before is None else CORRECTION_DECAY * before + (1 - CORRECTION_DECAY) * ratio
+        self._log_ratio.observe(key, predicted, actual)
 
 
 def queue_wait(pool: ReplicaPool, departures: Departures, ticket: Judged, ahead: int) -> float | None:
@@ -245,9 +244,9 @@ def predicted_ttft(pool: ReplicaPool, departures: Departures, ticket: Judged, ah
     priority = engine_priority(ticket.lane.priority, ticket.lane.priority_class == SHEDDABLE)
     engine = min((r.latency.predict_ttft(priority, ticket.prompt_tokens) for r in pool.replicas if r.usable()),
                  default=0.0)
-    elapsed = time.monotonic() - ticket.arrived
-    ticket.predicted_queue, ticket.predicted_engine = elapsed + (wait or 0.0), engine
-    return elapsed + (wait or 0.0) + engine, wait
+    ticket.predicted_queue = queue = time.monotonic() - ticket.arrived + (wait or 0.0)
+    ticket.predicted_engine = engine
+    return queue + engine, wait
 
 
 def judge(pool: ReplicaPool, departures: Departures, correction: WaitCorrection, ticket: Judged, ahead: int

@@ -43,6 +43,26 @@ Band = tuple[int, bool]  # (engine priority, a lower priority's prefill pending)
 
 
 @dataclass(slots=True)
+class LogRatioMean:
+    """Per key, an exponentially weighted mean of log(actual / predicted), each observation clamped to
+    ``bound`` either way: ``correct`` multiplies a prediction by its exponential (1 for a key not yet
+    observed). Callers observe only positive figures. Used for the TTFT fit's residual per band here, and
+    for the queue wait's correction (guard/admission/slo.py)."""
+
+    decay: float  # weight of the past per observation
+    bound: float  # the most one observation's log ratio counts for, either way
+    _means: dict = field(default_factory=dict)
+
+    def correct(self, key: object, predicted: float) -> float:
+        return predicted * math.exp(self._means.get(key, 0.0))
+
+    def observe(self, key: object, predicted: float, actual: float) -> None:
+        ratio = max(-self.bound, min(self.bound, math.log(actual / predicted)))
+        before = self._means.get(key)
+        self._means[key] = ratio if before is None else self.decay * before + (1 - self.decay) * ratio
+
+
+@dataclass(slots=True)
 class Fit:
     """TTFT = base + per_token x work, by exponentially weighted least squares (work x in tokens, TTFT y in
     seconds)."""
@@ -79,7 +99,7 @@ class LatencyModel:
     # behind decodes of higher ones), and one over all of them for a priority not seen ``MIN_FIT`` times.
     _fits: dict[int, Fit] = field(default_factory=dict)
     _all: Fit = field(default_factory=Fit)
-    _residual: dict[Band, float] = field(default_factory=dict)  # band -> weighted mean log(actual / fitted)
+    _residual: LogRatioMean = field(default_factory=lambda: LogRatioMean(RESIDUAL_DECAY, MAX_LOG_RESIDUAL))
     _step_s: float = 0.0  # the telemetry's mean step time
     _itl_s: float = 0.0  # the telemetry's mean decode step
     _tpot_s: float | None = None  # observed mean gap between tokens, weighted
@@ -127,7 +147,7 @@ class LatencyModel:
         ``uncached_tokens`` to prefill."""
         base, per_token = self.coefficients(priority)
         fitted = base + per_token * (self.ahead(priority) + uncached_tokens)
-        return fitted * math.exp(self._residual.get(self.band(priority), 0.0))
+        return self._residual.correct(self.band(priority), fitted)
 
     def observe_ttft(self, priority: int, work: int, seconds: float, band: Band | None = None) -> None:
         """A request sent at engine ``priority`` with ``work`` tokens ahead of it (its own included), in
@@ -136,10 +156,7 @@ class LatencyModel:
         fitted = base + per_token * work
         # Before the fit stands (MIN_FIT observations) its residuals say nothing about a band.
         if band is not None and self._all.seen >= MIN_FIT and fitted > 0 and seconds > 0:
-            ratio = max(-MAX_LOG_RESIDUAL, min(MAX_LOG_RESIDUAL, math.log(seconds / fitted)))
-            before = self._residual.get(band)
-            self._residual[band] = ratio if before is None else \
-                RESIDUAL_DECAY * before + (1 - RESIDUAL_DECAY) * ratio
+            self._residual.observe(band, fitted, seconds)
         self._fits.setdefault(priority, Fit()).add(work, seconds)
         self._all.add(work, seconds)
 
