@@ -76,7 +76,8 @@ def compare(tree_a: Path, args: argparse.Namespace, workdir: Path) -> dict:
             service.stop()
     return {
         "benchmark": "guard_ab", "machine": describe(torch.device("cpu")), "command": command(),
-        "a": str(tree_a), "b": str(REPO), "upstream_tree": args.upstream_tree, "load_generator": kind, "rounds": args.rounds, "duration_s": args.duration,
+        "a": str(tree_a), "b": str(REPO), "upstream_tree": args.upstream_tree, "load_generator": kind,
+        "rounds": args.rounds, "duration_s": args.duration,
         "connections": args.connections,
         "layout": "both guards pinned to core 0; load and upstream to core 1" if pin else "not pinned",
         "cpu_us_per_request": cpu,

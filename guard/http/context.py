@@ -77,10 +77,11 @@ class GuardState:
 
     def update_mode(self) -> None:
         up, held, num_blocks = self.pool.load()
-        change = self.modes.update(up, self._saturation(held, num_blocks))
+        saturation = self._saturation(held, num_blocks)
+        change = self.modes.update(up, saturation)
         if change is not None:
             self.metrics.mode_transitions.labels(*change).inc()
-            self.events.record("mode", was=change[0], now=change[1], saturation=round(self.saturation(), 3))
+            self.events.record("mode", was=change[0], now=change[1], saturation=round(saturation, 3))
             for mode in MODES:
                 self.metrics.mode.labels(mode).set(1.0 if mode == change[1] else 0.0)
 
