@@ -24,8 +24,9 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]  # the cells live with the tests' process helpers
 
-from bench.run_info import command, describe, write_report  # noqa: E402
-from support.fault_matrix import CELLS, Cell, Fleet, Row, redis_killed, run_cell  # noqa: E402
+from support.fault_matrix import CELLS, Cell, Fleet, Row, redis_killed, run_cell
+
+from bench.run_info import command, describe, write_report
 
 COLUMNS = ("preemptions", "ok", "refused", "lost", "cut", "over_budget", "blocks_back", "reservations_back")
 
@@ -53,7 +54,7 @@ def _row(fleet: Fleet, name: str, run: Callable[[], Row]) -> dict:
     started = time.monotonic()
     row = run().as_dict()
     row["seconds"] = round(time.monotonic() - started, 1)
-    print(f"{name:<48}" + "".join(f"{str(row[c]):>18}" for c in COLUMNS), flush=True)
+    print(f"{name:<48}" + "".join(f"{row[c]!s:>18}" for c in COLUMNS), flush=True)
     if row["errors"]:
         print(f"{'':<48}  {row['errors']}", flush=True)
     return row

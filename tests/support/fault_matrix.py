@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import aiohttp
 import redis as redis_client
@@ -77,7 +77,7 @@ class Fleet:
         self.e1 = EngineProcess("--num-blocks", str(NUM_BLOCKS), name="e1", log=root / "e1.log")
         self.hole: BlackHole | None = None
 
-    def __enter__(self) -> Fleet:
+    def __enter__(self) -> Self:
         self.redis.start()
         self.e0.spawn()
         self.e1.spawn()
@@ -243,11 +243,11 @@ def run_cell(fleet: Fleet, name: str, cell: Cell, streams: int = STREAMS, one_en
             path.write_text(yaml.safe_dump(raws[0]))
             process = stack.enter_context(GuardProcess(path, name="victim", log=path.with_suffix(".log")))
             first_url, threads = process.url, [survivor]
-            kill = lambda: (killed.set(), process.kill())  # noqa: E731
+            kill = lambda: (killed.set(), process.kill())
         else:
             first = stack.enter_context(GuardThread(GuardConfig.model_validate(raws[0])))
             first_url, threads = first.url, [first, survivor]
-            kill = lambda: None  # noqa: E731
+            kill = lambda: None
         joined(threads, 2)
         until = time.monotonic() + fleet.seconds
         chaos = threading.Thread(target=lambda: (time.sleep(fault_at), cell.fault(fleet, kill)), daemon=True)
