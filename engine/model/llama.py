@@ -175,7 +175,11 @@ class DecoderStack(nn.Module):
 
     def __init__(self, config: ModelConfig, attn_backend: AttentionBackend) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Always built on the meta device and then assigned the checkpoint's weights (loader._build). An empty
+        # weight skips nn.Embedding's normal_ init, which on meta tensors imports torch._dynamo: 1.3-1.5 s of
+        # every engine start, the tiny model's included.
+        embedding = torch.empty(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=embedding)
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, attn_backend) for i in range(config.num_hidden_layers)
         )
