@@ -5,8 +5,9 @@ The documented tolerance is the largest logit error relative to the largest logi
 GGUF) chat prompts of 30-40 tokens, against the fp32 path (which equals transformers: test_gguf_smollm2.py).
 A prompt's rows take the paths of a prefill (int8: its integer GEMM, activations quantized per row; int4:
 the weight-only kernel; more than 64 rows: dequantize + GEMM). Measured when the formats were written:
-bf16 0.7-1.1%, int4 (what ``auto`` gives this file, with its int8 LM head) 4.2-7.1%, int8 8.7-12.9%; the
-bounds below leave room for summation-order noise. fp32 is exact and has no tolerance.
+bf16 0.7-1.1%, int4 (what ``auto`` gives this file, with its int8 LM head) 4.2-7.1% on torch's kernel,
+5.7-8.3% on the native one (int8 activations per group of 32), int8 8.7-12.9%; the bounds below leave room
+for summation-order noise. fp32 is exact and has no tolerance.
 
 SmolLM2 is loaded once (fp32); ``auto``'s model is built from it as the loader builds it, and the int8 run
 on SmolLM2 is ``slow`` (auto never picks int8 for this file), so the module stays near 20 s.
@@ -28,16 +29,18 @@ from support.single_sequence import SingleSequence
 
 from engine import LLM, SamplingParams
 from engine.kernels import TorchAttentionBackend
-from engine.model import LoadedModel, load_model
+from engine.model import LoadedModel, load_model, q4_native
 from engine.model.gguf_loader import gguf_name
 from engine.model.sources import smollm2_path
 from engine.model.weights import (
     Bf16Linear,
     Int4Linear,
     Int8Linear,
+    Q4Linear,
     QuantizedEmbedding,
     apply_weight_formats,
     choose_format,
+    int4_class,
     weight_bytes,
 )
 from engine.protocol import ChatMessage
@@ -57,8 +60,21 @@ def test_int4_dequantize_reads_torchs_packed_layout() -> None:
     assert torch.equal(layer.dequantize(torch.bfloat16), through_kernel)
 
 
-@pytest.mark.parametrize("cls", [Bf16Linear, Int8Linear, Int4Linear])
-@pytest.mark.parametrize("rows", [1, 16, 100])  # 1: one stream; 16: int8's integer GEMM; 100: dequantize path
+NATIVE = pytest.mark.skipif(not q4_native.available(), reason="no C compiler or no AVX-512 VNNI here")
+
+
+@NATIVE
+def test_the_native_int4_kernel_reads_its_packed_layout() -> None:
+    """q4_kernel.c times the identity is W^T: a one-hot row quantizes exactly (127 times 1/127), so the
+    kernel returns each weight as ``d * q + m`` from the layout that ``unpack`` documents."""
+    layer = Q4Linear(torch.randn(96, 64), None)
+    through_kernel = layer(torch.eye(64)).t()
+    assert torch.allclose(through_kernel, layer.dequantize(torch.float32), rtol=1e-6, atol=1e-6)
+    assert not torch.equal(layer.dequantize(torch.float32)[:16], layer.dequantize(torch.float32)[16:32])
+
+
+@pytest.mark.parametrize("cls", [Bf16Linear, Int8Linear, Int4Linear, pytest.param(Q4Linear, marks=NATIVE)])
+@pytest.mark.parametrize("rows", [1, 5, 16, 100])  # 1: one stream; 16: int8's integer GEMM; 100: dequantize path
 def test_a_quantized_projection_multiplies_by_its_own_weights(cls: type, rows: int) -> None:
     torch.manual_seed(rows)
     weight, bias, x = torch.randn(128, 64) * 0.05, torch.randn(128), torch.randn(rows, 64)
@@ -68,7 +84,7 @@ def test_a_quantized_projection_multiplies_by_its_own_weights(cls: type, rows: i
     assert got.dtype == torch.float32 and got.shape == (rows, 128)
     assert (got - expected).abs().max() <= 0.02 * expected.abs().max()  # bf16 or int8 activations only
     # ... and those weights are the original ones within the format's rounding.
-    step = {Bf16Linear: 2**-8, Int8Linear: 1 / 127, Int4Linear: 1 / 15}[cls]
+    step = {Bf16Linear: 2**-8, Int8Linear: 1 / 127, Int4Linear: 1 / 15, Q4Linear: 1 / 15}[cls]
     assert (layer.dequantize(torch.float32) - weight).abs().max() <= step * weight.abs().max()
 
 
@@ -81,6 +97,8 @@ def test_q4_1_blocks_survive_int4_up_to_bf16_scales() -> None:
     # bf16 rounds d and the zero by at most 2^-9 of themselves: (q - 8) * d-error + zero-error stays within
     # 2^-9 * (8 d + |zero|) < 2^-7 * max|w|, while a different q would be off by a whole step d.
     assert (restored - q4_1).abs().max() <= 2**-7 * q4_1.abs().max()
+    if q4_native.available():  # the native layout keeps d and m in float16, as the file does: exact
+        assert torch.equal(Q4Linear(q4_1, None).dequantize(torch.float32), q4_1)
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +163,7 @@ def test_smollm2_auto_is_int4_within_its_tolerance(
 ) -> None:
     """For this file ``auto`` is the int4 format throughout: Q4_1 projections int4, the Q8_0 embedding (and
     tied LM head) int8, as ``int4`` makes them."""
-    assert {type(m) for name, m in smollm2_auto.named_modules() if name.endswith("_proj")} == {Int4Linear}
+    assert {type(m) for name, m in smollm2_auto.named_modules() if name.endswith("_proj")} == {int4_class()}
     assert isinstance(smollm2_auto.model.embed_tokens, QuantizedEmbedding)
     assert isinstance(smollm2_auto.model.embed_tokens.table, Int8Linear)
     assert_within_tolerance(smollm2_auto, "int4", chat_prompts, exact_logits)
@@ -183,7 +201,8 @@ def test_auto_follows_each_gguf_tensors_type(tmp_path: Path) -> None:
     path = write_tiny_gguf(tmp_path / "tiny.gguf")
     loaded = load_model(str(path), CPU, torch.float32, TorchAttentionBackend(), "auto")
     types = {t.name: t.tensor_type for t in gguf.GGUFReader(path).tensors}
-    expected = {Q.Q4_0: Int4Linear, Q.Q4_1: Int4Linear, Q.Q4_K: Int4Linear, Q.Q5_0: Int8Linear,
+    int4 = int4_class()
+    expected = {Q.Q4_0: int4, Q.Q4_1: int4, Q.Q4_K: int4, Q.Q5_0: Int8Linear,
                 Q.Q5_1: Int8Linear, Q.Q5_K: Int8Linear, Q.Q6_K: Int8Linear, Q.Q8_0: Int8Linear,
                 Q.F32: torch.nn.Linear, Q.F16: torch.nn.Linear, Q.BF16: torch.nn.Linear}
     seen = set()

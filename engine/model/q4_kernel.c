@@ -1,0 +1,106 @@
+/* y = x W^T, W in 4 bits, x quantized per group of 32 to int8: llama.cpp's Q4_1 x Q8_1 dot on AVX-512 VNNI.
+ *
+ * Built and loaded by q4_native.py (plain C, no torch headers: it compiles in about a second). Layout
+ * (q4_native.py packs it): W[n, k] = d[n, g] * q[n, k] + m[n, g], q in 0..15, g = k / 32; output rows in
+ * tiles of 16.
+ *
+ *   qpack  uint8  [N/16, K/8, 64]:     qpack[t, o, 4j + b] = q[16t + j, 8o + b] | q[16t + j, 8o + 4 + b] << 4
+ *   scales fp16   [N/16, K/32, 2, 16]: scales[t, g, 0, j] = d[16t + j, g], scales[t, g, 1, j] = m[16t + j, g]
+ *
+ * so one 64-byte load holds 8 inputs of 16 rows, and one vpdpbusd adds 4 products into each row's lane: no
+ * horizontal sums. Each row of x is quantized per group of 32 (xq = round(x / dx), dx = max|x| / 127), and
+ *
+ *   y[r, n] = sum_g d[n, g] * dx[r, g] * sum_{k in g} q[n, k] * xq[r, k]  +  m[n, g] * sum_{k in g} x[r, k]
+ *
+ * (the zero term takes the exact float sum of x). The integer sums stay below 15 * 127 * 32, well within
+ * int32.
+ * A row's result never depends on the other rows. Output tiles are shared among the OpenMP threads; the
+ * process's OpenMP runtime is torch's own (the same libgomp.so.1), so torch.set_num_threads applies here too.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
+
+int q4_supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vnni");
+}
+
+/* One row of x into xq (int8), dx (scale per group) and sx (float sum per group). */
+TARGET static void quantize_row(const float *x, int K, int8_t *xq, float *dx, float *sx) {
+    for (int g = 0; g < K / 32; g++) {
+        __m512 a = _mm512_loadu_ps(x + 32 * g), b = _mm512_loadu_ps(x + 32 * g + 16);
+        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+        float d = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
+        __m512 s = _mm512_set1_ps(inv);
+        /* round to nearest even (the default rounding mode), saturating to int8 */
+        _mm_storeu_si128((__m128i *)(xq + 32 * g),
+                         _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a, s))));
+        _mm_storeu_si128((__m128i *)(xq + 32 * g + 16),
+                         _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(b, s))));
+        dx[g] = d;
+        sx[g] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+    }
+}
+
+/* ROWS rows of x against one tile of 16 output rows; ROWS is a constant at each call site, so the
+ * accumulators stay in registers and the tile's unpacked weights are reused by every row. */
+TARGET static inline __attribute__((always_inline)) void tile_rows(
+    const uint8_t *qt, const uint16_t *st, const int8_t *xq, const float *dx, const float *sx, int K,
+    float *out, int ldo, const int ROWS) {
+    const int G = K / 32;
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512 acc[ROWS];
+    for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        __m512i w[8];
+        for (int o = 0; o < 4; o++) {
+            __m512i v = _mm512_loadu_si512(qt + (size_t)(4 * g + o) * 64);
+            w[2 * o] = _mm512_and_si512(v, low);
+            w[2 * o + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        }
+        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st + 32 * g)));
+        __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st + 32 * g + 16)));
+        for (int r = 0; r < ROWS; r++) {
+            const int8_t *xr = xq + (size_t)r * K + 32 * g;
+            __m512i sum = _mm512_setzero_si512();
+            for (int o = 0; o < 4; o++) {
+                const int32_t *x4 = (const int32_t *)(xr + 8 * o);  /* inputs 8o..8o+3, 8o+4..8o+7 */
+                sum = _mm512_dpbusd_epi32(sum, w[2 * o], _mm512_set1_epi32(x4[0]));
+                sum = _mm512_dpbusd_epi32(sum, w[2 * o + 1], _mm512_set1_epi32(x4[1]));
+            }
+            __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(dx[r * G + g]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc[r]);
+            acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[r * G + g]), acc[r]);
+        }
+    }
+    for (int r = 0; r < ROWS; r++) _mm512_storeu_ps(out + (size_t)r * ldo, acc[r]);
+}
+
+/* out [M, N] = x [M, K] W^T; float32, row-major, contiguous; N % 16 == 0, K % 32 == 0 (the caller checks). */
+TARGET void q4_matmul(const float *x, int M, int K, const uint8_t *qpack, const uint16_t *scales, int N,
+                      float *out) {
+    const int G = K / 32, tiles = N / 16;
+    int8_t *xq = malloc((size_t)M * K);
+    float *dx = malloc(sizeof(float) * (size_t)M * G), *sx = malloc(sizeof(float) * (size_t)M * G);
+#pragma omp parallel for schedule(static) if (M > 16)
+    for (int r = 0; r < M; r++)
+        quantize_row(x + (size_t)r * K, K, xq + (size_t)r * K, dx + (size_t)r * G, sx + (size_t)r * G);
+#pragma omp parallel for schedule(static)
+    for (int t = 0; t < tiles; t++) {
+        const uint8_t *qt = qpack + (size_t)t * K * 8;
+        const uint16_t *st = scales + (size_t)t * G * 32;
+        int r = 0;
+        float *o = out + 16 * t;
+        for (; r + 4 <= M; r += 4)
+            tile_rows(qt, st, xq + (size_t)r * K, dx + r * G, sx + r * G, K, o + (size_t)r * N, N, 4);
+        for (; r < M; r++)
+            tile_rows(qt, st, xq + (size_t)r * K, dx + r * G, sx + r * G, K, o + (size_t)r * N, N, 1);
+    }
+    free(xq);
+    free(dx);
+    free(sx);
+}
