@@ -46,6 +46,7 @@ from aiohttp import web
 from engine.protocol import ErrorResponse
 from guard.config import Connections
 from guard.http.context import REQUEST_ID, TENANT
+from guard.http.front_request import FrontRequest
 from guard.metrics import GuardMetrics
 
 log = logging.getLogger("guard.connections")
@@ -124,6 +125,10 @@ class ConnectionGuard:
         self.tick = min(settings.header_timeout_s, settings.body_timeout_s, settings.keepalive_timeout_s)
         self.open = 0
         self.lingering = 0  # refusals still draining
+        # The client port's protocol, given aiohttp's handler factory (guard/http/front.py, set by the app);
+        # None: aiohttp's handler itself.
+        self.front: Callable[[Callable[[], asyncio.Protocol]], asyncio.Protocol] | None = None
+        self.connections: set[GuardedConnection] = set()  # open ones, for shutdown
         self.warned_at = -CAPACITY_WARNING_INTERVAL_S
         metrics.connections_open.set_function(lambda: self.open)
         metrics.connections_limit.set(self.max_connections)
@@ -134,9 +139,10 @@ class ConnectionGuard:
                                                   f"{settings.header_timeout_s:g} s", "request_timeout", {})
 
     def accept(self, server: Callable[[], asyncio.Protocol]) -> asyncio.Protocol:
-        """The listener's protocol factory (``server``: aiohttp's): a guarded request handler or a refusal."""
+        """The listener's protocol factory (``server``: aiohttp's): a guarded request handler (the front's,
+        when ``front`` is set) or a refusal."""
         if self.open < self.max_connections:
-            return GuardedConnection(self, server())
+            return GuardedConnection(self, server() if self.front is None else self.front(server))
         self.cut("over_capacity")
         now = time.monotonic()
         if now - self.warned_at >= CAPACITY_WARNING_INTERVAL_S:
@@ -171,7 +177,7 @@ class GuardedConnection(asyncio.Protocol):
         self.timer: asyncio.TimerHandle | None = None
         self.deadline: float | None = None  # when the phase's deadline passes (None: the phase has none)
         self.loop = asyncio.get_running_loop()
-        self.request: web.BaseRequest | None = None  # the one being read, while in BODY
+        self.request: web.BaseRequest | FrontRequest | None = None  # the one being read, while in BODY
         self.body_start = self.last_read = 0.0
         self.body_bytes = 0
 
@@ -179,6 +185,7 @@ class GuardedConnection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
         self.guard.open += 1
+        self.guard.connections.add(self)
         self._enter(Phase.HEADERS, self.guard.settings.header_timeout_s)
         self.handler.connection_made(transport)
 
@@ -200,6 +207,7 @@ class GuardedConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.guard.open -= 1
+        self.guard.connections.discard(self)
         self._stop()
         self.transport = None
         self.handler.connection_lost(exc)
@@ -211,7 +219,7 @@ class GuardedConnection(asyncio.Protocol):
         self.handler.resume_writing()
 
     # -- the request cycle (``request_began``) -------------------------------------------------------------
-    def request_began(self, request: web.BaseRequest) -> None:
+    def request_began(self, request: web.BaseRequest | FrontRequest) -> None:
         """Its headers are in; its body (if any) is still to come."""
         if self.transport is None or self.phase is Phase.CLOSING:
             return
@@ -279,7 +287,7 @@ class GuardedConnection(asyncio.Protocol):
             if self.deadline > now:  # bytes arrived since the deadline was set
                 self._arm(now)
                 return
-            if request.writer.output_size == 0:  # nothing of an answer on the wire: a 408 is the answer
+            if _nothing_written(request):  # nothing of an answer on the wire: a 408 is the answer
                 answer = raw_response(408, "the request body stopped arriving (connections.body_timeout_s "
                                       f"{self.guard.settings.body_timeout_s:g} s, body_min_rate "
                                       f"{self.guard.settings.body_min_rate:g} bytes/s)", "request_timeout",
@@ -294,6 +302,10 @@ class GuardedConnection(asyncio.Protocol):
         transport.write_eof()
         self.phase, self.deadline = Phase.CLOSING, None
         self.timer = self.loop.call_later(REFUSAL_LINGER_S, transport.close)
+
+
+def _nothing_written(request: web.BaseRequest | FrontRequest) -> bool:
+    return request.written == 0 if isinstance(request, FrontRequest) else request.writer.output_size == 0
 
 
 class Refusal(asyncio.Protocol):
@@ -349,7 +361,19 @@ class GuardRunner(web.AppRunner):
         # aiohttp's own keep-alive timer stays, as a backstop that goes off after every deadline of ours
         # (which count what they close) would have.
         kwargs.setdefault("keepalive_timeout", settings.keepalive_timeout_s + settings.header_timeout_s)
+        self.shutdown_timeout: float = kwargs.get("shutdown_timeout", 60.0)
         super().__init__(app, **kwargs)
+
+    async def shutdown(self) -> None:
+        """After aiohttp's ``pre_shutdown`` closed its idle connections: the front's idle ones close too, its
+        busy ones after their answer; the app's shutdown (which lets running requests finish) runs; then
+        what still runs on a front connection gets ``shutdown_timeout`` as aiohttp's handlers do."""
+        handlers = [connection.handler for connection in self.app[CONNECTIONS].connections]
+        fronts = [handler for handler in handlers if hasattr(handler, "close_idle")]  # guard/http/front.py's
+        for front in fronts:
+            front.close_idle()
+        await super().shutdown()
+        await asyncio.gather(*(front.shutdown(self.shutdown_timeout) for front in fronts))
 
     @property
     def server(self) -> Any:

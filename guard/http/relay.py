@@ -29,6 +29,7 @@ from aiohttp import web
 from guard.config import Upstream
 from guard.errors import GuardError
 from guard.http.errors import error_response, sse_error_event
+from guard.http.front_request import FrontRequest, FrontStream
 from guard.http.upstream import Answer, ConnectFailed, UpstreamClient, UpstreamError
 
 SHUTTING_DOWN = "the guard is shutting down; retry shortly"
@@ -232,7 +233,7 @@ class Relay:
     async def stream(
         self, client: web.Request, upstream: Answer, headers: dict[str, str],
         observer: StreamObserver,
-    ) -> web.StreamResponse:
+    ) -> web.StreamResponse | FrontStream:
         """Copy an SSE answer to the client as ``observer`` passes it on (whatever it held back is written
         before the stream ends, its error event included). Returns the prepared response; never raises for
         upstream faults."""
@@ -241,13 +242,12 @@ class Relay:
             first = await self._first_chunk(upstream, headers)
             if isinstance(first, web.StreamResponse):
                 return first
-            response = web.StreamResponse(status=200, headers={
-                **headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            headers = {**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
             try:
-                await response.prepare(client)
+                response = await _start_stream(client, headers)
             except ConnectionError:  # the client left while the first token was on its way
                 observer.client_gone = True
-                return response
+                return web.StreamResponse(status=200, headers=headers)
             completed = await self._copy(client, response, upstream, first, observer)
             return response
         finally:
@@ -341,6 +341,15 @@ class Relay:
             if client.transport is not None:
                 _reset(client.transport)
             raise ClientGone(f"the client read nothing for {self.config.client_stall_timeout:g} s") from None
+
+
+async def _start_stream(client: web.Request | FrontRequest, headers: dict[str, str]) -> web.StreamResponse | FrontStream:
+    """A 200 event stream's head sent to the client; its events follow through what is returned."""
+    if isinstance(client, FrontRequest):  # guard/http/front.py's: written straight to its transport
+        return client.start_stream(200, headers)
+    response = web.StreamResponse(status=200, headers=headers)
+    await response.prepare(client)
+    return response
 
 
 def _reset(transport: asyncio.BaseTransport) -> None:

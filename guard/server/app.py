@@ -6,6 +6,7 @@ guard/http/routes.py and the request pipeline guard/http/pipeline.py. Serve the 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 
 import aiohttp
@@ -24,6 +25,7 @@ from guard.errors import GuardError
 from guard.http.auth import KeyStore
 from guard.http.connections import CONNECTIONS, ConnectionGuard
 from guard.http.context import CLIENTS, STATE, Clients, GuardState
+from guard.http.front import FrontConnection
 from guard.http.models import learn_adapters
 from guard.http.pipeline import completion
 from guard.http.relay import SHUTTING_DOWN, Relay
@@ -77,7 +79,8 @@ def create_app(config: GuardConfig, *, console: bool = True, worker: int | None 
     # begins and ends.
     app = web.Application(middlewares=[identify], client_max_size=config.limits.max_body_bytes + 1024)
     app[STATE] = state
-    app[CONNECTIONS] = ConnectionGuard(config.connections, metrics)
+    app[CONNECTIONS] = connections = ConnectionGuard(config.connections, metrics)
+    connections.front = functools.partial(FrontConnection, app)  # the completion routes skip aiohttp's server
     app.router.add_post("/v1/completions", completion)
     app.router.add_post("/v1/chat/completions", completion)
     app.router.add_post("/v1/responses", completion)

@@ -1,0 +1,316 @@
+"""The guard's front: the client port's protocol, which serves the completion routes itself and hands every
+other request to aiohttp.
+
+aiohttp's server turns each request into a ``web.Request``, a payload stream, a task, a router match, a
+middleware chain and a ``web.Response`` prepared through its writer: about a third of the guard's CPU per
+request. ``FrontConnection`` parses with httptools (llhttp, as aiohttp's own C parser) and serves
+``POST /v1/completions``, ``/v1/chat/completions`` and ``/v1/responses`` over HTTP/1.1 by calling the same
+pipeline (guard/http/pipeline.py ``completion``) with a ``FrontRequest`` (guard/http/front_request.py), and
+writes its answer in one call. What ``identify`` (the app's middleware) does for aiohttp's requests it does
+here: the request id, the in-flight count, the stamped headers, the connection's phases.
+
+Anything else (another route or method, HTTP/1.0, an upgrade, an ``Expect`` other than ``100-continue``,
+bytes that do not parse) goes to aiohttp's own request handler, which from then on serves the connection:
+
+- the connection's first request: every byte so far is handed over as it came;
+- a later one: once the requests before it are answered, it is handed over re-framed from what the parser
+  read (the same request line, headers and body; a chunked body chunked again), and so is whatever follows
+  until the parser stands at a message boundary at the end of what arrived; from then on bytes pass as
+  they come.
+
+Invariants: a connection's requests are answered one at a time, in order (a pipelined request waits, and
+reading pauses while one does); a request's task is cancelled when its connection is lost (as aiohttp's
+``handler_cancellation``), so a client that leaves gives its reservation back; a request whose body was
+not read whole by the time it is answered ends the connection after the answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import httptools
+from aiohttp import web
+from multidict import CIMultiDict
+
+from guard.http.connections import REFUSAL_LINGER_S, GuardedConnection, raw_response
+from guard.http.context import REQUEST_ID, STATE, TENANT
+from guard.http.errors import error_response
+from guard.http.front_request import CHUNKED_EOF, Flow, FrontRequest, FrontStream, head
+from guard.http.pipeline import completion
+from guard.http.routes import request_id_of
+
+ROUTES = frozenset(("/v1/completions", "/v1/chat/completions", "/v1/responses"))
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+log = logging.getLogger("guard.front")
+
+
+class FrontConnection(asyncio.Protocol):
+    """One client connection (see the module). ``server``: aiohttp's request-handler factory, called once
+    the connection is handed over."""
+
+    def __init__(self, app: web.Application, server: Callable[[], asyncio.Protocol]) -> None:
+        self.app = app
+        self.server = server
+        self.limit: int = app._client_max_size  # as aiohttp's client_max_size, past which read() refuses
+        self.parser = httptools.HttpRequestParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.flow = Flow()
+        self.url: list[bytes] = []
+        self.header_list: list[tuple[bytes, bytes]] = []
+        self.reading: FrontRequest | None = None  # the request whose body is being parsed
+        self.queue: collections.deque[FrontRequest] = collections.deque()  # the first is being served
+        self.task: asyncio.Task[None] | None = None
+        self.prefix: bytes | None = b""  # every byte so far, until a first request is the front's
+        self.handoff: bytearray | None = None  # re-framed bytes for aiohttp, once a request is its
+        self.chunked = False  # the request being handed over has a chunked body
+        self.aiohttp: asyncio.Protocol | None = None  # aiohttp's handler, once handed over
+        self.passthrough = False  # bytes go to aiohttp as they come
+        self.in_message = False
+        self.closing = False
+        self.broken = b""  # the answer to bytes that did not parse, once what came before is answered
+
+    # -- the transport's calls ------------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        if self.passthrough:
+            if self.aiohttp is not None:
+                self.aiohttp.data_received(data)
+            else:  # still answering the requests before the one handed over
+                assert self.handoff is not None
+                self.handoff += data
+            return
+        if self.closing:
+            return
+        first = self.prefix is not None
+        if first:
+            self.prefix += data  # type: ignore[operator]
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade as exc:
+            self._hand_over_rest(data[exc.args[0]:] if exc.args else b"")
+        except httptools.HttpParserError as exc:
+            self._malformed(exc)
+        if self.handoff is not None:
+            if first:  # the connection's first request is aiohttp's: every byte as it came
+                self.handoff, self.prefix, self.passthrough = bytearray(self.prefix or b""), None, True
+            elif not self.in_message:  # re-framed up to a message boundary that ends these bytes
+                self.passthrough = True
+        self._next()
+
+    def eof_received(self) -> bool | None:
+        if self.aiohttp is not None:
+            return self.aiohttp.eof_received()
+        return None  # the client closed its side: the transport closes (and cancels what runs), as aiohttp's
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        self.flow.lost = True
+        self.flow.wake(ConnectionResetError("the client connection is closed"))
+        for request in self.queue:
+            request.lost()
+        if self.task is not None:
+            self.task.cancel()
+        if self.aiohttp is not None:
+            self.aiohttp.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.flow.paused = True
+        if self.aiohttp is not None:
+            self.aiohttp.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.flow.paused = False
+        self.flow.wake()
+        if self.aiohttp is not None:
+            self.aiohttp.resume_writing()
+
+    # -- the parser's calls ---------------------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        self.url, self.header_list, self.in_message = [], [], True
+
+    def on_url(self, url: bytes) -> None:
+        self.url.append(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.header_list.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        parser, url = self.parser, b"".join(self.url).decode("utf-8", "surrogateescape")
+        headers: CIMultiDict[str] = CIMultiDict(
+            (name.decode("latin-1"), value.decode("utf-8", "surrogateescape")) for name, value in self.header_list)
+        expect = headers.get("Expect")
+        if (self.handoff is None and parser.get_method() == b"POST" and url.split("?", 1)[0] in ROUTES
+                and parser.get_http_version() == "1.1" and not parser.should_upgrade()
+                and (expect is None or expect.lower() == "100-continue")):
+            assert self.transport is not None
+            request = FrontRequest(self.app, self.transport, self.flow, "POST", url, headers,
+                                   parser.should_keep_alive(), self.limit)
+            self.reading = request
+            self.queue.append(request)
+            self.prefix = None  # the connection is the front's: nothing before this needs handing over
+            if len(self.queue) > 1:
+                self.transport.pause_reading()  # pipelined: read on once the ones before are answered
+            return
+        self._reframe_head(url, headers)
+        if self.queue and self.transport is not None:
+            self.transport.pause_reading()  # until the requests before it are answered
+
+    def on_body(self, body: bytes) -> None:
+        if self.reading is not None:
+            self.reading.feed(body)
+        elif self.handoff is not None:
+            self.handoff += b"%x\r\n%b\r\n" % (len(body), body) if self.chunked else body
+
+    def on_message_complete(self) -> None:
+        self.in_message = False
+        if self.reading is not None:
+            self.reading.finish_body()
+            self.reading = None
+        elif self.handoff is not None and self.chunked:
+            self.handoff += CHUNKED_EOF
+
+    # -- handing over to aiohttp ----------------------------------------------------------------------------
+    def _reframe_head(self, url: str, headers: CIMultiDict[str]) -> None:
+        """The request's head as it came, for aiohttp; its body follows (chunked again if it came chunked)."""
+        if self.handoff is None:
+            self.handoff = bytearray()
+        method = self.parser.get_method()
+        self.handoff += b"%b %b HTTP/%b\r\n" % (method, url.encode("utf-8", "surrogateescape"),
+                                               self.parser.get_http_version().encode())
+        for name, value in self.header_list:
+            self.handoff += b"%b: %b\r\n" % (name, value)
+        self.handoff += b"\r\n"
+        self.chunked = "chunked" in headers.get("Transfer-Encoding", "").lower()
+
+    def _hand_over_rest(self, rest: bytes) -> None:
+        """An upgrade: what follows its head is no HTTP this parser reads; aiohttp gets it as it came."""
+        if self.prefix is not None:
+            self.handoff = bytearray()  # the prefix holds it all
+            return
+        if self.handoff is None:
+            self.handoff = bytearray()
+        self.handoff += rest
+        self.in_message, self.passthrough = False, True
+
+    def _malformed(self, exc: Exception) -> None:
+        if self.prefix is not None:  # nothing was served: aiohttp answers it as it would have
+            self.handoff = bytearray()
+            return
+        self.closing = True  # answered once the requests before it are
+        self.broken = raw_response(400, f"malformed HTTP request: {exc}", "invalid_request", {})
+
+    def _hand_over(self) -> None:
+        assert self.transport is not None and self.handoff is not None
+        self.aiohttp = handler = self.server()
+        handler.connection_made(self.transport)
+        data, self.handoff = bytes(self.handoff), bytearray()
+        if data:
+            handler.data_received(data)
+        self.transport.resume_reading()
+
+    # -- serving --------------------------------------------------------------------------------------------
+    def _next(self) -> None:
+        """Serve the next request, or hand over, or answer a malformed one, once nothing is being served."""
+        if self.task is not None or self.transport is None:
+            return
+        if self.queue:
+            self.task = asyncio.get_running_loop().create_task(self._serve(self.queue[0]))
+        elif self.handoff is not None:
+            if self.aiohttp is None:
+                self._hand_over()
+            elif self.handoff:
+                self.aiohttp.data_received(bytes(self.handoff))
+                self.handoff = bytearray()
+        elif self.closing and self.transport is not None:
+            self.transport.write(self.broken)
+            self.transport.close()
+
+    async def _serve(self, request: FrontRequest) -> None:
+        transport = self.transport
+        guarded = transport.get_protocol() if transport is not None else None
+        guarded = guarded if isinstance(guarded, GuardedConnection) else None
+        if transport is not None and request.headers.get("Expect") is not None:  # 100-continue (the only one)
+            transport.write(CONTINUE)
+        if guarded is not None:
+            guarded.request_began(request)  # type: ignore[arg-type]
+        state = self.app[STATE]
+        request[REQUEST_ID] = request_id = request_id_of(request)  # type: ignore[arg-type]
+        state.in_flight += 1
+        try:
+            response: Any = await completion(request)  # type: ignore[arg-type]
+        except web.HTTPException as exc:
+            response = error_response(exc.status, exc.reason)
+        except Exception:  # a bug: the client still gets an answer, as aiohttp would give it
+            log.exception("error serving %s", request.path)
+            response = error_response(500, "internal error in the guard")
+        finally:
+            state.in_flight -= 1
+            if guarded is not None:
+                guarded.request_ended()
+        try:
+            self._answer(request, request_id, response)
+        except ConnectionError:
+            pass  # the client left as its answer was ready
+        self._done(request)
+
+    def _answer(self, request: FrontRequest, request_id: str, response: Any) -> None:
+        if request.transport is None or request.transport.is_closing():
+            return  # the client left: there is nobody to answer
+        if isinstance(response, FrontStream):
+            if not response.eof_sent:
+                request.write(CHUNKED_EOF)
+            return
+        headers = response.headers
+        headers["X-Request-Id"] = request_id
+        if TENANT in request:
+            headers["X-Guard-Tenant"] = request[TENANT]
+        body = response.body or b""
+        keep_alive = request.keep_alive and request.body_done
+        request.write(head(response.status, headers.items(), f"Content-Length: {len(body)}", keep_alive) + body)
+
+    def _done(self, request: FrontRequest) -> None:
+        self.task = None
+        if self.queue and self.queue[0] is request:
+            self.queue.popleft()
+        transport = self.transport
+        if transport is None:
+            return
+        if not (request.keep_alive and request.body_done):
+            # Bytes the client still sends would reset the connection and discard the answer it has not
+            # read yet: half-close, drop what comes, close a moment later.
+            self.closing, self.broken = True, b""
+            self.queue.clear()
+            if transport.can_write_eof():
+                transport.write_eof()
+            asyncio.get_running_loop().call_later(REFUSAL_LINGER_S, transport.close)
+            return
+        transport.resume_reading()
+        self._next()
+
+    # -- shutdown (guard/http/connections.py GuardRunner) ---------------------------------------------------
+    def close_idle(self) -> None:
+        """Shutdown begins: an idle connection closes now, a busy one after its answer."""
+        if self.aiohttp is not None or self.transport is None:
+            return
+        if self.task is None:
+            self.transport.close()
+        else:
+            for request in self.queue:
+                request.keep_alive = False
+
+    async def shutdown(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for the request being served, then cancel it."""
+        if self.task is None or self.aiohttp is not None:
+            return
+        task = self.task
+        done, _ = await asyncio.wait({task}, timeout=timeout)
+        if not done:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
