@@ -60,8 +60,8 @@ class FrontConnection(asyncio.Protocol):
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
         self.flow = Flow()
-        self.url: list[bytes] = []
-        self.header_list: list[tuple[bytes, bytes]] = []
+        self.url: list[bytes] = []  # the request line's target, as parsed so far
+        self.headers: CIMultiDict[str] = CIMultiDict()  # the headers of the request being parsed
         self.reading: FrontRequest | None = None  # the request whose body is being parsed
         self.queue: collections.deque[FrontRequest] = collections.deque()  # the first is being served
         self.task: asyncio.Task[None] | None = None
@@ -69,6 +69,7 @@ class FrontConnection(asyncio.Protocol):
         self.handoff: bytearray | None = None  # re-framed bytes for aiohttp, once a request is its
         self.chunked = False  # the request being handed over has a chunked body
         self.aiohttp: asyncio.Protocol | None = None  # aiohttp's handler, once handed over
+        self.guarded: GuardedConnection | None = None
         self.passthrough = False  # bytes go to aiohttp as they come
         self.in_message = False
         self.closing = False
@@ -77,6 +78,8 @@ class FrontConnection(asyncio.Protocol):
     # -- the transport's calls ------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        guarded = transport.get_protocol()  # the deadlines' wrapper around this (guard/http/connections.py)
+        self.guarded = guarded if isinstance(guarded, GuardedConnection) else None
 
     def data_received(self, data: bytes) -> None:
         if self.passthrough:
@@ -133,18 +136,18 @@ class FrontConnection(asyncio.Protocol):
 
     # -- the parser's calls ---------------------------------------------------------------------------------
     def on_message_begin(self) -> None:
-        self.url, self.header_list, self.in_message = [], [], True
+        self.url, self.headers, self.in_message = [], CIMultiDict(), True
 
     def on_url(self, url: bytes) -> None:
         self.url.append(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.header_list.append((name, value))
+        # As aiohttp's parser decodes them; both decodings give back the very bytes (``_reframe_head``).
+        self.headers.add(name.decode("latin-1"), value.decode("utf-8", "surrogateescape"))
 
     def on_headers_complete(self) -> None:
-        parser, url = self.parser, b"".join(self.url).decode("utf-8", "surrogateescape")
-        headers: CIMultiDict[str] = CIMultiDict(
-            (name.decode("latin-1"), value.decode("utf-8", "surrogateescape")) for name, value in self.header_list)
+        parser, headers = self.parser, self.headers
+        url = (self.url[0] if len(self.url) == 1 else b"".join(self.url)).decode("utf-8", "surrogateescape")
         expect = headers.get("Expect")
         if (self.handoff is None and parser.get_method() == b"POST" and url.split("?", 1)[0] in ROUTES
                 and parser.get_http_version() == "1.1" and not parser.should_upgrade()
@@ -184,8 +187,8 @@ class FrontConnection(asyncio.Protocol):
         method = self.parser.get_method()
         self.handoff += b"%b %b HTTP/%b\r\n" % (method, url.encode("utf-8", "surrogateescape"),
                                                self.parser.get_http_version().encode())
-        for name, value in self.header_list:
-            self.handoff += b"%b: %b\r\n" % (name, value)
+        for name, value in headers.items():
+            self.handoff += b"%b: %b\r\n" % (name.encode("latin-1"), value.encode("utf-8", "surrogateescape"))
         self.handoff += b"\r\n"
         self.chunked = "chunked" in headers.get("Transfer-Encoding", "").lower()
 
@@ -233,9 +236,7 @@ class FrontConnection(asyncio.Protocol):
             self.transport.close()
 
     async def _serve(self, request: FrontRequest) -> None:
-        transport = self.transport
-        guarded = transport.get_protocol() if transport is not None else None
-        guarded = guarded if isinstance(guarded, GuardedConnection) else None
+        transport, guarded = self.transport, self.guarded
         if transport is not None and request.headers.get("Expect") is not None:  # 100-continue (the only one)
             transport.write(CONTINUE)
         if guarded is not None:

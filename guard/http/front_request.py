@@ -16,26 +16,26 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable
+from http import HTTPStatus
 from typing import Any
 
 from aiohttp import web
 from aiohttp.helpers import rfc822_formatted_time
 from aiohttp.http import SERVER_SOFTWARE
-from multidict import CIMultiDict, CIMultiDictProxy
+from multidict import CIMultiDict
 
-REASONS = web.Response.__init__.__globals__.get("REASON_PHRASES", {})
+REASONS = {status.value: status.phrase for status in HTTPStatus}
 CHUNKED_EOF = b"0\r\n\r\n"
+SERVER = f"Server: {SERVER_SOFTWARE}\r\n"
 
 
 def head(status: int, headers: Iterable[tuple[str, str]], framing: str, keep_alive: bool) -> bytes:
     """The status line and headers of an answer (``framing``: its ``Content-Length: n`` or
     ``Transfer-Encoding: chunked`` line, which goes after the answer's own headers, as aiohttp puts it)."""
-    lines = [f"HTTP/1.1 {status} {REASONS.get(status, '')}"]
-    lines += [f"{name}: {value}" for name, value in headers]
-    lines += [framing, f"Date: {rfc822_formatted_time()}", f"Server: {SERVER_SOFTWARE}"]
-    if not keep_alive:
-        lines.append("Connection: close")
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("utf-8", "surrogateescape")
+    own = "".join([f"{name}: {value}\r\n" for name, value in headers])
+    close = "" if keep_alive else "Connection: close\r\n"
+    return (f"HTTP/1.1 {status} {REASONS.get(status, '')}\r\n{own}{framing}\r\nDate: {rfc822_formatted_time()}\r\n"
+            f"{SERVER}{close}\r\n").encode("utf-8", "surrogateescape")
 
 
 class Flow:
@@ -97,7 +97,7 @@ class FrontRequest:
         self.method = method
         self.raw_path = url
         self.path = url.split("?", 1)[0]
-        self.headers = CIMultiDictProxy(headers)
+        self.headers = headers  # never changed once parsed (aiohttp's is a read-only proxy)
         self.keep_alive = keep_alive
         self.items: dict[Any, Any] = {}
         self.parts: list[bytes] = []
