@@ -262,17 +262,14 @@ class Dispatcher:
         """Reserve the ticket's blocks on the first replica, in the profile's order, whose gate admits them;
         ``ticket.borrowed`` says how many of them are (or would be) borrowed."""
         ticket.borrowed = self._lent(ticket, ticket.blocks)
-        sheddable = ticket.lane.priority_class == slo.SHEDDABLE
         objective = ticket.objective
         ttft_left = None if objective is None or objective.ttft_s is None else \
             objective.ttft_s - (time.monotonic() - ticket.arrived)
-        priority = engine_priority(ticket.lane.priority, ticket.borrowed, sheddable)
         ranked = self.profile.rank(self.pool.replicas, ticket.blocks, ticket.hashes, ticket.prompt_tokens, ttft_left,
-                                   priority, lora=ticket.lora)
+                                   engine_priority(ticket.lane.priority, ticket.borrowed), lora=ticket.lora)
         for candidate in ranked:
             replica = candidate.replica
-            if replica.gate.try_reserve(ticket.request_id, queue.name, ticket.blocks, ticket.borrowed,
-                                        preemptible=sheddable):
+            if replica.gate.try_reserve(ticket.request_id, queue.name, ticket.blocks, ticket.borrowed):
                 ticket.replica, ticket.hit_blocks, ticket.candidates = replica, candidate.hit_blocks, ranked
                 replica.admitted()
                 return True
@@ -316,8 +313,7 @@ class Dispatcher:
             snapshot = ticket.replica.gate.snapshot
             cached = ticket.hit_blocks * snapshot.block_size if snapshot is not None else 0
             ticket.uncached = max(0, ticket.prompt_tokens - cached)
-            ticket.priority = engine_priority(ticket.lane.priority, ticket.borrowed,
-                                              ticket.lane.priority_class == slo.SHEDDABLE)
+            ticket.priority = engine_priority(ticket.lane.priority, ticket.borrowed)
             ticket.work, ticket.band = ticket.replica.latency.admitted(ticket.priority, ticket.uncached)
         self.running.setdefault(queue.name, set()).add(ticket)
         if ticket.admitted is not None:  # None while submit is admitting it itself

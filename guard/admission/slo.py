@@ -223,9 +223,8 @@ def queue_wait(pool: ReplicaPool, departures: Departures, ticket: Judged, ahead:
     ticket.wait_key = (ticket.lane.priority_class, rate > 0)
     if rate > 0:  # a sheddable ticket at the head still waits for its own blocks to be free
         return (ahead + (ticket.blocks if sheddable else 0)) / rate
-    # What others borrowed is reclaimed by a ticket that does not borrow itself; a sheddable ticket's
-    # reservation has only the other sheddable ones in its way (guard/pool/gate.py).
-    held = pool.committed(preemptible=True) if sheddable else pool.committed() - pool.borrowed()
+    # What others borrowed is reclaimed by a ticket that does not borrow itself (guard/pool/gate.py).
+    held = pool.committed() - (0 if sheddable else pool.borrowed())
     wait = pool.expected_wait(max(0, held + ahead + ticket.blocks - pool.budget()))
     if sheddable and (pace := departures.rate(SHEDDABLE)) > 0:
         # The replicas' drain feeds critical work first: a sheddable ticket waits at least for its own
@@ -242,8 +241,7 @@ def predicted_ttft(pool: ReplicaPool, departures: Departures, ticket: Judged, ah
     ticket.predicted_wait = wait = queue_wait(pool, departures, ticket, ahead)
     if wait is not None:
         wait = correction.correct(ticket.wait_key, wait)
-    sheddable = ticket.lane.priority_class == SHEDDABLE
-    priority = engine_priority(ticket.lane.priority, sheddable, sheddable)
+    priority = engine_priority(ticket.lane.priority, ticket.lane.priority_class == SHEDDABLE)
     engine = min((r.latency.predict_ttft(priority, ticket.prompt_tokens) for r in pool.replicas if r.usable()),
                  default=0.0)
     ticket.predicted_queue = queue = time.monotonic() - ticket.arrived + (wait or 0.0)

@@ -19,6 +19,7 @@ from guard.errors import Outcome
 from guard.http.exchange import Exchange, stamp_headers
 from guard.http.relay import StreamObserver, UpstreamUnavailable
 from guard.http.upstream import Answer, UpstreamError
+from guard.pool.gate import BORROWED_PRIORITY
 
 
 async def to_pool(ex: Exchange) -> web.StreamResponse:
@@ -34,11 +35,10 @@ async def to_pool(ex: Exchange) -> web.StreamResponse:
             raise ex.revoked
         # A client's own bound, or a suspect's cap, goes upstream; otherwise none, and the engine bounds the
         # output by its window and its own pool (which may hold fewer tokens than the window). A ticket
-        # that borrows, or is sheddable, runs at a lower engine priority (set at its admission), so the
-        # engine preempts those first.
+        # that borrows runs at a lower engine priority, so the engine preempts borrowers first.
         body = parsed.upstream_body(cache_salt=ex.salt,
                                     max_tokens=sizing.bound if sizing.declared or ex.capped else None,
-                                    priority=ticket.priority)
+                                    priority=ex.lane.priority + (BORROWED_PRIORITY if ticket.borrowed else 0))
         metrics.child(metrics.routed, replica.name).inc()
         metrics.child(metrics.prefix_predicted, replica.name).inc(ticket.hit_blocks * sizing.block_size)
         try:

@@ -16,21 +16,9 @@ the rule above whole. One that borrows nothing is within its tenant's guarantee,
 stand in its way under the threshold: it fits when ``other + (reserved - borrowed) + request`` does and
 everything reserved still fits the engine's whole pool (``other + reserved + request <= num_blocks``). So a
 tenant waiting for its share reclaims the headroom the threshold keeps instead of queueing behind the
-borrowers, and no reservation is ever made that the engine could not hold (preemptible ones aside, below).
-Guaranteed reservations alone never pass the threshold. Requests that borrow run at a lower engine priority
-(``BORROWED_PRIORITY``): if the engine does run short (an output that outgrows its predicted reservation),
-it preempts them first.
-
-*Preemptible* reservations (sheddable work, guard/admission/slo.py) are lent out of the pool as a class of
-their own: they fit when ``other + preemptible + request <= threshold * num_blocks``, and every other
-reservation leaves them out of its own rule above (``reserved`` less ``preemptible``). So sheddable work
-fills the pool that the other classes' reservations (upper bounds) and the threshold's headroom leave
-idle, and runs at the lowest engine priority (``SHEDDABLE_PRIORITY``): when the engine runs short, it
-preempts sheddable sequences and nothing else. Sheddable reservations alone never pass the threshold, so
-the engine runs short only when other work holds blocks: every preemption is sheddable work's, on behalf of
-a higher class, and the other classes' reservations still fit the engine's whole pool.
-
-``threshold`` is ``safe_utilization`` while the gate is open; once a
+borrowers, and no reservation is ever made that the engine could not hold. Guaranteed reservations alone
+never pass the threshold. Requests that borrow run at a lower engine priority (``BORROWED_PRIORITY``): if
+the engine does run short (an output that outgrows its predicted reservation), it preempts them first. ``threshold`` is ``safe_utilization`` while the gate is open; once a
 request does not fit, the gate closes and reopens only below ``resume_utilization`` (hysteresis), so that a
 pool hovering at the edge is not refilled by a stream of small requests. Telemetry that is missing, stale or
 unhealthy counts as a full pool. A reservation is released exactly once, whatever ends the request.
@@ -70,16 +58,10 @@ DRAIN_WINDOW_S = 10.0
 # Added to the engine priority of a request that borrows (lower runs first): past every lane and the
 # suspects' last lane, so the engine preempts every borrower before anyone within its guarantee.
 BORROWED_PRIORITY = 100
-# Added to a sheddable request's (preemptible reservation's) lane priority: behind every borrower too, so
-# the engine preempts sheddable work before anything else.
-SHEDDABLE_PRIORITY = 2 * BORROWED_PRIORITY
 
 
-def engine_priority(lane_priority: int, borrowed: int, preemptible: bool = False) -> int:
-    """The engine priority a request runs at (lower first): its lane's, behind every lane when it borrows,
-    behind every borrower when it is preemptible (sheddable)."""
-    if preemptible:
-        return lane_priority + SHEDDABLE_PRIORITY
+def engine_priority(lane_priority: int, borrowed: int) -> int:
+    """The engine priority a request runs at (lower first): its lane's, behind every lane when it borrows."""
     return lane_priority + (BORROWED_PRIORITY if borrowed else 0)
 
 
@@ -102,7 +84,6 @@ class Reservation:
     tenant: str
     blocks: int
     borrowed: int = 0  # of ``blocks``, those beyond the tenant's guaranteed share
-    preemptible: bool = False  # sheddable work's: a class of its own (see the module docstring)
 
 
 class AdmissionGate:
@@ -126,7 +107,6 @@ class AdmissionGate:
         self.reserved = 0  # the sum of reserved_by_tenant
         self.borrowed_by_tenant: dict[str, int] = {}
         self.borrowed = 0  # the sum of borrowed_by_tenant: reclaimable by reservations within a guarantee
-        self.preemptible = 0  # of ``reserved``, the preemptible reservations' blocks (all of them borrowed)
         self.outside = 0  # blocks the last snapshot shows held by traffic that did not come through the guard
         # Blocks released per whole second of the clock, [second, blocks], over the last DRAIN_WINDOW_S: one
         # entry per second however many requests end in it (an entry per release made the window hold 20k
@@ -191,26 +171,22 @@ class AdmissionGate:
             return 0
         return int(self.config.safe_utilization * self.snapshot.num_blocks)
 
-    def committed(self, preemptible: bool = False) -> int:
-        """Blocks held or reserved; with ``preemptible``, those in a preemptible reservation's way."""
-        return self.outside + (self.preemptible if preemptible else self.reserved)
+    def committed(self) -> int:
+        return self.outside + self.reserved
 
     # -- reservations ----------------------------------------------------------------------------------
-    def fits(self, blocks: int, borrowed: int = 0, preemptible: bool = False) -> bool:
-        """Room for ``blocks`` more, ``borrowed`` of them beyond their tenant's guarantee (all, when
-        ``preemptible``), under the gate's current threshold (telemetry assumed usable)."""
+    def fits(self, blocks: int, borrowed: int = 0) -> bool:
+        """Room for ``blocks`` more, ``borrowed`` of them beyond their tenant's guarantee, under the gate's
+        current threshold (telemetry assumed usable)."""
         assert self.snapshot is not None
         threshold_room, pool_room = self.rooms()
         # Asked for every reservation: no call at all in the usual case (the link up, or no shared state).
         threshold, pool = ((threshold_room, pool_room) if self.share >= 1.0
                            else (self.mine(threshold_room), self.mine(pool_room)))
-        if preemptible:
-            return self.preemptible + blocks <= threshold
-        held = self.reserved - self.preemptible  # preemptible blocks are reclaimed through the engine's priority
         if borrowed:
-            return held + blocks <= threshold
+            return self.reserved + blocks <= threshold
         # Within a guarantee, what others borrowed is reclaimable up to the engine's whole pool.
-        return self.reserved - self.borrowed + blocks <= threshold and held + blocks <= pool
+        return self.reserved - self.borrowed + blocks <= threshold and self.reserved + blocks <= pool
 
     def mine(self, room: int) -> float:
         """Of ``room``, what this guard's reservations may sum to: all of it, or while guards that share
@@ -230,26 +206,24 @@ class AdmissionGate:
         num_blocks = self.snapshot.num_blocks
         return int(share * num_blocks) - self.outside, num_blocks - self.outside
 
-    def try_reserve(self, key: str, tenant: str, blocks: int, borrowed: int = 0,
-                    preemptible: bool = False) -> bool:
+    def try_reserve(self, key: str, tenant: str, blocks: int, borrowed: int = 0) -> bool:
         """Commit ``blocks`` for request ``key`` if the pool allows; closes the gate when it does not."""
         if key in self.reservations:
             raise ValueError(f"reservation {key!r} already exists")
         if not self.usable:
             return False  # no news is not a full pool: the gate's hysteresis state stays as it was
-        if not self.fits(blocks, borrowed, preemptible):
+        if not self.fits(blocks, borrowed):
             self.open = False
             return False
         self.open = True
-        self.record(key, tenant, blocks, borrowed, preemptible)
+        self.record(key, tenant, blocks, borrowed)
         return True
 
-    def record(self, key: str, tenant: str, blocks: int, borrowed: int = 0,
-               preemptible: bool = False) -> None:
+    def record(self, key: str, tenant: str, blocks: int, borrowed: int = 0) -> None:
         """Account a reservation that was decided elsewhere (the guards' shared ledger, guard/state/)."""
         if key in self.reservations:
             raise ValueError(f"reservation {key!r} already exists")
-        self.reservations[key] = reservation = Reservation(key, tenant, 0, preemptible=preemptible)
+        self.reservations[key] = reservation = Reservation(key, tenant, 0)
         self._add(reservation, blocks, borrowed)
 
     def try_grow(self, key: str, blocks: int, borrowed: int = 0) -> bool:
@@ -261,8 +235,7 @@ class AdmissionGate:
         if reservation is None or not self.usable or self.snapshot is None:
             return False
         room = int(self.config.safe_utilization * self.snapshot.num_blocks) - self.outside
-        held = self.preemptible if reservation.preemptible else self.reserved - self.preemptible
-        if held + blocks > self.mine(room):
+        if self.reserved + blocks > self.mine(room):
             return False
         self._add(reservation, blocks, borrowed)
         return True
@@ -273,8 +246,6 @@ class AdmissionGate:
         reservation.borrowed += borrowed
         self.reserved_by_tenant[tenant] = self.reserved_by_tenant.get(tenant, 0) + blocks
         self.reserved += blocks
-        if reservation.preemptible:
-            self.preemptible += blocks
         if borrowed:
             self.borrowed_by_tenant[tenant] = self.borrowed_by_tenant.get(tenant, 0) + borrowed
             self.borrowed += borrowed
@@ -286,8 +257,6 @@ class AdmissionGate:
             return False
         _take(self.reserved_by_tenant, reservation.tenant, reservation.blocks)
         self.reserved -= reservation.blocks
-        if reservation.preemptible:
-            self.preemptible -= reservation.blocks
         if reservation.borrowed:
             _take(self.borrowed_by_tenant, reservation.tenant, reservation.borrowed)
             self.borrowed -= reservation.borrowed

@@ -77,10 +77,8 @@ class ReplicaPool:
         """The most one request can ever be given: it runs on one replica (0 before any snapshot)."""
         return max(replica.gate.budget for replica in self.replicas)
 
-    def committed(self, preemptible: bool = False) -> int:
-        """Blocks held or reserved on the replicas that are up; with ``preemptible``, those that stand in a
-        preemptible (sheddable) reservation's way (guard/pool/gate.py)."""
-        return sum(replica.gate.committed(preemptible) for replica in self.replicas if replica.up())
+    def committed(self) -> int:
+        return sum(replica.gate.committed() for replica in self.replicas if replica.up())
 
     def borrowed(self) -> int:
         """Of ``committed``, the blocks reserved beyond their tenants' guarantees (reclaimable)."""

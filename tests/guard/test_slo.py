@@ -22,7 +22,6 @@ from guard.admission.slo import Departures, objective_for
 from guard.config import ConfigError, Lane, Routing, load_config
 from guard.console.app import CONSOLE
 from guard.errors import GuardError
-from guard.pool.gate import SHEDDABLE_PRIORITY
 from guard.pool.latency import MIN_FIT, LatencyModel
 from guard.pool.scheduling import profile_for
 
@@ -114,21 +113,17 @@ async def test_critical_work_reclaims_what_sheddable_work_holds_and_goes_first(t
     bulk = slo_ticket(dispatcher, 1, 80, "bulk")
     await dispatcher.submit(bulk)
     assert bulk.borrowed == 80, "a sheddable reservation is lent whole"
-    assert bulk.priority == 4 + SHEDDABLE_PRIORITY, "behind every other class: the engine preempts it first"
     critical = slo_ticket(dispatcher, 0, 15, "critical")
     await asyncio.wait_for(dispatcher.submit(critical), 1.0)
     assert critical.state is TicketState.ADMITTED and critical.borrowed == 0, "admitted at once, reclaiming"
     for t in (bulk, critical):
         dispatcher.finish(t)
-    # Critical work reserves the whole budget (upper bounds of what it will hold): sheddable work is still
-    # admitted, out of the blocks those reservations leave unused, and only sheddable reservations stand in
-    # its way (they alone never pass the budget, so the engine runs short only on behalf of other work).
+    # The budget held by critical work: a sheddable ticket queues first, with the lower VTC counter, then a
+    # critical one; of the 25 blocks a release frees, the critical one takes 10 and the sheddable one's 20
+    # no longer fit.
     hog, piece = slo_ticket(dispatcher, 0, 60, "hog"), slo_ticket(dispatcher, 0, 25, "piece")
     for t in (hog, piece):
         await dispatcher.submit(t)
-    lent = slo_ticket(dispatcher, 1, 80, "lent")
-    await asyncio.wait_for(dispatcher.submit(lent), 1.0)
-    assert lent.state is TicketState.ADMITTED and dispatcher.pool.committed() == 165
     waiting_bulk = slo_ticket(dispatcher, 1, 20, "waiting-bulk")
     first = asyncio.create_task(dispatcher.submit(waiting_bulk))
     await asyncio.sleep(0.01)
@@ -137,13 +132,12 @@ async def test_critical_work_reclaims_what_sheddable_work_holds_and_goes_first(t
     second = asyncio.create_task(dispatcher.submit(waiting_critical))
     await asyncio.sleep(0.01)
     assert waiting_bulk.state is TicketState.QUEUED and waiting_critical.state is TicketState.QUEUED
-    dispatcher.finish(piece)  # frees critical room only: the critical ticket goes, the sheddable one waits
+    dispatcher.finish(piece)
     await asyncio.wait_for(second, 1.0)
     assert waiting_critical.state is TicketState.ADMITTED and waiting_bulk.state is TicketState.QUEUED
-    dispatcher.finish(lent)
-    await asyncio.wait_for(first, 1.0)
-    assert waiting_bulk.state is TicketState.ADMITTED
-    for t in (hog, waiting_critical, waiting_bulk):
+    first.cancel()
+    await asyncio.gather(first, return_exceptions=True)
+    for t in (hog, waiting_critical):
         dispatcher.finish(t)
     assert not dispatcher.pool.reservations() and not dispatcher.fair.queued
 
@@ -151,7 +145,7 @@ async def test_critical_work_reclaims_what_sheddable_work_holds_and_goes_first(t
 async def test_a_sheddable_request_that_cannot_be_on_time_is_refused_at_once_or_leaves_the_queue(
         tmp_path: Path) -> None:
     dispatcher = slo_dispatcher(tmp_path)
-    hog = slo_ticket(dispatcher, 1, 85, "hog")  # sheddable work fills its room: the budget
+    hog = slo_ticket(dispatcher, 0, 85, "hog")  # the critical tenant fills the budget
     await dispatcher.submit(hog)
     queued = slo_ticket(dispatcher, 1, 40, "queued", header_ms="300")
     task = asyncio.create_task(dispatcher.submit(queued))
@@ -182,7 +176,7 @@ async def test_a_sheddable_request_that_cannot_be_on_time_is_refused_at_once_or_
 
 async def test_a_queued_sheddable_request_leaves_once_predicted_late_not_at_its_deadline(tmp_path: Path) -> None:
     dispatcher = slo_dispatcher(tmp_path)
-    hog = slo_ticket(dispatcher, 1, 85, "hog")  # sheddable work fills its room: the budget
+    hog = slo_ticket(dispatcher, 0, 85, "hog")  # the critical tenant fills the budget
     await dispatcher.submit(hog)
     dispatcher.departures.sheddable.left(time.monotonic() - 1.0, 400)  # 400 blocks/s of backlog: ~0.1 s
     queued = slo_ticket(dispatcher, 1, 40, "queued")  # its lane's objective: 1 s
