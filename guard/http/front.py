@@ -91,9 +91,8 @@ class FrontConnection(asyncio.Protocol):
             return
         if self.closing:
             return
-        first = self.prefix is not None
-        if first:
-            self.prefix += data  # type: ignore[operator]
+        if self.prefix is not None:
+            self.prefix += data
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade as exc:
@@ -101,8 +100,8 @@ class FrontConnection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._malformed(exc)
         if self.handoff is not None:
-            if first:  # the connection's first request is aiohttp's: every byte as it came
-                self.handoff, self.prefix, self.passthrough = bytearray(self.prefix or b""), None, True
+            if self.prefix is not None:  # the front took no request on this connection: every byte as it came
+                self.handoff, self.prefix, self.passthrough = bytearray(self.prefix), None, True
             elif not self.in_message:  # re-framed up to a message boundary that ends these bytes
                 self.passthrough = True
         self._next()

@@ -1,0 +1,128 @@
+"""The guard's front (guard/http/front.py), on raw sockets: what it serves itself and what it hands to aiohttp
+must read, to a client, like one HTTP/1.1 server.
+
+- keep-alive across the hand-over: a completion, then another route, then a completion, on one connection;
+- pipelining: three requests written at once are answered in order;
+- ``Expect: 100-continue`` with a chunked body: the 100 comes before the body is sent;
+- HTTP/1.0 and bytes that do not parse: answered, and the connection closed;
+- a client that leaves mid-stream gives its reservation back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Iterator
+
+import pytest
+from support.engine_server import ServerThread
+from support.guard_server import GuardThread, guard_config, usable_guard
+from support.nothing_lost import guard_holds_nothing
+from support.wait import until
+
+COMPLETION = json.dumps({"model": "tiny", "prompt": "Hello", "max_tokens": 2}).encode()
+CHAT = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}).encode()
+
+
+@pytest.fixture(scope="module")
+def guard() -> Iterator[GuardThread]:
+    with ServerThread(num_blocks=256) as engine, usable_guard(guard_config(engine.url)) as guard:
+        yield guard
+
+
+def post(path: str, body: bytes, request_id: str = "", extra: str = "") -> bytes:
+    ids = f"X-Request-Id: {request_id}\r\n" if request_id else ""
+    return (f"POST {path} HTTP/1.1\r\nHost: guard\r\nAuthorization: Bearer sk-acme\r\n{ids}{extra}"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+async def connect(guard: GuardThread) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    host, port = guard.url.removeprefix("http://").split(":")
+    return await asyncio.open_connection(host, int(port))
+
+
+async def answer(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
+    """One answer with a ``Content-Length``: status, headers (lower-cased names) and body."""
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    status_line, *lines = head.decode().split("\r\n")[:-2]
+    headers = {name.lower(): value for name, value in (line.split(": ", 1) for line in lines)}
+    return int(status_line.split()[1]), headers, await reader.readexactly(int(headers["content-length"]))
+
+
+async def closed(reader: asyncio.StreamReader) -> bool:
+    with contextlib.suppress(ConnectionResetError):
+        return await asyncio.wait_for(reader.read(), 10) == b""
+    return True
+
+
+async def test_keep_alive_across_the_hand_over_to_aiohttp(guard: GuardThread) -> None:
+    """The front serves the first completion; ``GET /health`` goes to aiohttp, re-framed from what the front
+    parsed; aiohttp then serves the connection, the next completion included."""
+    reader, writer = await connect(guard)
+    writer.write(post("/v1/completions", COMPLETION))
+    status, headers, body = await answer(reader)
+    assert status == 200 and headers["x-guard-tenant"] == "acme" and json.loads(body)["usage"], (headers, body)
+    writer.write(b"GET /health?probe=1 HTTP/1.1\r\nHost: guard\r\nX-Note: caf\xc3\xa9\r\n\r\n")
+    status, headers, body = await answer(reader)
+    assert status == 200 and json.loads(body)["status"] == "ok", body
+    writer.write(post("/v1/chat/completions", CHAT))
+    status, headers, body = await answer(reader)
+    assert status == 200 and headers["x-guard-tenant"] == "acme" and json.loads(body)["choices"], body
+    writer.close()
+
+
+async def test_pipelined_requests_are_answered_in_order(guard: GuardThread) -> None:
+    reader, writer = await connect(guard)
+    writer.write(post("/v1/completions", COMPLETION, "first") + post("/v1/chat/completions", CHAT, "second")
+                 + b"GET /v1/models HTTP/1.1\r\nHost: guard\r\nAuthorization: Bearer sk-acme\r\n"
+                   b"X-Request-Id: third\r\n\r\n" + post("/v1/completions", COMPLETION, "fourth"))
+    answers = [await answer(reader) for _ in range(4)]
+    assert [(status, headers["x-request-id"]) for status, headers, _ in answers] == [
+        (200, "first"), (200, "second"), (200, "third"), (200, "fourth")], answers
+    assert json.loads(answers[2][2])["data"], answers[2]
+    writer.close()
+
+
+async def test_expect_100_continue_with_a_chunked_body(guard: GuardThread) -> None:
+    reader, writer = await connect(guard)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: guard\r\nAuthorization: Bearer sk-acme\r\n"
+                 b"Content-Type: application/json\r\nExpect: 100-continue\r\nTransfer-Encoding: chunked\r\n\r\n")
+    assert await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10) == b"HTTP/1.1 100 Continue\r\n\r\n"
+    half = len(COMPLETION) // 2
+    for part in (COMPLETION[:half], COMPLETION[half:]):
+        writer.write(b"%x\r\n%b\r\n" % (len(part), part))
+        await asyncio.sleep(0.05)
+    writer.write(b"0\r\n\r\n")
+    status, _, body = await answer(reader)
+    assert status == 200 and json.loads(body)["choices"][0]["text"] is not None, body
+    writer.close()
+
+
+async def test_http_1_0_and_malformed_bytes_are_answered_and_closed(guard: GuardThread) -> None:
+    reader, writer = await connect(guard)
+    writer.write(post("/v1/completions", COMPLETION).replace(b"HTTP/1.1", b"HTTP/1.0", 1))
+    status, headers, _ = await answer(reader)
+    assert status == 200 and headers["x-guard-tenant"] == "acme", headers
+    assert await closed(reader)
+    writer.close()
+    reader, writer = await connect(guard)
+    writer.write(post("/v1/completions", COMPLETION) + b"\x00 not http\r\n\r\n")
+    assert (await answer(reader))[0] == 200
+    status, _, body = await answer(reader)
+    assert status == 400 and json.loads(body)["error"]["code"] == "invalid_request", body
+    assert await closed(reader)
+    writer.close()
+
+
+async def test_a_client_that_leaves_mid_stream_gives_its_blocks_back(guard: GuardThread) -> None:
+    body = json.dumps({"model": "tiny", "prompt": "Hello", "max_tokens": 400, "ignore_eos": True,
+                       "stream": True}).encode()
+    reader, writer = await connect(guard)
+    writer.write(post("/v1/completions", body))
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    assert head.startswith(b"HTTP/1.1 200 ") and b"Transfer-Encoding: chunked" in head, head
+    await asyncio.wait_for(reader.readuntil(b"data: "), 10)
+    assert guard.call(lambda: guard.state.pool.reservations()), "the stream holds its reservation"
+    writer.transport.abort()
+    await until(lambda: guard_holds_nothing(guard), lambda held: held == ({}, 0), 5)
