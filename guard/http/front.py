@@ -45,6 +45,7 @@ from guard.http.routes import request_id_of
 
 ROUTES = frozenset(("/v1/completions", "/v1/chat/completions", "/v1/responses"))
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+MAX_FIELD, MAX_HEADERS = 8190, 128  # aiohttp's server defaults (max_field_size, max_headers)
 
 log = logging.getLogger("guard.front")
 
@@ -139,8 +140,14 @@ class FrontConnection(asyncio.Protocol):
 
     def on_url(self, url: bytes) -> None:
         self.url.append(url)
+        if sum(map(len, self.url)) > MAX_FIELD:
+            raise ValueError(f"a request target over {MAX_FIELD} bytes")
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        # aiohttp's limits: a request past them is refused by its parser (the first one of a connection is
+        # handed to aiohttp, so its own 400 answers it), never held in memory.
+        if len(name) > MAX_FIELD or len(value) > MAX_FIELD or len(self.headers) >= MAX_HEADERS:
+            raise ValueError(f"a header over {MAX_FIELD} bytes, or more than {MAX_HEADERS} headers")
         # As aiohttp's parser decodes them; both decodings give back the very bytes (``_reframe_head``).
         self.headers.add(name.decode("latin-1"), value.decode("utf-8", "surrogateescape"))
 
@@ -206,7 +213,8 @@ class FrontConnection(asyncio.Protocol):
             self.handoff = bytearray()
             return
         self.closing = True  # answered once the requests before it are
-        self.broken = raw_response(400, f"malformed HTTP request: {exc}", "invalid_request", {})
+        reason = exc.__cause__ or exc.__context__ or exc  # a limit of on_url's or on_header's, or the parser's
+        self.broken = raw_response(400, f"malformed HTTP request: {reason}", "invalid_request", {})
 
     def _hand_over(self) -> None:
         assert self.transport is not None and self.handoff is not None

@@ -4,7 +4,7 @@ must read, to a client, like one HTTP/1.1 server.
 - keep-alive across the hand-over: a completion, then another route, then a completion, on one connection;
 - pipelining: three requests written at once are answered in order;
 - ``Expect: 100-continue`` with a chunked body: the 100 comes before the body is sent;
-- HTTP/1.0 and bytes that do not parse: answered, and the connection closed;
+- HTTP/1.0, bytes that do not parse and a header past aiohttp's limit: answered, and the connection closed;
 - a client that leaves mid-stream gives its reservation back.
 """
 
@@ -112,6 +112,13 @@ async def test_http_1_0_and_malformed_bytes_are_answered_and_closed(guard: Guard
     status, _, body = await answer(reader)
     assert status == 400 and json.loads(body)["error"]["code"] == "invalid_request", body
     assert await closed(reader)
+    writer.close()
+    reader, writer = await connect(guard)  # aiohttp's header limit holds on the front's connections too
+    big = "X-Big: " + "a" * 9000 + "\r\n"
+    writer.write(post("/v1/completions", COMPLETION) + post("/v1/completions", COMPLETION, extra=big))
+    assert (await answer(reader))[0] == 200
+    status, _, body = await answer(reader)
+    assert status == 400 and "8190 bytes" in json.loads(body)["error"]["message"], body
     writer.close()
 
 
