@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import datetime
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -48,6 +50,7 @@ CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 MAX_FIELD, MAX_HEADERS = 8190, 128  # aiohttp's server defaults (max_field_size, max_headers)
 
 log = logging.getLogger("guard.front")
+ACCESS = logging.getLogger("aiohttp.access")  # the front's requests are logged where aiohttp logs the others
 
 
 class FrontConnection(asyncio.Protocol):
@@ -243,7 +246,7 @@ class FrontConnection(asyncio.Protocol):
             self.transport.close()
 
     async def _serve(self, request: FrontRequest) -> None:
-        transport, guarded = self.transport, self.guarded
+        transport, guarded, began = self.transport, self.guarded, time.monotonic()
         if transport is not None and request.headers.get("Expect") is not None:  # 100-continue (the only one)
             transport.write(CONTINUE)
         if guarded is not None:
@@ -266,7 +269,20 @@ class FrontConnection(asyncio.Protocol):
             self._answer(request, request_id, response)
         except ConnectionError:
             pass  # the client left as its answer was ready
+        if ACCESS.isEnabledFor(logging.INFO):
+            self._log_access(request, response.status, began)
         self._done(request)
+
+    def _log_access(self, request: FrontRequest, status: int, began: float) -> None:
+        """The line aiohttp's access logger writes, in its default format, for a request the front served
+        (its size, as aiohttp's, is the whole answer's)."""
+        peer = self.transport.get_extra_info("peername") if self.transport is not None else None
+        started = datetime.datetime.now(datetime.UTC).astimezone() - datetime.timedelta(
+            seconds=time.monotonic() - began)
+        ACCESS.info('%s %s "%s %s HTTP/1.1" %d %d "%s" "%s"', peer[0] if peer else "-",
+                    started.strftime("[%d/%b/%Y:%H:%M:%S %z]"), request.method, request.raw_path, status,
+                    request.written, request.headers.get("Referer", "-"),
+                    request.headers.get("User-Agent", "-"))
 
     def _answer(self, request: FrontRequest, request_id: str, response: Any) -> None:
         if request.transport is None or request.transport.is_closing():

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import Iterator
 
 import pytest
@@ -56,13 +57,19 @@ async def closed(reader: asyncio.StreamReader) -> bool:
     return True
 
 
-async def test_keep_alive_across_the_hand_over_to_aiohttp(guard: GuardThread) -> None:
-    """The front serves the first completion; ``GET /health`` goes to aiohttp, re-framed from what the front
-    parsed; aiohttp then serves the connection, the next completion included."""
+async def test_keep_alive_across_the_hand_over_to_aiohttp(guard: GuardThread,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """The front serves the first completion (and logs it where aiohttp logs its requests); ``GET /health``
+    goes to aiohttp, re-framed from what the front parsed; aiohttp then serves the connection, the next
+    completion included."""
     reader, writer = await connect(guard)
-    writer.write(post("/v1/completions", COMPLETION))
-    status, headers, body = await answer(reader)
-    assert status == 200 and headers["x-guard-tenant"] == "acme" and json.loads(body)["usage"], (headers, body)
+    with caplog.at_level(logging.INFO, logger="aiohttp.access"):
+        writer.write(post("/v1/completions", COMPLETION))
+        status, headers, body = await answer(reader)
+        assert status == 200 and headers["x-guard-tenant"] == "acme" and json.loads(body)["usage"], body
+        # Logged right after the answer is handed to the transport (on the guard's thread).
+        await until(lambda: [r.getMessage() for r in caplog.records],
+                    lambda lines: any('"POST /v1/completions HTTP/1.1" 200 ' in line for line in lines), 2)
     writer.write(b"GET /health?probe=1 HTTP/1.1\r\nHost: guard\r\nX-Note: caf\xc3\xa9\r\n\r\n")
     status, headers, body = await answer(reader)
     assert status == 200 and json.loads(body)["status"] == "ok", body
