@@ -20,7 +20,7 @@ from engine.kernels.backend import AttentionBackend
 from engine.kernels.metadata import AttentionMetadata
 from engine.model.config import LinearRopeScaling, Llama3RopeScaling, ModelConfig, RopeScaling
 from engine.model.lora_slots import NO_LORA
-from engine.model.weights import project
+from engine.model.weights import concatenated, project
 
 
 class RMSNorm(nn.Module):
@@ -41,6 +41,11 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     """Rotate-half RoPE with a cos/sin table precomputed for every position up to the model's maximum.
 
+    ``rotate_half(x) * sin`` is computed as ``x.roll(D / 2) * sin_signed`` with ``sin_signed = [-sin, sin]``
+    per half: the same products, bit for bit (negating is exact), in two ops where ``chunk``, ``neg``,
+    ``cat`` and a multiply took four; and ``rotate`` turns the query and key heads at once when they lie side
+    by side (a fused q/k/v projection), so a decode step pays these ops once a layer instead of twice.
+
     The table is built in fp32 on the host, even when the module is built on the meta device (the loader's
     fast path), and travels with ``.to(device)``; it is cast to the activations' dtype per use, as HF casts
     its freshly computed cos/sin. Positions must be below ``max_position_embeddings``.
@@ -53,7 +58,9 @@ class RotaryEmbedding(nn.Module):
         angles = torch.outer(positions, inv_freq)
         angles = torch.cat((angles, angles), dim=-1)  # [max_pos, head_dim]: both halves share a frequency
         self.register_buffer("cos_cache", angles.cos(), persistent=False)
-        self.register_buffer("sin_cache", angles.sin(), persistent=False)
+        half = config.head_dim // 2
+        self.register_buffer("sin_cache", torch.cat((-angles[:, :half].sin(), angles[:, half:].sin()), dim=-1),
+                             persistent=False)  # sin_signed (above)
         # Every layer of a step passes the same ``positions`` tensor: its rows are gathered once per step (on
         # CPU; a CUDA graph replays one positions buffer with new contents, so CUDA gathers every time).
         self._step: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
@@ -62,18 +69,17 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``query [T, heads, D]`` and ``key [T, kv_heads, D]`` by their tokens' positions."""
+        return self.rotate(positions, query), self.rotate(positions, key)
+
+    def rotate(self, positions: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+        """Rotate ``heads [T, any number of heads, D]`` by their tokens' positions."""
         step = self._step
-        if step is None or step[0] is not positions or step[1] != query.dtype or positions.is_cuda:
-            cos = self.cos_cache[positions].to(query.dtype)[:, None, :]
-            sin = self.sin_cache[positions].to(query.dtype)[:, None, :]
-            step = self._step = (positions, query.dtype, cos, sin)
+        if step is None or step[0] is not positions or step[1] != heads.dtype or positions.is_cuda:
+            cos = self.cos_cache[positions].to(heads.dtype)[:, None, :]
+            sin = self.sin_cache[positions].to(heads.dtype)[:, None, :]
+            step = self._step = (positions, heads.dtype, cos, sin)
         _, _, cos, sin = step
-        return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
+        return heads * cos + heads.roll(heads.shape[-1] // 2, dims=-1) * sin
 
 
 def _inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -116,6 +122,21 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(hidden, kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(q_size, hidden, bias=config.attention_output_bias)
         self.lora = NO_LORA  # adds each token's adapter delta (engine/model/lora_slots.py attaches it)
+        # q, k and v as one matrix when their weight format allows (fuse_projections): one matmul call, not
+        # three, at every step of every layer; q_proj, k_proj and v_proj are gone then.
+        self.qkv_proj: nn.Module | None = None
+        self.qkv_sizes = (q_size, kv_size, kv_size)
+
+    def fuse_projections(self) -> None:
+        fused = concatenated([self.q_proj, self.k_proj, self.v_proj])
+        if fused is not None:
+            del self.q_proj, self.k_proj, self.v_proj
+            self.qkv_proj = fused
+
+    def _projections(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.qkv_proj is not None:
+            return self.qkv_proj(hidden).split(self.qkv_sizes, dim=-1)
+        return self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
 
     def forward(
         self,
@@ -126,10 +147,18 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        query = self.lora("q_proj", hidden, self.q_proj(hidden)).view(num_tokens, self.num_heads, self.head_dim)
-        key = self.lora("k_proj", hidden, self.k_proj(hidden)).view(num_tokens, self.num_kv_heads, self.head_dim)
-        value = self.lora("v_proj", hidden, self.v_proj(hidden)).view(num_tokens, self.num_kv_heads, self.head_dim)
-        query, key = rotary(positions, query, key)
+        if self.qkv_proj is not None and self.lora is NO_LORA:
+            # The heads of q, k and v side by side: q and k rotate in one pass.
+            heads = self.qkv_proj(hidden).view(num_tokens, -1, self.head_dim)
+            query_key = rotary.rotate(positions, heads[:, : self.num_heads + self.num_kv_heads])
+            query, key = query_key.split((self.num_heads, self.num_kv_heads), dim=1)
+            value = heads[:, self.num_heads + self.num_kv_heads :]
+        else:
+            query, key, value = self._projections(hidden)
+            query = self.lora("q_proj", hidden, query).view(num_tokens, self.num_heads, self.head_dim)
+            key = self.lora("k_proj", hidden, key).view(num_tokens, self.num_kv_heads, self.head_dim)
+            value = self.lora("v_proj", hidden, value).view(num_tokens, self.num_kv_heads, self.head_dim)
+            query, key = rotary(positions, query, key)
         kv_cache = kv_caches[self.layer_index]
         self.attn_backend.store_kv(key, value, kv_cache, meta.slot_mapping)
         attended = self.attn_backend.forward(query, kv_cache, meta, scale=self.head_dim**-0.5)
@@ -144,9 +173,21 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.lora = NO_LORA  # as Attention's
+        self.gate_up_proj: nn.Module | None = None  # as Attention's qkv_proj: gate and up in one matrix
+        self.intermediate_size = config.intermediate_size
+
+    def fuse_projections(self) -> None:
+        fused = concatenated([self.gate_proj, self.up_proj])
+        if fused is not None:
+            del self.gate_proj, self.up_proj
+            self.gate_up_proj = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gated = F.silu(self.lora("gate_proj", x, self.gate_proj(x))) * self.lora("up_proj", x, self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        gated = F.silu(self.lora("gate_proj", x, gate)) * self.lora("up_proj", x, up)
         return self.lora("down_proj", gated, self.down_proj(gated))
 
 

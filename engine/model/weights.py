@@ -208,6 +208,21 @@ class Q4Linear(QuantizedLinear):
         return q4_native.unpack(self.qpack, self.scales, dtype)
 
 
+def concatenated(modules: list[nn.Module]) -> Q4Linear | None:
+    """One ``Q4Linear`` whose output rows are the ``modules``' one after another (they share an input), or
+    None unless every module is a ``Q4Linear`` without bias: one kernel call in place of several, on buffers
+    that are the originals' concatenated (the layout tiles output rows), so no weight moves or rounds."""
+    if not modules or not all(type(m) is Q4Linear and m.bias is None for m in modules):
+        return None
+    if len({m.in_features for m in modules}) != 1:
+        return None
+    fused = Q4Linear.__new__(Q4Linear)
+    QuantizedLinear.__init__(fused, sum(m.out_features for m in modules), modules[0].in_features, None)
+    fused.register_buffer("qpack", torch.cat([m.qpack for m in modules]))
+    fused.register_buffer("scales", torch.cat([m.scales for m in modules]))
+    return fused
+
+
 def int4_class() -> type[QuantizedLinear]:
     """What the int4 format is built of here: the native kernel where it builds and the CPU has AVX-512
     VNNI, else torch's weight-only kernel."""
@@ -273,6 +288,8 @@ def apply_weight_formats(model: nn.Module, formats: Mapping[str, str]) -> None:
     """Replace each ``nn.Linear`` named in ``formats`` (module name -> format) by its quantized form, in place;
     ``fp32`` leaves a module as it is. The embedding (``model.embed_tokens``) takes int8 for any quantized
     format; ``LlamaForCausalLM.compute_logits`` multiplies through ``project``, so a tied LM head shares it.
+    Then each module with a ``fuse_projections`` method (llama.py's attention and MLP) may merge projections
+    of one input into one matrix (``concatenated``).
     """
     for name, fmt in formats.items():
         if fmt == "fp32":
@@ -289,6 +306,9 @@ def apply_weight_formats(model: nn.Module, formats: Mapping[str, str]) -> None:
             fmt = "int8"
         bias = None if module.bias is None else module.bias.data
         setattr(parent, child, (int4_class() if fmt == "int4" else _FORMATS[fmt])(weight, bias))
+    for module in list(model.modules()):  # the decoder's own rule for which projections share a kernel call
+        if hasattr(module, "fuse_projections"):
+            module.fuse_projections()
 
 
 class QuantizedEmbedding(nn.Module):

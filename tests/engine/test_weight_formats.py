@@ -206,11 +206,14 @@ def test_auto_follows_each_gguf_tensors_type(tmp_path: Path) -> None:
                 Q.Q5_1: Int8Linear, Q.Q5_K: Int8Linear, Q.Q6_K: Int8Linear, Q.Q8_0: Int8Linear,
                 Q.F32: torch.nn.Linear, Q.F16: torch.nn.Linear, Q.BF16: torch.nn.Linear}
     seen = set()
+    fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
     for name in _linear_names(loaded.model):
         module = loaded.model.get_submodule(name)
-        source = types[gguf_name(f"{name}.weight")]
-        assert type(module) is expected[source], (name, source.name)
-        seen.add(source)
+        parent, _, child = name.rpartition(".")
+        for part in fused.get(child, [child]):  # a fused projection: each of its parts was int4
+            source = types[gguf_name(f"{parent}.{part}.weight" if parent else f"{part}.weight")]
+            assert type(module) is expected[source], (name, part, source.name)
+            seen.add(source)
     assert len(seen) >= 8, "the file exercises most types"
     llm = LLM(str(path), device="cpu", block_size=4, num_blocks=16, max_num_batched_tokens=8)  # auto: default
     assert llm.core.runner.weight_bytes == weight_bytes(llm.core.loaded.model)  # bandwidth telemetry's count
