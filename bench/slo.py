@@ -88,6 +88,9 @@ class Tally:
     # Engine telemetry sampled while arrivals run: (share of the KV pool in use, sequences running).
     occupancy: list[tuple[float, int]] = field(default_factory=list)
     generated: int = 0  # tokens the engine generated from the block's start to its idle end (drain included)
+    # Per block, in the order run: each lane's attainment and the load average after it (a stall of the shared
+    # machine shows as one bad block; a fault of the configuration, as all of them).
+    blocks: list[dict] = field(default_factory=list)
     busy_s: float = 0.0  # over this many seconds
 
 
@@ -166,6 +169,9 @@ async def block(target: Target, load: Load, seed: int, engine: Service, tally: T
         was = before["tenants"].get(tenant, {}).get("preemptions_total", 0)
         tally.preemptions[tenant] += after["tenants"].get(tenant, {}).get("preemptions_total", 0) - was
     tally.load_averages.append(os.getloadavg()[0])
+    tally.blocks.append({"load_average_1m": tally.load_averages[-1],
+                         **{LANES[tenant]: sum(met(r, load.objective(tenant)) for r in rs) / len(rs) if rs else None
+                            for tenant, rs in results.items()}})
 
 
 def met(result: Result, objective_s: float) -> bool:
@@ -193,7 +199,8 @@ def summarize_config(label: str, tally: Tally, load: Load, seconds: float) -> di
             "load_average_1m": statistics.mean(tally.load_averages),
             "engine_kv_used_mean": statistics.mean(u for u, _ in tally.occupancy) if tally.occupancy else None,
             "engine_running_mean": statistics.mean(r for _, r in tally.occupancy) if tally.occupancy else None,
-            "engine_tokens_per_s": tally.generated / tally.busy_s if tally.busy_s else None}
+            "engine_tokens_per_s": tally.generated / tally.busy_s if tally.busy_s else None,
+            "blocks": tally.blocks}
 
 
 def prediction_error(log: Path) -> dict:
@@ -289,6 +296,9 @@ def table(phases: list[dict]) -> str:
                     f" engine KV used {_pct(p['engine_kv_used_mean'])}, running {_ratio(p['engine_running_mean'])},"
                     f" {p['engine_tokens_per_s']:.0f} tokens/s;"
                     f" load {p['load_average_1m']:.1f}")
+        per_block = ", ".join(f"{_pct(b['interactive'])} / {_pct(b['batch'])} (load {b['load_average_1m']:.1f})"
+                              for b in p["blocks"])
+        rows.append(f"{p['label']:32} {'blocks':12} attainment interactive / batch, block by block: {per_block}")
     return "\n".join(rows)
 
 

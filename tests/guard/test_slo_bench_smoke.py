@@ -30,6 +30,7 @@ def test_slo_bench_quick(tmp_path: Path) -> None:
             assert sum(lane["statuses"].values()) == lane["sent"] and 0 <= lane["met"] <= lane["sent"]
             assert isinstance(lane["engine_preemptions"], int)
         assert 0 <= phase["engine_kv_used_mean"] <= 1 and phase["engine_tokens_per_s"] > 0, phase
+        assert len(phase["blocks"]) == report["load"]["rounds"], phase["blocks"]
     ratio, ceiling = report["goodput_over_without_slo"], report["ceiling_over_without_slo"]
     assert ratio is None or ceiling >= ratio, (ratio, ceiling)  # (None: (b) met nothing in these seconds)
     assert report["prediction"]["all"]["n"] > 0
