@@ -1,8 +1,8 @@
 /* y = x W^T, W in 4 bits, x quantized per group of 32 to int8: llama.cpp's Q4_1 x Q8_1 dot on AVX-512 VNNI.
  *
- * Built and loaded by q4_native.py (plain C, no torch headers: it compiles in about a second). Layout
- * (q4_native.py packs it): W[n, k] = d[n, g] * q[n, k] + m[n, g], q in 0..15, g = k / 32; output rows in
- * tiles of 16.
+ * Also RMSNorm (rms_norm, at the end). Built and loaded by q4_native.py (plain C, no torch headers: it
+ * compiles in about a second). Layout (q4_native.py packs it): W[n, k] = d[n, g] * q[n, k] + m[n, g], q in
+ * 0..15, g = k / 32; output rows in tiles of 16.
  *
  *   qpack  uint8  [N/16, K/8, 64]:     qpack[t, o, 4j + b] = q[16t + j, 8o + b] | q[16t + j, 8o + 4 + b] << 4
  *   scales fp16   [N/16, K/32, 2, 16]: scales[t, g, 0, j] = d[16t + j, g], scales[t, g, 1, j] = m[16t + j, g]
@@ -19,6 +19,7 @@
  */
 #include <immintrin.h>
 #include <stdint.h>
+#include <math.h>
 #include <stdlib.h>
 
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
@@ -103,4 +104,29 @@ TARGET void q4_matmul(const float *x, int M, int K, const uint8_t *qpack, const 
     free(xq);
     free(dx);
     free(sx);
+}
+
+/* out [M, K] = x * w / sqrt(mean(x^2) + eps) per row (RMSNorm, as Hugging Face computes it in float32): one
+ * call in place of torch's ~8 small ops a norm, which at one decoding row cost more than the arithmetic. */
+TARGET void rms_norm(const float *x, const float *w, float eps, int M, int K, float *out) {
+    for (int r = 0; r < M; r++) {
+        const float *xr = x + (size_t)r * K;
+        float *o = out + (size_t)r * K;
+        __m512 squares = _mm512_setzero_ps();
+        int k = 0;
+        for (; k + 16 <= K; k += 16) {
+            __m512 v = _mm512_loadu_ps(xr + k);
+            squares = _mm512_fmadd_ps(v, v, squares);
+        }
+        float sum = _mm512_reduce_add_ps(squares);
+        for (int j = k; j < K; j++) sum += xr[j] * xr[j];
+        const float inv = 1.0f / sqrtf(sum / K + eps);
+        const __m512 s = _mm512_set1_ps(inv);
+        for (k = 0; k + 16 <= K; k += 16)
+            {
+            __m512 normed = _mm512_mul_ps(_mm512_loadu_ps(xr + k), s);
+            _mm512_storeu_ps(o + k, _mm512_mul_ps(normed, _mm512_loadu_ps(w + k)));
+        }
+        for (int j = k; j < K; j++) o[j] = xr[j] * inv * w[j];
+    }
 }

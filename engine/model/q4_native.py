@@ -40,6 +40,8 @@ def _library() -> ctypes.CDLL | None:
     p, i = ctypes.c_void_p, ctypes.c_int
     library.q4_matmul.argtypes = [p, i, i, p, p, i, p]
     library.q4_matmul.restype = None
+    library.rms_norm.argtypes = [p, p, ctypes.c_float, i, i, p]
+    library.rms_norm.restype = None
     return library
 
 
@@ -99,4 +101,12 @@ def matmul(x: torch.Tensor, qpack: torch.Tensor, scales: torch.Tensor) -> torch.
     n = qpack.shape[0] * TILE
     out = torch.empty(rows, n, dtype=torch.float32)
     _library().q4_matmul(x.data_ptr(), rows, k, qpack.data_ptr(), scales.data_ptr(), n, out.data_ptr())
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x * rsqrt(mean(x^2) + eps) * weight`` over the last dimension, float32 and contiguous on the CPU."""
+    out = torch.empty_like(x)
+    k = x.shape[-1]
+    _library().rms_norm(x.data_ptr(), weight.data_ptr(), eps, x.numel() // k, k, out.data_ptr())
     return out

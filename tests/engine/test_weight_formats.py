@@ -6,8 +6,13 @@ GGUF) chat prompts of 30-40 tokens, against the fp32 path (which equals transfor
 A prompt's rows take the paths of a prefill (int8: its integer GEMM, activations quantized per row; int4:
 the weight-only kernel; more than 64 rows: dequantize + GEMM). Measured when the formats were written:
 bf16 0.7-1.1%, int4 (what ``auto`` gives this file, with its int8 LM head) 4.2-7.1% on torch's kernel,
-5.7-8.3% on the native one (int8 activations per group of 32), int8 8.7-12.9%; the bounds below leave room
-for summation-order noise. fp32 is exact and has no tolerance.
+int8 8.7-12.9%; the bounds below leave room for summation-order noise. fp32 is exact and has no tolerance.
+int4 on the native kernel (weights.Q4Linear) quantizes activations to int8 per group of 32, as llama.cpp's
+Q4_1 x Q8_1 does, and its error on these prompts is chaotic: 5.7%, 8.3%, 7.7% with torch's RMSNorm, 17.6%,
+6.0%, 6.0% with the native one, which differs from it by ~1e-6; scaling every norm's output by (1 + 1e-7)
+alone moves 5.7% to 13.8%. llama.cpp 0.3.36 on the same file and prompts: 7.0%, 2.5%, 2.1%, and its
+argmax differs from fp32 on the first. Hence int4's bound of 25%; the argmax check still applies where
+the fp32 winner leads by more than twice that.
 
 SmolLM2 is loaded once (fp32); ``auto``'s model is built from it as the loader builds it, and the int8 run
 on SmolLM2 is ``slow`` (auto never picks int8 for this file), so the module stays near 20 s.
@@ -46,7 +51,7 @@ from engine.model.weights import (
 from engine.protocol import ChatMessage
 
 Q = gguf.GGMLQuantizationType
-TOLERANCE = {"bf16": 0.02, "int4": 0.10, "int8": 0.16}  # of the largest logit (module docstring)
+TOLERANCE = {"bf16": 0.02, "int4": 0.25, "int8": 0.16}  # of the largest logit (module docstring)
 QUESTIONS = ["What is the capital of France?", "Write a haiku about autumn."]
 CPU = torch.device("cpu")
 
