@@ -48,6 +48,7 @@ from guard.http.routes import request_id_of
 ROUTES = frozenset(("/v1/completions", "/v1/chat/completions", "/v1/responses"))
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 MAX_FIELD, MAX_HEADERS = 8190, 128  # aiohttp's server defaults (max_field_size, max_headers)
+BODY_SLACK = 1024  # past max_body_bytes, as the app's client_max_size
 
 log = logging.getLogger("guard.front")
 ACCESS = logging.getLogger("aiohttp.access")  # the front's requests are logged where aiohttp logs the others
@@ -60,7 +61,9 @@ class FrontConnection(asyncio.Protocol):
     def __init__(self, app: web.Application, server: Callable[[], asyncio.Protocol]) -> None:
         self.app = app
         self.server = server
-        self.limit: int = app._client_max_size  # as aiohttp's client_max_size, past which read() refuses
+        # Body bytes kept at most, as aiohttp's client_max_size (guard/server/app.py): parse_request's 413
+        # comes first, this only bounds what a connection can make the guard hold.
+        self.limit = app[STATE].config.limits.max_body_bytes + BODY_SLACK
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
         self.flow = Flow()
@@ -306,7 +309,12 @@ class FrontConnection(asyncio.Protocol):
         transport = self.transport
         if transport is None:
             return
-        if not (request.keep_alive and request.body_done):
+        if not request.keep_alive and request.body_done:
+            self.closing, self.broken = True, b""
+            self.queue.clear()
+            transport.close()  # once what is buffered has gone, as aiohttp closes a connection that asked to
+            return
+        if not request.body_done:
             # Bytes the client still sends would reset the connection and discard the answer it has not
             # read yet: half-close, drop what comes, close a moment later.
             self.closing, self.broken = True, b""

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -107,6 +108,13 @@ async def test_expect_100_continue_with_a_chunked_body(guard: GuardThread) -> No
 
 
 async def test_http_1_0_and_malformed_bytes_are_answered_and_closed(guard: GuardThread) -> None:
+    reader, writer = await connect(guard)  # a client that asks to close is closed as soon as it is answered
+    writer.write(post("/v1/completions", COMPLETION, extra="Connection: close\r\n"))
+    status, headers, _ = await answer(reader)
+    answered = time.monotonic()
+    assert status == 200 and headers["connection"] == "close", headers
+    assert await closed(reader) and time.monotonic() - answered < 0.5
+    writer.close()
     reader, writer = await connect(guard)
     writer.write(post("/v1/completions", COMPLETION).replace(b"HTTP/1.1", b"HTTP/1.0", 1))
     status, headers, _ = await answer(reader)
