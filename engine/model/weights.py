@@ -21,14 +21,12 @@ torch) and input a multiple of 32; other projections take int8 instead, and so d
 
 int4 has two implementations (``int4_class``): ``Q4Linear``, the native kernel (q4_native.py, q4_kernel.c:
 C with AVX-512 VNNI, built on first use, cached), which keeps ``d`` and ``m`` in float16 as the file does and
-multiplies like llama.cpp's Q4_1 x Q8_1 (activations quantized to int8 per group of 32, integer sums) at any
-row count; where it does not build or the CPU lacks VNNI, ``Int4Linear`` on torch's kernel below. SmolLM2
-Q4_1, one thread, against Int4Linear in one locked run: 32 sequences 594 vs 186 tokens/s, one stream 35-37
-vs 27-35 (one stream is bound by the ~60 other torch ops per layer, not the matmuls).
+multiplies in integers like llama.cpp's Q4_1 x Q8_1 (activations quantized per group of 32, VNNI sums) at
+any row count; where it does not build or the CPU lacks VNNI, ``Int4Linear`` on torch's kernel below.
 
 Multiplying (``QuantizedLinear``): torch's int4 (``Int4Linear``) and bf16 use a weight-only kernel on
-bfloat16 activations (``_weight_int4pack_mm_for_cpu``) up to ``KERNEL_MAX_ROWS`` rows (decode), which reads the small weights
-directly; more rows (prefill) dequantize the matrix to the activations' dtype for one dense GEMM, whose cost
+bfloat16 activations (``_weight_int4pack_mm_for_cpu``) up to ``KERNEL_MAX_ROWS`` rows (decode), which reads
+the small weights directly; more rows (prefill) dequantize the matrix to the activations' dtype for one dense GEMM, whose cost
 the many rows amortize. int8 uses its weight-only kernel for a few rows and multiplies in integers
 (``torch._int_mm``, VNNI, each activation row quantized to int8) for more (``Int8Linear``). Measured on this
 project's 2-core Xeon (AVX-512 VNNI, no AVX512-BF16), one thread, 576x1536: 1 row fp32 124 us, int8 60 us,
@@ -188,9 +186,13 @@ class Int4Linear(QuantizedLinear):
 class Q4Linear(QuantizedLinear):
     """int4 on the native kernel (q4_native.py, q4_kernel.c): ``W[n, k] = d[n, g] * q[n, k] + m[n, g]``,
     ``q`` in 0..15, ``d`` and ``m`` float16 per group of 32 inputs: a Q4_1 block's own numbers, so its
-    weights stay exact. float32 activations in and out, at every row count: the kernel quantizes each row
-    to int8 per group of 32 (as llama.cpp's Q8_1) and sums in integers (AVX-512 VNNI). Output rows a
-    multiple of 16. The int4 format takes this class wherever the kernel builds (``int4_class``).
+    weights stay exact. float32 activations in and out, at every row count: the kernel writes each row as
+    two int8 digits per input on a step per group of 32 (about 15 bits; one digit, as llama.cpp's Q8_1,
+    made SmolLM2's logits chaotic) and sums in integers (AVX-512 VNNI). Output rows a multiple of 16. The
+    int4 format takes this class wherever the kernel builds (``int4_class``). SmolLM2 Q4_1 against
+    Int4Linear, locked runs on the 2-core VM: 32 sequences, one thread, 594 vs 186 tokens/s with one digit
+    (two digits: 288 one thread, 462 two); one stream gains less (the matmuls read memory at its speed;
+    the ~50 other torch ops of a layer remain).
     """
 
     format = "int4"

@@ -7,12 +7,10 @@ A prompt's rows take the paths of a prefill (int8: its integer GEMM, activations
 the weight-only kernel; more than 64 rows: dequantize + GEMM). Measured when the formats were written:
 bf16 0.7-1.1%, int4 (what ``auto`` gives this file, with its int8 LM head) 4.2-7.1% on torch's kernel,
 int8 8.7-12.9%; the bounds below leave room for summation-order noise. fp32 is exact and has no tolerance.
-int4 on the native kernel (weights.Q4Linear) quantizes activations to int8 per group of 32, as llama.cpp's
-Q4_1 x Q8_1 does, and its error on these prompts is chaotic: 5.7%, 8.3%, 7.7% with torch's RMSNorm, 17.6%,
-6.0%, 6.0% with the native one, which differs from it by ~1e-6; scaling every norm's output by (1 + 1e-7)
-alone moves 5.7% to 13.8%. llama.cpp 0.3.36 on the same file and prompts: 7.0%, 2.5%, 2.1%, and its
-argmax differs from fp32 on the first. Hence int4's bound of 25%; the argmax check still applies where
-the fp32 winner leads by more than twice that.
+int4 on the native kernel (weights.Q4Linear): 4.4%, 4.8%, 7.9%. Its activations go in as two int8 digits
+per input (about 15 bits); with one digit, as llama.cpp's Q4_1 x Q8_1, the error was chaotic: 5.7% to 17.6%
+on the first prompt as the inputs moved by ~1e-7 (llama.cpp 0.3.36 on the same file and prompts: 7.0%,
+2.5%, 2.1%, its argmax off fp32's on the first, whose top two differ by 0.08).
 
 SmolLM2 is loaded once (fp32); ``auto``'s model is built from it as the loader builds it, and the int8 run
 on SmolLM2 is ``slow`` (auto never picks int8 for this file), so the module stays near 20 s.
@@ -51,7 +49,7 @@ from engine.model.weights import (
 from engine.protocol import ChatMessage
 
 Q = gguf.GGMLQuantizationType
-TOLERANCE = {"bf16": 0.02, "int4": 0.25, "int8": 0.16}  # of the largest logit (module docstring)
+TOLERANCE = {"bf16": 0.02, "int4": 0.10, "int8": 0.16}  # of the largest logit (module docstring)
 QUESTIONS = ["What is the capital of France?", "Write a haiku about autumn."]
 CPU = torch.device("cpu")
 
@@ -79,7 +77,8 @@ def test_the_native_int4_kernel_reads_its_packed_layout() -> None:
 
 
 @pytest.mark.parametrize("cls", [Bf16Linear, Int8Linear, Int4Linear, pytest.param(Q4Linear, marks=NATIVE)])
-@pytest.mark.parametrize("rows", [1, 5, 16, 100])  # 1: one stream; 16: int8's integer GEMM; 100: dequantize path
+# 1: one stream; 5: the native kernel's rows in fours and one more; 16: int8's integer GEMM; 100: dequantize
+@pytest.mark.parametrize("rows", [1, 5, 16, 100])
 def test_a_quantized_projection_multiplies_by_its_own_weights(cls: type, rows: int) -> None:
     torch.manual_seed(rows)
     weight, bias, x = torch.randn(128, 64) * 0.05, torch.randn(128), torch.randn(rows, 64)
@@ -88,6 +87,8 @@ def test_a_quantized_projection_multiplies_by_its_own_weights(cls: type, rows: i
     got = layer(x)
     assert got.dtype == torch.float32 and got.shape == (rows, 128)
     assert (got - expected).abs().max() <= 0.02 * expected.abs().max()  # bf16 or int8 activations only
+    if cls is Q4Linear:  # two int8 digits per input: ~15 bits (one digit alone is off by ~0.5%)
+        assert (got - expected).abs().max() <= 2e-4 * expected.abs().max()
     # ... and those weights are the original ones within the format's rounding.
     step = {Bf16Linear: 2**-8, Int8Linear: 1 / 127, Int4Linear: 1 / 15, Q4Linear: 1 / 15}[cls]
     assert (layer.dequantize(torch.float32) - weight).abs().max() <= step * weight.abs().max()
