@@ -219,7 +219,7 @@ class FrontConnection(asyncio.Protocol):
             self.handoff = bytearray()
             return
         self.closing = True  # answered once the requests before it are
-        reason = exc.__cause__ or exc.__context__ or exc  # a limit of on_url's or on_header's, or the parser's
+        reason = exc.__cause__ or exc.__context__ or exc  # a limit of on_url's or on_header's, or llhttp's
         self.broken = raw_response(400, f"malformed HTTP request: {reason}", "invalid_request", {})
 
     def _hand_over(self) -> None:
@@ -300,7 +300,8 @@ class FrontConnection(asyncio.Protocol):
             headers["X-Guard-Tenant"] = request[TENANT]
         body = response.body or b""
         keep_alive = request.keep_alive and request.body_done
-        request.write(head(response.status, headers.items(), f"Content-Length: {len(body)}", keep_alive) + body)
+        framing = f"Content-Length: {len(body)}"
+        request.write(head(response.status, headers.items(), framing, keep_alive) + body)
 
     def _done(self, request: FrontRequest) -> None:
         self.task = None

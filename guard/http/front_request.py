@@ -34,8 +34,8 @@ def head(status: int, headers: Iterable[tuple[str, str]], framing: str, keep_ali
     ``Transfer-Encoding: chunked`` line, which goes after the answer's own headers, as aiohttp puts it)."""
     own = "".join([f"{name}: {value}\r\n" for name, value in headers])
     close = "" if keep_alive else "Connection: close\r\n"
-    return (f"HTTP/1.1 {status} {REASONS.get(status, '')}\r\n{own}{framing}\r\nDate: {rfc822_formatted_time()}\r\n"
-            f"{SERVER}{close}\r\n").encode("utf-8", "surrogateescape")
+    return (f"HTTP/1.1 {status} {REASONS.get(status, '')}\r\n{own}{framing}\r\n"
+            f"Date: {rfc822_formatted_time()}\r\n{SERVER}{close}\r\n").encode("utf-8", "surrogateescape")
 
 
 class Flow:

@@ -39,6 +39,10 @@ SHUTTING_DOWN = "the guard is shutting down; retry shortly"
 WRITE_NEVER_WAITS_BYTES = 16 * 1024
 
 
+Client = web.Request | FrontRequest  # aiohttp's request, or the front's (guard/http/front.py)
+Stream = web.StreamResponse | FrontStream  # the stream written to either
+
+
 class ClientGone(Exception):
     """The client left, or stalled and was dropped: nobody reads the stream any more."""
 
@@ -231,9 +235,9 @@ class Relay:
                             headers=headers), parsed
 
     async def stream(
-        self, client: web.Request, upstream: Answer, headers: dict[str, str],
+        self, client: Client, upstream: Answer, headers: dict[str, str],
         observer: StreamObserver,
-    ) -> web.StreamResponse | FrontStream:
+    ) -> Stream:
         """Copy an SSE answer to the client as ``observer`` passes it on (whatever it held back is written
         before the stream ends, its error event included). Returns the prepared response; never raises for
         upstream faults."""
@@ -277,7 +281,7 @@ class Relay:
             return self.failure(502, f"the engine failed before its first token: {type(exc).__name__}",
                                 "upstream_error", headers, upstream)
 
-    async def _copy(self, client: web.Request, response: web.StreamResponse, upstream: Answer,
+    async def _copy(self, client: Client, response: Stream, upstream: Answer,
                     chunk: bytes, observer: StreamObserver) -> bool:
         """Relay the stream from ``chunk`` on; True when it reached its natural end. A failure mid-stream
         ends the client's stream with an error event."""
@@ -326,7 +330,7 @@ class Relay:
             return sse_error_event(503, SHUTTING_DOWN, "shutting_down")
         return sse_error_event(502, message, "upstream_stream_error")
 
-    async def _write(self, client: web.Request, response: web.StreamResponse, chunk: bytes) -> None:
+    async def _write(self, client: Client, response: Stream, chunk: bytes) -> None:
         """Write one chunk; raises ``ClientGone`` if the client left or read nothing for the stall timeout."""
         transport = client.transport
         try:
@@ -343,7 +347,7 @@ class Relay:
             raise ClientGone(f"the client read nothing for {self.config.client_stall_timeout:g} s") from None
 
 
-async def _start_stream(client: web.Request | FrontRequest, headers: dict[str, str]) -> web.StreamResponse | FrontStream:
+async def _start_stream(client: Client, headers: dict[str, str]) -> Stream:
     """A 200 event stream's head sent to the client; its events follow through what is returned."""
     if isinstance(client, FrontRequest):  # guard/http/front.py's: written straight to its transport
         return client.start_stream(200, headers)
@@ -361,7 +365,7 @@ def _reset(transport: asyncio.BaseTransport) -> None:
     transport.abort()
 
 
-async def _try_write(response: web.StreamResponse, data: bytes) -> None:
+async def _try_write(response: Stream, data: bytes) -> None:
     try:
         await response.write(data)
         await response.write_eof()
