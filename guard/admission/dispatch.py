@@ -162,9 +162,11 @@ class Dispatcher:
         if ticket.objective is not None:
             slo.judge(self.pool, self.departures, self.correction, ticket, self.blocks_before(ticket))
         queue = self.queue_of(ticket.tenant)
-        if not self.fair.queued and self._within_cap(queue, ticket) and await self._place_now(queue, ticket):
-            self._admitted(queue, ticket)  # nobody waits, so VTC order has nothing to say: no queue, no future
-            return
+        if not self.fair.queued:
+            budget = self.pool.budget()  # summed once for the cap and the guarantee (both read it)
+            if self._within_cap(queue, ticket, budget) and await self._place_now(queue, ticket, budget):
+                self._admitted(queue, ticket)  # nobody waits, so VTC order has nothing to say: no queue, no future
+                return
         ahead = self.blocks_ahead_of(ticket) + ticket.blocks
         # What others borrowed is room for a critical ticket: it reclaims it (guard/pool/gate.py).
         held = self.pool.committed() - (self.pool.borrowed() if ticket.lane.priority_class == slo.CRITICAL else 0)
@@ -214,10 +216,11 @@ class Dispatcher:
         while (queue := self._next_tenant(capped)) is not None:
             ticket = queue.head()
             assert ticket is not None
-            if not self._within_cap(queue, ticket):
+            budget = self.pool.budget()  # summed once per placement for the cap and the guarantee
+            if not self._within_cap(queue, ticket, budget):
                 capped.add(queue.name)
                 continue
-            if not self._place(queue, ticket):
+            if not self._place(queue, ticket, budget):
                 if ticket.borrowed:  # idle capacity it would borrow is not there: others' turn
                     capped.add(queue.name)
                     continue
@@ -253,15 +256,16 @@ class Dispatcher:
             return self.fair.next_tenant(skip)
         return min(critical, key=lambda q: q.counter)
 
-    async def _place_now(self, queue: TenantQueue[Ticket], ticket: Ticket) -> bool:
+    async def _place_now(self, queue: TenantQueue[Ticket], ticket: Ticket, budget: int | None = None) -> bool:
         """``_place`` for a ticket that nobody queues before (a dispatcher whose placement asks elsewhere
-        overrides this)."""
-        return self._place(queue, ticket)
+        overrides this); ``budget`` is the pool's, just read."""
+        return self._place(queue, ticket, budget)
 
-    def _place(self, queue: TenantQueue[Ticket], ticket: Ticket) -> bool:
+    def _place(self, queue: TenantQueue[Ticket], ticket: Ticket, budget: int | None = None) -> bool:
         """Reserve the ticket's blocks on the first replica, in the profile's order, whose gate admits them;
-        ``ticket.borrowed`` says how many of them are (or would be) borrowed."""
-        ticket.borrowed = self._lent(ticket, ticket.blocks)
+        ``ticket.borrowed`` says how many of them are (or would be) borrowed. ``budget``: the pool's, read in
+        the same step (None: read it here)."""
+        ticket.borrowed = self._lent(ticket, ticket.blocks, budget)
         objective = ticket.objective
         ttft_left = None if objective is None or objective.ttft_s is None else \
             objective.ttft_s - (time.monotonic() - ticket.arrived)
@@ -275,31 +279,33 @@ class Dispatcher:
                 return True
         return False
 
-    def guarantee(self, tenant: Tenant) -> int:
+    def guarantee(self, tenant: Tenant, budget: int | None = None) -> int:
         """Blocks the tenant is guaranteed: its weighted share of the pool's budget (0 once a reload removed
-        it: whatever it still runs is borrowed)."""
+        it: whatever it still runs is borrowed). ``budget``: the pool's, if the caller has just read it."""
         if tenant.name in self.retired or not self.total_weight:
             return 0
-        return int(tenant.weight / self.total_weight * self.pool.budget())
+        return int(tenant.weight / self.total_weight * (self.pool.budget() if budget is None else budget))
 
-    def _lent(self, ticket: Ticket, blocks: int) -> int:
+    def _lent(self, ticket: Ticket, blocks: int, budget: int | None = None) -> int:
         """Of ``blocks`` more for the ticket, those it borrows: none for a critical one (it reclaims what
         others borrowed), all for a sheddable one (lent, so critical work reclaims it and the engine preempts
         it first), past its tenant's guarantee for the rest."""
         priority_class = ticket.lane.priority_class
         if priority_class == slo.CRITICAL:
             return 0
-        return blocks if priority_class == slo.SHEDDABLE else self._borrowed(ticket.tenant, blocks)
+        return blocks if priority_class == slo.SHEDDABLE else self._borrowed(ticket.tenant, blocks, budget)
 
-    def _borrowed(self, tenant: Tenant, blocks: int) -> int:
+    def _borrowed(self, tenant: Tenant, blocks: int, budget: int | None = None) -> int:
         """Of ``blocks`` more for the tenant, those past its guarantee."""
-        room = max(0, self.guarantee(tenant) - self.pool.tenant_guaranteed(tenant.name))
+        room = max(0, self.guarantee(tenant, budget) - self.pool.tenant_guaranteed(tenant.name))
         return max(0, blocks - room)
 
-    def _within_cap(self, queue: TenantQueue[Ticket], ticket: Ticket) -> bool:
+    def _within_cap(self, queue: TenantQueue[Ticket], ticket: Ticket, budget: int | None = None) -> bool:
         """The tenant's reservations may grow by this ticket (one request alone is always within its cap)."""
         held = self.pool.tenant_reserved(queue.name)
-        cap = int(self.block_caps.get(queue.name, ticket.tenant.max_blocks_share) * self.pool.budget())
+        if budget is None:
+            budget = self.pool.budget()
+        cap = int(self.block_caps.get(queue.name, ticket.tenant.max_blocks_share) * budget)
         return not held or held + ticket.blocks <= cap
 
     def _admitted(self, queue: TenantQueue[Ticket], ticket: Ticket) -> None:

@@ -76,9 +76,9 @@ class SharedDispatcher(Dispatcher):
         self.pump()
 
     # -- admission ---------------------------------------------------------------------------------------
-    async def _place_now(self, queue: TenantQueue[Ticket], ticket: Ticket) -> bool:
+    async def _place_now(self, queue: TenantQueue[Ticket], ticket: Ticket, budget: int | None = None) -> bool:
         if not self.shared.up:
-            return self._place(queue, ticket)
+            return self._place(queue, ticket, budget)  # (through the ledger, the budget is read after its answer)
         return await self._place_shared(queue, ticket) == "admitted"
 
     async def _place_shared(self, queue: TenantQueue[Ticket], ticket: Ticket) -> str:
