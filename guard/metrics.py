@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -175,14 +176,49 @@ class GuardMetrics:
         self.config_info.clear()
         self.config_info.labels(config_hash).set(1)
 
-    def child(self, metric: MetricWrapperBase, *labels: str) -> MetricWrapperBase:
+    def child(self, metric: MetricWrapperBase, *labels: str) -> Any:
         """``metric.labels(*labels)``, looked up once: prometheus_client checks the values and takes a lock on
-        every ``labels`` call, and the request path resolves half a dozen children per request."""
+        every ``labels`` call, and the request path resolves half a dozen children per request. A counter's
+        child is given a ``LoopCount`` as its value, and that is what is returned: ``inc`` without the lock."""
         key = (metric, labels)
         found = self._children.get(key)
         if found is None:
-            found = self._children[key] = metric.labels(*labels)
+            found = metric.labels(*labels)
+            if isinstance(metric, Counter):
+                found._value = found = LoopCount(found._value.get())  # read by the child as before
+            self._children[key] = found
         return found
+
+
+class LoopCount:
+    """A counter child's value incremented on the guard's loop: prometheus_client's ``MutexValue`` interface
+    (``inc``, ``set``, ``get``, exemplars), which the child reads when scraped and tests read as
+    ``labels(...)._value.get()``, without its lock: a locked increment cost 0.74 us against 0.11, four per
+    request. Single-threaded by design, as ``LoopHistogram``: increments and scrapes both run on the loop.
+    ``inc`` refuses a negative amount, as ``Counter.inc`` does."""
+
+    __slots__ = ("_exemplar", "_value")
+
+    def __init__(self, value: float = 0.0) -> None:
+        self._value = value
+        self._exemplar: Any = None
+
+    def inc(self, amount: float = 1) -> None:
+        if amount < 0:
+            raise ValueError("Counters can only be incremented by non-negative amounts.")
+        self._value += amount
+
+    def set(self, value: float, timestamp: float | None = None) -> None:
+        self._value = value
+
+    def get(self) -> float:
+        return self._value
+
+    def set_exemplar(self, exemplar: Any) -> None:
+        self._exemplar = exemplar
+
+    def get_exemplar(self) -> Any:
+        return self._exemplar
 
 
 class ServiceTokens(Collector):
