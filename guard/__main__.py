@@ -33,6 +33,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from aiohttp import web
@@ -54,6 +55,7 @@ from guard.server.reload import reload_on_sighup
 GEN0_THRESHOLD = 10_000
 METRICS_PORT_OFFSET = 10  # --workers N without --metrics-port: worker i's metrics on listen.port + 10 + i
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+STOP_GRACE_S = 5.0  # past limits.shutdown_timeout, before the supervisor kills a worker told to stop
 PR_SET_PDEATHSIG = 1
 
 
@@ -100,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     announce(config, args.workers)
     if args.workers > 1:
         base = config.listen.port + METRICS_PORT_OFFSET if args.metrics_port is None else args.metrics_port
-        return supervise(args, base)
+        return supervise(args, base, stop_within=config.limits.shutdown_timeout + STOP_GRACE_S)
     return run(config, Path(args.config), metrics_port=args.metrics_port, loop=args.loop)
 
 
@@ -211,11 +213,13 @@ def die_with(parent: int | None) -> None:
         sys.exit("guard worker: the supervisor is gone")
 
 
-def supervise(args: argparse.Namespace, metrics_base: int) -> int:
+def supervise(args: argparse.Namespace, metrics_base: int, stop_within: float) -> int:
     """Spawn ``args.workers`` workers and wait for them (see the module docstring): 0 when they all ended
-    cleanly on a forwarded signal, 1 when one died on its own."""
+    cleanly on a forwarded signal, 1 when one died on its own. Once they are told to stop, those still
+    running after ``stop_within`` seconds are killed (SIGKILL, said on stderr): the supervisor always ends."""
     workers: dict[int, int] = {}  # pid: index, of the workers still running
     stopping = False
+    kill_at: float | None = None  # when the workers told to stop are killed, once they are
 
     def send(sig: signal.Signals) -> None:
         for pid in workers:
@@ -238,7 +242,15 @@ def supervise(args: argparse.Namespace, metrics_base: int) -> int:
         send(signal.SIGTERM)
     status = 0
     while workers:
-        pid, wait_status = os.wait()  # a signal runs its handler, then the wait goes on (PEP 475)
+        if stopping and kill_at is None:
+            kill_at = time.monotonic() + stop_within
+        pid, wait_status = _wait_child(kill_at)
+        if pid == 0:  # past kill_at
+            print(f"guard: workers {sorted(workers.values())} still running {stop_within:g} s after being told "
+                  "to stop; killing them", file=sys.stderr, flush=True)
+            send(signal.SIGKILL)
+            kill_at = float("inf")
+            continue
         if (index := workers.pop(pid, None)) is None:
             continue
         code = os.waitstatus_to_exitcode(wait_status)
@@ -252,6 +264,18 @@ def supervise(args: argparse.Namespace, metrics_base: int) -> int:
             stopping = True
             send(signal.SIGTERM)
     return status
+
+
+def _wait_child(until: float | None) -> tuple[int, int]:
+    """``os.wait()``, or (0, 0) once ``until`` (monotonic) has passed with no child ended. A signal runs its
+    handler, then the wait goes on (PEP 475)."""
+    if until is None or until == float("inf"):
+        return os.wait()
+    while (ended := os.waitpid(-1, os.WNOHANG)) == (0, 0):
+        if time.monotonic() >= until:
+            return 0, 0
+        time.sleep(0.05)
+    return ended
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -99,12 +100,32 @@ def test_a_worker_that_dies_is_reported_and_the_others_stopped(tmp_path: Path, p
     guard_config("http://127.0.0.1:9", tmp_path, listen={"host": "127.0.0.1", "port": free_port()},
                  shared_state={"redis_url": redis.url})
     guard = processes.guard(tmp_path / "guard.yaml", "--workers", "2", "--metrics-port", str(metrics))
-    said = wait_for(lambda: re.findall(r"guard worker 1 \(pid (\d+)\)", guard.log_text()), bool, 20,
-                    message=lambda: guard.log_tail())
-    worker = int(said[0])
+    said = wait_for(lambda: dict(re.findall(r"guard worker (\d) \(pid (\d+)\)", guard.log_text())),
+                    lambda found: "1" in found, 20, message=lambda: guard.log_tail())
+    worker = int(said["1"])
     os.kill(worker, signal.SIGKILL)
     assert guard.wait(20) == 1, guard.log_tail()
     assert f"worker 1 (pid {worker}) was killed by SIGKILL; stopping the other workers" in guard.log_text()
+
+
+def test_a_worker_that_does_not_stop_is_killed_and_the_supervisor_ends(tmp_path: Path, processes: Processes) -> None:
+    """Worker 0 stopped (SIGSTOP: it cannot act on SIGTERM), worker 1 killed: the supervisor tells worker 0 to
+    stop, and kills it shutdown_timeout + 5 s later."""
+    redis = processes.add(RedisServer(tmp_path))
+    guard_config("http://127.0.0.1:9", tmp_path, listen={"host": "127.0.0.1", "port": free_port()},
+                 shared_state={"redis_url": redis.url}, limits={"shutdown_timeout": 0.5})
+    guard = processes.guard(tmp_path / "guard.yaml", "--workers", "2", "--metrics-port", "0")
+    said = wait_for(lambda: dict(re.findall(r"guard worker (\d) \(pid (\d+)\)", guard.log_text())),
+                    lambda found: len(found) == 2, 20, message=lambda: guard.log_tail())
+    os.kill(int(said["0"]), signal.SIGSTOP)
+    os.kill(int(said["1"]), signal.SIGKILL)
+    try:
+        code = guard.wait(20)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the supervisor did not end:\n{guard.log_tail()}")
+    assert code == 1
+    assert "workers [0] still running 5.5 s after being told to stop; killing them" in guard.log_text()
+    assert f"worker 0 (pid {said['0']}) was killed by SIGKILL" in guard.log_text()
 
 
 def test_several_workers_need_shared_state(tmp_path: Path) -> None:
