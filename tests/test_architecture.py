@@ -47,12 +47,8 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
             if node.level:
                 anchor = name.split(".")[: len(name.split(".")) - node.level + (1 if is_package else 0)]
                 base = ".".join([*anchor, base] if base else anchor)
-            # `from pkg import mod` imports the module, as `import pkg.mod` does (both run pkg's __init__ first,
-            # which neither makes an edge); a name that is not a module is an import of pkg itself.
-            names = [f"{base}.{alias.name}" for alias in node.names]
-            targets.update(names)
-            if not all(n in modules for n in names):
-                targets.add(base)
+            targets.add(base)
+            targets.update(f"{base}.{alias.name}" for alias in node.names)
     return {t for t in targets if t in modules and t != name}
 
 

@@ -16,9 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# Not `from engine.model import q4_native`: that imports engine/model/__init__ (the loader), a circle.
+import engine.model.q4_native as q4_native  # noqa: PLR0402
 from engine.kernels.backend import AttentionBackend
 from engine.kernels.metadata import AttentionMetadata
-from engine.model import q4_native
 from engine.model.config import LinearRopeScaling, Llama3RopeScaling, ModelConfig, RopeScaling
 from engine.model.lora_slots import NO_LORA
 from engine.model.weights import concatenated, project

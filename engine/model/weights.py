@@ -46,7 +46,8 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from engine.model import q4_native
+# Not `from engine.model import q4_native`: that imports engine/model/__init__ (the loader), a circle.
+import engine.model.q4_native as q4_native  # noqa: PLR0402
 
 Q = GGMLQuantizationType
 WEIGHT_FORMATS = ("auto", "fp32", "bf16", "int8", "int4")
