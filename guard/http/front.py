@@ -39,11 +39,11 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from guard.http.connections import REFUSAL_LINGER_S, GuardedConnection, raw_response
-from guard.http.context import REQUEST_ID, STATE, TENANT
+from guard.http.context import STATE
 from guard.http.errors import error_response
 from guard.http.front_request import CHUNKED_EOF, Flow, FrontRequest, FrontStream, head
 from guard.http.pipeline import completion
-from guard.http.routes import request_id_of
+from guard.http.routes import answered, stamp
 
 ROUTES = frozenset(("/v1/completions", "/v1/chat/completions", "/v1/responses"))
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
@@ -254,22 +254,14 @@ class FrontConnection(asyncio.Protocol):
             transport.write(CONTINUE)
         if guarded is not None:
             guarded.request_began(request)  # type: ignore[arg-type]
-        state = self.app[STATE]
-        request[REQUEST_ID] = request_id = request_id_of(request)  # type: ignore[arg-type]
-        state.in_flight += 1
         try:
-            response: Any = await completion(request)  # type: ignore[arg-type]
-        except web.HTTPException as exc:
-            response = error_response(exc.status, exc.reason)
+            response: Any = await answered(request, completion, guarded)  # type: ignore[arg-type]
         except Exception:  # a bug: the client still gets an answer, as aiohttp would give it
             log.exception("error serving %s", request.path)
             response = error_response(500, "internal error in the guard")
-        finally:
-            state.in_flight -= 1
-            if guarded is not None:
-                guarded.request_ended()
+            stamp(request, response)  # type: ignore[arg-type]
         try:
-            self._answer(request, request_id, response)
+            self._answer(request, response)
         except ConnectionError:
             pass  # the client left as its answer was ready
         if ACCESS.isEnabledFor(logging.INFO):
@@ -287,21 +279,17 @@ class FrontConnection(asyncio.Protocol):
                     request.written, request.headers.get("Referer", "-"),
                     request.headers.get("User-Agent", "-"))
 
-    def _answer(self, request: FrontRequest, request_id: str, response: Any) -> None:
+    def _answer(self, request: FrontRequest, response: Any) -> None:
         if request.transport is None or request.transport.is_closing():
             return  # the client left: there is nobody to answer
         if isinstance(response, FrontStream):
             if not response.eof_sent:
                 request.write(CHUNKED_EOF)
             return
-        headers = response.headers
-        headers["X-Request-Id"] = request_id
-        if TENANT in request:
-            headers["X-Guard-Tenant"] = request[TENANT]
         body = response.body or b""
         keep_alive = request.keep_alive and request.body_done
         framing = f"Content-Length: {len(body)}"
-        request.write(head(response.status, headers.items(), framing, keep_alive) + body)
+        request.write(head(response.status, response.headers.items(), framing, keep_alive) + body)
 
     def _done(self, request: FrontRequest) -> None:
         self.task = None

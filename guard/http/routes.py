@@ -12,7 +12,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from guard.errors import GuardError
-from guard.http.connections import request_began
+from guard.http.connections import GuardedConnection, request_began
 from guard.http.context import CLIENTS, REQUEST_ID, STATE, TENANT
 from guard.http.errors import error_response
 from guard.http.models import visible_models
@@ -35,10 +35,16 @@ def request_id_of(request: web.Request) -> str:
 
 @web.middleware
 async def identify(request: web.Request, handler) -> web.StreamResponse:
-    """Stamp every response, errors included, with the request id and the tenant; count what is in flight;
-    tell the client connection's deadlines (guard/http/connections.py) when the request begins and ends."""
-    connection = request_began(request)
-    request[REQUEST_ID] = request_id = request_id_of(request)
+    """The app's middleware: ``answered``, with the client connection found from the request's transport."""
+    return await answered(request, handler, request_began(request))
+
+
+async def answered(request: web.Request, handler, connection: GuardedConnection | None) -> web.StreamResponse:
+    """``handler``'s answer to ``request`` as every request gets it, through aiohttp (``identify``) or the
+    front (guard/http/front.py): its request id set, counted in flight, an HTTP exception answered as an
+    error, ``connection`` (whose ``request_began`` the caller has told) told when it ends, and an answer not
+    yet sent stamped with the request id and the tenant."""
+    request[REQUEST_ID] = request_id_of(request)
     state = request.app[STATE]
     state.in_flight += 1
     try:
@@ -50,10 +56,15 @@ async def identify(request: web.Request, handler) -> web.StreamResponse:
         if connection is not None:
             connection.request_ended()
     if not response.prepared:
-        response.headers["X-Request-Id"] = request_id
-        if TENANT in request:
-            response.headers["X-Guard-Tenant"] = request[TENANT]
+        stamp(request, response)
     return response
+
+
+def stamp(request: web.Request, response: web.StreamResponse) -> None:
+    """Every answer, errors included, names the request id and the tenant (once known)."""
+    response.headers["X-Request-Id"] = request[REQUEST_ID]
+    if TENANT in request:
+        response.headers["X-Guard-Tenant"] = request[TENANT]
 
 
 async def models(request: web.Request) -> web.StreamResponse:
