@@ -47,8 +47,6 @@ from guard.pool.pool import ReplicaPool
 from guard.pool.replica import Replica
 from guard.pool.scheduling import Candidate, Profile
 
-REJUDGE_S = 0.1  # queued sheddable tickets are judged again at most this often (a pump runs on every release)
-
 
 class TicketState(enum.Enum):
     NEW = "new"
@@ -108,7 +106,6 @@ class Dispatcher:
         self.running: dict[str, set[Ticket]] = {}  # tenant -> its admitted tickets, for revoke
         self.departures = slo.Departures()  # the queue's pace, which predicts a newcomer's wait
         self.correction = slo.WaitCorrection()  # and how the waits predicted from it turned out
-        self._next_rejudge = 0.0  # time.monotonic() before which queued tickets are not judged again
         self.total_weight = sum(tenant.weight for tenant in config.tenants)  # of the running config's tenants
         for tenant in config.tenants:
             self.fair.tenant(tenant.name, tenant.weight)
@@ -145,15 +142,18 @@ class Dispatcher:
         return sum(t.blocks for priority, lane in queue.lanes.items() if priority <= ticket.lane.priority
                    for t in lane)
 
-    def blocks_before(self, ticket: Ticket) -> int:
-        """Queued blocks to be admitted before the ticket, by its class: a critical one waits only for the
+    def blocks_before(self, ticket: Ticket) -> slo.Backlog:
+        """What is queued to be admitted before the ticket, by its class: a critical one waits only for the
         critical tickets (they go first), a standard one for those and ``blocks_ahead_of`` it, a sheddable
-        one for the sheddable tickets queued (the pace it is judged by has critical work in it already)."""
+        one for the sheddable tickets queued (the pace it is judged by has critical work in it already),
+        since the oldest of them queued."""
         priority_class = ticket.lane.priority_class
         if priority_class == slo.SHEDDABLE:
-            return self.blocks_queued(slo.SHEDDABLE)
+            queued = [t for q in self.fair.tenants.values() for lane in q.lanes.values() for t in lane
+                      if t.lane.priority_class == slo.SHEDDABLE] if self.fair.queued else []
+            return slo.Backlog(sum(t.blocks for t in queued), min((t.enqueued_at for t in queued), default=None))
         critical = self.blocks_queued(slo.CRITICAL)
-        return critical if priority_class == slo.CRITICAL else critical + self.blocks_ahead_of(ticket)
+        return slo.Backlog(critical if priority_class == slo.CRITICAL else critical + self.blocks_ahead_of(ticket))
 
     async def submit(self, ticket: Ticket) -> None:
         """Queue ``ticket`` and wait for admission. Raises ``GuardError``; on cancellation nothing is held."""
@@ -186,16 +186,12 @@ class Dispatcher:
         if ticket.state is TicketState.ADMITTED:
             return  # admitted at once by pump: no future, no deadline
         ticket.admitted = asyncio.get_running_loop().create_future()  # before any await: pump sets it
-        timeout, late = slo.queue_timeout(ticket)
-        try:
-            await asyncio.wait_for(asyncio.shield(ticket.admitted), timeout)
+        try:  # queued, a ticket is served (a sheddable one late if need be: slo.judge) or leaves at the timeout
+            await asyncio.wait_for(asyncio.shield(ticket.admitted), ticket.lane.timeout)
         except TimeoutError:
             self._dequeue(ticket)
             if ticket.state is TicketState.ADMITTED:  # admitted in the same instant the deadline passed
                 return
-            if late is not None:
-                self.correction.observe(ticket.wait_key, ticket.predicted_wait, time.monotonic() - ticket.enqueued_at)
-                raise late from None
             raise GuardError(503, f"not admitted within this lane's {ticket.lane.timeout:g} s queueing timeout",
                              code="queue_timeout", retry_after=self.pool.retry_after(self.blocks_queued())) from None
         except asyncio.CancelledError:
@@ -203,13 +199,10 @@ class Dispatcher:
             raise
 
     def pump(self) -> None:
-        """Admit as many queued tickets as the pool and the VTC order allow; then shed the sheddable ones
-        now predicted to be late."""
+        """Admit as many queued tickets as the pool and the VTC order allow."""
         if not self.fair.queued:
             return  # the usual case after a release
         self._admit_queued()
-        if self.fair.queued and time.monotonic() >= self._next_rejudge:
-            self._shed_late()
 
     def _admit_queued(self) -> None:
         capped: set[str] = set()
@@ -229,23 +222,6 @@ class Dispatcher:
             self.departures.add(ticket.blocks)
             self.correction.observe(ticket.wait_key, ticket.predicted_wait, time.monotonic() - ticket.enqueued_at)
             self._admitted(queue, ticket)
-
-    def _shed_late(self) -> None:
-        """Judge the queued sheddable tickets again, in the order they queued (slo.rejudge), and refuse
-        those now predicted to miss their TTFT objective. At most every ``REJUDGE_S``: a pump runs on every
-        release."""
-        self._next_rejudge = time.monotonic() + REJUDGE_S
-        waiting = sorted((t for q in self.fair.tenants.values() for lane in q.lanes.values() for t in lane
-                          if t.lane.priority_class == slo.SHEDDABLE), key=lambda t: t.enqueued_at)
-        ahead = 0
-        for ticket in waiting:
-            late = None if ticket.admitted is None else slo.rejudge(self.departures, self.correction, ticket, ahead)
-            if late is None:  # (a future not made yet: the ticket being submitted, judged a moment ago)
-                ahead += ticket.blocks
-                continue
-            self._dequeue(ticket)
-            assert ticket.admitted is not None
-            ticket.admitted.set_exception(late)
 
     def _next_tenant(self, skip: set[str]) -> TenantQueue[Ticket] | None:
         """The priority band before fairness: the tenants whose next ticket is critical, by VTC among them,

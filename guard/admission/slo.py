@@ -17,17 +17,21 @@ counts as room for a request that does not borrow itself).
 
 A sheddable request's wait is the sheddable blocks queued before it, and its own, over the pace at which
 the queue *admits* sheddable blocks: critical work that arrives after it still goes first, and that pace,
-measured while it does, has it in already; a sheddable ticket shed from the queue frees nothing on a
-replica, so it does not count in the pace (counting it made the queue look fast exactly when it was not).
+measured while it does, has it in already; a sheddable ticket that leaves the queue unadmitted frees
+nothing on a replica, so it does not count in the pace. The pace is the lower of the last
+``SHEDDABLE_WINDOW_S`` of backlog's and the last ``RECENT_ADMISSIONS``' (with the backlog since, the
+oldest queued ticket's wait so far included): a drop shows within a few admissions, a rise only as the long
+window sees it (``BacklogPace``).
 
 A sheddable request predicted to miss its TTFT objective (less ``QUEUE_MARGIN``) is refused at once
-(``slo_unattainable``, with ``Retry-After`` from the predicted wait): waiting would only make it late and hold blocks that requests
-still on time need. While it queues it is judged again (``rejudge``, from the dispatcher's pump): with
-the blocks now queued before it and the pace now, once its TTFT is predicted past its objective it leaves
-the queue, refused the same way, rather than at its deadline; at the deadline (``queue_timeout``) it
-leaves in any case. Critical and standard requests are never refused for their objective: they are served
-and counted (``guard_slo_requests_total``). Before anything has drained there is no pace to predict a wait
-from, and nothing is refused at once.
+(``slo_unattainable``, with ``Retry-After`` from the predicted wait): waiting would only make it late and
+hold blocks that requests still on time need. One that is queued is served, late if need be (it then
+counts as a missed objective), or leaves at its lane's timeout like any request: a refusal is an answer
+given at arrival, never after a wait. (Judging queued tickets again and refusing those predicted late
+answered some refusals 4-8 s after arrival, once the sheddable pace halved under tickets queued on it.)
+Critical and standard requests are never refused for their objective: they are served and counted
+(``guard_slo_requests_total``). Before anything has drained there is no pace to predict a wait from, and
+nothing is refused.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from guard.config import Lane
 from guard.errors import GuardError, Outcome
@@ -48,17 +52,18 @@ from guard.pool.pool import ReplicaPool
 HEADERS = {"ttft": "X-SLO-TTFT-Ms", "tpot": "X-SLO-TPOT-Ms"}
 CRITICAL, STANDARD, SHEDDABLE = "critical", "standard", "sheddable"
 DEPARTURE_WINDOW_S = 5.0
-# A sheddable request is queued only when predicted within (1 - QUEUE_MARGIN) of its objective, and shed
-# from the queue once predicted past it: the gap keeps the pace's noise from refusing late what was
-# queued, and costs no goodput while the queue stays long enough never to run dry (its throughput is the
+# A sheddable request is queued only when predicted within (1 - QUEUE_MARGIN) of its objective: once queued
+# it is served, so the gap is what lets the pace fall under it (to half) with the request still on time;
+# it costs no goodput while the queue stays long enough never to run dry (its throughput is the
 # replicas', not the queue's length).
 QUEUE_MARGIN = 0.5
 SHEDDABLE_WINDOW_S = 10.0
+RECENT_ADMISSIONS = 6  # the short sheddable pace: over this many admissions from the queue, and the backlog since
+BACKLOG_GAP_S = 1.0  # a sheddable backlog that begins this long after the last one ended is a new one
 MIN_BACKLOG_WAIT_S = 0.5  # a sheddable ticket admitted sooner found room: it says nothing of the pace
 MIN_LEARNED_WAIT_S = 0.05  # predicted waits below this teach the correction nothing
 MAX_LOG_RATIO = math.log(30.0)  # one ticket moves the correction by at most 30x
 CORRECTION_DECAY = 0.9  # weight of the past per queued ticket
-DEADLINE_MARGIN = 0.05  # of a sheddable request's TTFT objective, left for its prefill when it leaves the queue
 
 
 @dataclass(slots=True, frozen=True)
@@ -115,7 +120,6 @@ class Judged(Protocol):
     predicted_queue: float | None
     predicted_engine: float | None
     wait_key: tuple[str, bool] | None
-    enqueued_at: float
 
 
 class Pace:
@@ -142,21 +146,42 @@ class Pace:
         return self._blocks / min(self._window, max(now - self._started, 1.0))
 
 
+class Backlog(NamedTuple):
+    """What is queued to be admitted before a ticket: ``blocks``, by its class (see the module docstring),
+    and for a sheddable one ``since``: when the oldest sheddable ticket queued now was queued (None: none is)."""
+
+    blocks: int
+    since: float | None = None
+
+
 class BacklogPace:
-    """Sheddable blocks admitted from the queue per second *of backlog* (while sheddable tickets waited),
-    over the last ``SHEDDABLE_WINDOW_S`` seconds of backlog: what the replicas give sheddable work while it
-    waits for them. Not per second of the clock: refusals keep the queue short, and the pace they allow
-    would predict ever longer waits and refuse more (in a trial, a third of the batch lane's throughput).
-    A backlog second is one some sheddable ticket spent queued, counted when it leaves the queue. A ticket
-    admitted within ``MIN_BACKLOG_WAIT_S`` of queueing found room rather than waited for it: it counts
-    neither its blocks nor its wait (as the queue forms, a few such tickets made the pace look several
-    times what it was, and what was queued on it had to be refused late)."""
+    """Sheddable blocks admitted from the queue per second *of backlog* (while sheddable tickets waited):
+    what the replicas give sheddable work while it waits for them. Not per second of the clock: refusals
+    keep the queue short, and the pace they allow would predict ever longer waits and refuse more (in a
+    trial, a third of the batch lane's throughput). A backlog second is one some sheddable ticket spent
+    queued, counted when it leaves the queue. A ticket admitted within ``MIN_BACKLOG_WAIT_S`` of queueing
+    found room rather than waited for it: it counts neither its blocks nor its wait (as the queue forms, a
+    few such tickets made the pace look several times what it was).
+
+    ``rate`` is the lower of two paces, so that a drop shows at once and a rise only as it lasts:
+    - over the last ``SHEDDABLE_WINDOW_S`` of backlog;
+    - over the last ``RECENT_ADMISSIONS`` admissions of the current backlog, with the backlog since the
+      one before them (or since the backlog began) up to now, the wait so far of the oldest ticket queued
+      now included: a stall lowers it before anything leaves. A backlog that begins after
+      ``BACKLOG_GAP_S`` without one is new (the load that set the pace before may be gone: a burst of
+      critical work arrives, or it stopped and the queue drained fast); until its first admission its pace
+      is one admission's blocks over its wait so far.
+    A queued ticket is served whatever the pace does after, so it is judged by a pace that a drop under way
+    has already lowered: with the long window alone, tickets queued as a new load began were judged by the
+    last one's pace and waited 2-5 times what was predicted."""
 
     def __init__(self) -> None:
         self._busy = 0.0  # seconds of backlog so far
         self._covered = 0.0  # time.monotonic() up to which backlog is counted
         self._events: deque[tuple[float, int]] = deque()  # (``_busy`` when admitted, blocks)
         self._blocks = 0
+        self._recent: deque[tuple[float, int]] = deque(maxlen=RECENT_ADMISSIONS)  # the current backlog's
+        self._recent_from = 0.0  # ``_busy`` where the recent span starts
 
     def left(self, enqueued_at: float, blocks: int) -> None:
         """A sheddable ticket queued at ``enqueued_at`` left the queue now: admitted with ``blocks``, or
@@ -164,16 +189,33 @@ class BacklogPace:
         now = time.monotonic()
         if blocks and now - enqueued_at < MIN_BACKLOG_WAIT_S:
             return
+        if enqueued_at - self._covered > BACKLOG_GAP_S:  # a new backlog
+            self._recent.clear()
+            self._recent_from = self._busy
         self._busy += max(0.0, now - max(enqueued_at, self._covered))
         self._covered = max(self._covered, now)
         if blocks:
             self._events.append((self._busy, blocks))
             self._blocks += blocks
+            if len(self._recent) == self._recent.maxlen:
+                self._recent_from = self._recent[0][0]
+            self._recent.append((self._busy, blocks))
 
-    def rate(self) -> float:
+    def rate(self, since: float | None = None) -> float:
+        """Blocks per second of backlog (0: none admitted after a wait yet); ``since``: when the oldest
+        sheddable ticket queued now was queued (None: none is)."""
         while self._events and self._busy - self._events[0][0] > SHEDDABLE_WINDOW_S:
             self._blocks -= self._events.popleft()[1]
-        return self._blocks / min(SHEDDABLE_WINDOW_S, max(self._busy, 1.0))
+        long = self._blocks / min(SHEDDABLE_WINDOW_S, max(self._busy, 1.0))
+        now = time.monotonic()
+        waited = since is not None and now - since >= MIN_BACKLOG_WAIT_S  # (once it counts as backlog)
+        if waited and since - self._covered > BACKLOG_GAP_S and self._events:  # a new backlog, none admitted
+            return min(long, self._blocks / len(self._events) / (now - since))
+        if not self._recent:
+            return long
+        stall = now - max(since, self._covered) if waited else 0.0
+        span = self._busy + max(0.0, stall) - self._recent_from
+        return min(long, sum(blocks for _, blocks in self._recent) / max(span, 1.0))
 
 
 class Departures:
@@ -190,8 +232,9 @@ class Departures:
         """``blocks`` left the queue, whichever way."""
         self._all.add(blocks)
 
-    def rate(self, priority_class: str | None = None) -> float:
-        return (self.sheddable if priority_class == SHEDDABLE else self._all).rate()
+    def rate(self, priority_class: str | None = None, since: float | None = None) -> float:
+        """``since``: the sheddable backlog's start (``Backlog.since``), for ``rate(SHEDDABLE)``."""
+        return self.sheddable.rate(since) if priority_class == SHEDDABLE else self._all.rate()
 
 
 class WaitCorrection:
@@ -199,8 +242,8 @@ class WaitCorrection:
     is measured before the ticket arrives, critical work that arrives after it still goes first, and a
     large reservation that must fit whole waits for a gap that small critical ones keep filling. An
     exponentially weighted mean of log(actual / predicted) per class and per way of predicting (from the
-    queue's pace, with blocks ahead; from the replicas' drain, without), over the tickets that queued (one
-    that left at its deadline counts with the wait it had, a lower bound), multiplies later predictions."""
+    queue's pace, with blocks ahead; from the replicas' drain, without), over the tickets admitted from the
+    queue, multiplies later predictions."""
 
     def __init__(self) -> None:
         self._log_ratio = LogRatioMean(CORRECTION_DECAY, MAX_LOG_RATIO)
@@ -214,18 +257,17 @@ class WaitCorrection:
         self._log_ratio.observe(key, predicted, actual)
 
 
-def queue_wait(pool: ReplicaPool, departures: Departures, ticket: Judged, ahead: int) -> float | None:
+def queue_wait(pool: ReplicaPool, departures: Departures, ticket: Judged, ahead: Backlog) -> float | None:
     """The ticket's queue wait as the pace or the drain predicts it, before the correction (None: nothing
-    measured to predict it from), with ``ahead`` blocks queued to be admitted before it; sets its
-    ``wait_key``."""
+    measured to predict it from), with ``ahead`` queued to be admitted before it; sets its ``wait_key``."""
     sheddable = ticket.lane.priority_class == SHEDDABLE
-    rate = departures.rate(ticket.lane.priority_class) if ahead else 0.0
+    rate = departures.rate(ticket.lane.priority_class, ahead.since) if ahead.blocks else 0.0
     ticket.wait_key = (ticket.lane.priority_class, rate > 0)
     if rate > 0:  # a sheddable ticket at the head still waits for its own blocks to be free
-        return (ahead + (ticket.blocks if sheddable else 0)) / rate
+        return (ahead.blocks + (ticket.blocks if sheddable else 0)) / rate
     # What others borrowed is reclaimed by a ticket that does not borrow itself (guard/pool/gate.py).
     held = pool.committed() - (0 if sheddable else pool.borrowed())
-    wait = pool.expected_wait(max(0, held + ahead + ticket.blocks - pool.budget()))
+    wait = pool.expected_wait(max(0, held + ahead.blocks + ticket.blocks - pool.budget()))
     if sheddable and (pace := departures.rate(SHEDDABLE)) > 0:
         # The replicas' drain feeds critical work first: a sheddable ticket waits at least for its own
         # blocks at the pace sheddable work is admitted.
@@ -233,10 +275,10 @@ def queue_wait(pool: ReplicaPool, departures: Departures, ticket: Judged, ahead:
     return wait
 
 
-def predicted_ttft(pool: ReplicaPool, departures: Departures, ticket: Judged, ahead: int,
+def predicted_ttft(pool: ReplicaPool, departures: Departures, ticket: Judged, ahead: Backlog,
                    correction: WaitCorrection) -> tuple[float, float | None]:
     """(predicted TTFT from the ticket's arrival, the queue wait in it; None when nothing has been measured
-    to predict a wait from), with ``ahead`` blocks queued to be admitted before it. Sets the ticket's
+    to predict a wait from), with ``ahead`` queued to be admitted before it. Sets the ticket's
     ``predicted_wait`` (before the correction), ``predicted_queue`` and ``predicted_engine``."""
     ticket.predicted_wait = wait = queue_wait(pool, departures, ticket, ahead)
     if wait is not None:
@@ -249,10 +291,11 @@ def predicted_ttft(pool: ReplicaPool, departures: Departures, ticket: Judged, ah
     return queue + engine, wait
 
 
-def judge(pool: ReplicaPool, departures: Departures, correction: WaitCorrection, ticket: Judged, ahead: int
-          ) -> None:
+def judge(pool: ReplicaPool, departures: Departures, correction: WaitCorrection, ticket: Judged,
+          ahead: Backlog) -> None:
     """Predict the ticket's TTFT and TPOT into it; refuse a sheddable one that would miss its TTFT
-    objective. ``ahead``: the blocks queued to be admitted before it, by its class (see the module docstring)."""
+    objective (less ``QUEUE_MARGIN``). ``ahead``: what is queued to be admitted before it, by its class (see
+    the module docstring). The only time a ticket is judged: once queued, it is served."""
     objective = ticket.objective
     assert objective is not None
     ticket.predicted_ttft, wait = predicted_ttft(pool, departures, ticket, ahead, correction)
@@ -263,38 +306,7 @@ def judge(pool: ReplicaPool, departures: Departures, correction: WaitCorrection,
         raise unattainable(objective, ticket.predicted_ttft, wait)
 
 
-def rejudge(departures: Departures, correction: WaitCorrection, ticket: Judged, ahead: int) -> GuardError | None:
-    """A queued sheddable ticket judged again, with ``ahead`` sheddable blocks queued before it now: the
-    refusal once its TTFT is predicted past its objective, else None. Without a pace to predict from, it
-    waits for its deadline. (The correction does not learn from it: what it would have waited is itself a
-    prediction, made with the correction, and learning from it fed the correction back into itself.)"""
-    objective, rate = ticket.objective, departures.rate(SHEDDABLE)
-    if objective is None or objective.ttft_s is None or rate <= 0 or ticket.predicted_engine is None:
-        return None
-    left = correction.correct((SHEDDABLE, True), (ahead + ticket.blocks) / rate)
-    now = time.monotonic()
-    predicted = now - ticket.arrived + left + ticket.predicted_engine
-    return None if predicted <= objective.ttft_s else unattainable(objective, predicted, left)
-
-
 def unattainable(objective: Objective, predicted: float, wait: float) -> GuardError:
     return GuardError(503, f"predicted time to first token {predicted:.2f} s exceeds this request's objective "
                       f"({objective.ttft_s:g} s); the lane is sheddable", code="slo_unattainable",
                       retry_after=max(1, min(60, math.ceil(wait))), outcome=Outcome.REJECTED_OVERLOAD)
-
-
-def queue_timeout(ticket: Judged) -> tuple[float, GuardError | None]:
-    """How long the ticket may wait in the queue, and the error when that is its objective's bound, not
-    its lane's timeout: a sheddable ticket leaves the queue once its TTFT objective has passed (it can only
-    be late, and would hold blocks that requests still on time need)."""
-    timeout = ticket.lane.timeout
-    objective = ticket.objective
-    if objective is None or objective.priority_class != SHEDDABLE or objective.ttft_s is None:
-        return timeout, None
-    # Admitted with less than DEADLINE_MARGIN of its objective left, it would be late out of the engine.
-    left = (1 - DEADLINE_MARGIN) * objective.ttft_s - (time.monotonic() - ticket.arrived)
-    if left >= timeout:
-        return timeout, None
-    return max(0.0, left), GuardError(503, f"not admitted within this request's TTFT objective "
-                                      f"({objective.ttft_s:g} s); the lane is sheddable",
-                                      code="slo_unattainable", retry_after=1, outcome=Outcome.REJECTED_OVERLOAD)

@@ -17,8 +17,9 @@ from support.guard_server import GuardThread, guard_config
 from support.processes import EngineProcess, Processes
 from support.wait import until
 
+from guard.admission import slo
 from guard.admission.dispatch import Ticket, TicketState
-from guard.admission.slo import Departures, objective_for
+from guard.admission.slo import BacklogPace, Departures, objective_for
 from guard.config import ConfigError, Lane, Routing, load_config
 from guard.console.app import CONSOLE
 from guard.errors import GuardError
@@ -142,7 +143,7 @@ async def test_critical_work_reclaims_what_sheddable_work_holds_and_goes_first(t
     assert not dispatcher.pool.reservations() and not dispatcher.fair.queued
 
 
-async def test_a_sheddable_request_that_cannot_be_on_time_is_refused_at_once_or_leaves_the_queue(
+async def test_a_sheddable_request_is_refused_at_arrival_or_queued_and_then_served_late_if_need_be(
         tmp_path: Path) -> None:
     dispatcher = slo_dispatcher(tmp_path)
     hog = slo_ticket(dispatcher, 0, 85, "hog")  # the critical tenant fills the budget
@@ -151,16 +152,23 @@ async def test_a_sheddable_request_that_cannot_be_on_time_is_refused_at_once_or_
     task = asyncio.create_task(dispatcher.submit(queued))
     await asyncio.sleep(0.01)
     assert queued.state is TicketState.QUEUED, "nothing has drained yet: no wait to predict, so it queues"
-    with pytest.raises(GuardError) as left:
-        await asyncio.wait_for(task, 2.0)
-    assert (left.value.status, left.value.code) == (503, "slo_unattainable")
-    assert time.monotonic() - queued.arrived < 0.5, "it left once its objective could no longer be met"
-    dispatcher.departures = Departures()
-    dispatcher.departures.sheddable.left(time.monotonic() - 1.0, 4)  # 4 sheddable blocks in 1 s of backlog
+    dispatcher.departures.sheddable.left(time.monotonic() - 1.0, 4)  # now the pace says ~10 s
+    await asyncio.sleep(0.4)
+    dispatcher.pump()
+    assert queued.state is TicketState.QUEUED, "past its objective and predicted late: queued, so still served"
+    dispatcher.finish(hog)
+    await asyncio.wait_for(task, 1.0)
+    assert queued.state is TicketState.ADMITTED
+    dispatcher.finish(queued)
+    hog = slo_ticket(dispatcher, 0, 85, "hog")
+    await dispatcher.submit(hog)
+    dispatcher.departures = Departures()  # nothing drained again: the next one queues unjudged
     blocker = slo_ticket(dispatcher, 1, 40, "blocker")
-    blocked = asyncio.create_task(dispatcher.submit(blocker))  # 40 blocks ahead of the next: ~10 s
+    blocked = asyncio.create_task(dispatcher.submit(blocker))
     await asyncio.sleep(0.01)
-    late = slo_ticket(dispatcher, 1, 4, "late")
+    assert blocker.state is TicketState.QUEUED
+    dispatcher.departures.sheddable.left(time.monotonic() - 1.0, 4)  # 4 sheddable blocks in 1 s of backlog
+    late = slo_ticket(dispatcher, 1, 4, "late")  # 44 blocks at 4 blocks/s: ~11 s against 1 s
     started = time.monotonic()
     with pytest.raises(GuardError) as refused:
         await dispatcher.submit(late)
@@ -174,24 +182,33 @@ async def test_a_sheddable_request_that_cannot_be_on_time_is_refused_at_once_or_
     assert not dispatcher.pool.reservations() and not dispatcher.fair.queued
 
 
-async def test_a_queued_sheddable_request_leaves_once_predicted_late_not_at_its_deadline(tmp_path: Path) -> None:
-    dispatcher = slo_dispatcher(tmp_path)
-    hog = slo_ticket(dispatcher, 0, 85, "hog")  # the critical tenant fills the budget
-    await dispatcher.submit(hog)
-    dispatcher.departures.sheddable.left(time.monotonic() - 1.0, 400)  # 400 blocks/s of backlog: ~0.1 s
-    queued = slo_ticket(dispatcher, 1, 40, "queued")  # its lane's objective: 1 s
-    task = asyncio.create_task(dispatcher.submit(queued))
-    await asyncio.sleep(0.15)
-    assert queued.state is TicketState.QUEUED, "predicted in time: it queues"
-    dispatcher.departures = Departures()
-    dispatcher.departures.sheddable.left(time.monotonic() - 1.0, 4)  # the pace falls to 4 blocks/s: ~10 s
-    dispatcher.pump()
-    with pytest.raises(GuardError) as left:
-        await asyncio.wait_for(task, 2.0)
-    assert (left.value.status, left.value.code) == (503, "slo_unattainable") and "predicted" in left.value.message
-    assert time.monotonic() - queued.arrived < 0.5, "refused when the prediction said so, before its deadline"
-    dispatcher.finish(hog)
-    assert not dispatcher.pool.reservations() and not dispatcher.fair.queued
+def test_the_sheddable_pace_shows_a_drop_a_stall_and_a_new_backlog_at_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [1000.0]
+    monkeypatch.setattr(slo.time, "monotonic", lambda: clock[0])
+    pace = BacklogPace()
+
+    def admit_after(wait: float, times: int) -> None:  # one ticket at a time, each queued ``wait`` seconds
+        for _ in range(times):
+            clock[0] += wait
+            pace.left(clock[0] - wait, 40)
+
+    admit_after(0.5, 20)  # 10 s of backlog at 80 blocks/s
+    assert pace.rate() == pytest.approx(80.0)
+    admit_after(2.0, 3)  # the pace quarters: the 10 s window says 48 blocks/s (its fast part: 6.0-10.0 s)
+    assert pace.rate() == pytest.approx(6 * 40 / 7.5), "the last 6 admissions and the backlog since"
+    queued_since = clock[0] - 1.0  # a ticket queued before the last admission is still waiting 5 s later
+    clock[0] += 5.0
+    assert pace.rate(queued_since) == pytest.approx(6 * 40 / 12.5), "a stall lowers it before anything leaves"
+    assert pace.rate() == pytest.approx(6 * 40 / 7.5), "none queued: the backlog ended with the last admission"
+    admit_after(0.5, 6)  # faster again: the long window's figure, not the recent one's
+    assert pace.rate() == pytest.approx((3 + 3 + 6) * 40 / 10.0)  # backlog 9-19 s: 3 fast, 3 slow, 6 fast
+    clock[0] += 5.0  # nothing queued for 5 s; then a new backlog, whose first ticket has waited 2 s
+    queued_since = clock[0]
+    clock[0] += 2.0
+    assert pace.rate(queued_since) == pytest.approx(40 / 2.0), "one admission's blocks over the wait so far"
+    pace.left(queued_since, 40)
+    assert pace.rate() == pytest.approx(40 / 2.0), "the new backlog's own pace, not the last one's"
 
 
 def test_the_slo_filter_holds_back_a_replica_predicted_to_be_late() -> None:
