@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Not `from engine.model import q4_native`: that imports engine/model/__init__ (the loader), a circle.
+# Not `from engine.model import ...`: that imports engine/model/__init__ (the loader), a circle.
+import engine.model.native_decode as native_decode  # noqa: PLR0402
 import engine.model.q4_native as q4_native  # noqa: PLR0402
 from engine.kernels.backend import AttentionBackend
 from engine.kernels.metadata import AttentionMetadata
@@ -239,6 +240,9 @@ class DecoderStack(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        native = native_decode.decoder_for(self)  # every layer in one native call (native_decode.py)
+        if native is not None and native.applies(hidden, positions, kv_caches, meta):
+            return self.norm(native.run(hidden, positions, kv_caches, meta))
         for layer in self.layers:
             hidden = layer(hidden, positions, self.rotary_emb, kv_caches, meta)
         return self.norm(hidden)

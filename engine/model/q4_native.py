@@ -1,8 +1,9 @@
-"""The native 4-bit matmul (q4_kernel.c): built once per machine with the C compiler, loaded with ctypes.
+"""The native 4-bit matmul (q4_kernel.c) and decode step (decode_step.c): one library, built once per machine
+with the C compiler, loaded with ctypes.
 
 Plain C with AVX-512 VNNI intrinsics and no torch headers, so it compiles in about a second with Debian's
 build-essential; the shared object is cached under ``$KVGUARD_CACHE`` (default ``~/.cache/kvguard``), keyed
-by the source's hash, and written to a temporary name and renamed, so processes building at once never load
+by the sources' hash, and written to a temporary name and renamed, so processes building at once never load
 half a file. ``available()`` is False where there is no compiler, the build fails, or the CPU lacks AVX-512
 VNNI: the int4 format then uses torch's own kernel (weights.Int4Linear), and nothing else changes.
 ``KVGUARD_Q4_NATIVE=0`` turns it off (to compare the two).
@@ -21,10 +22,13 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("q4_kernel.c")
+SOURCES = [Path(__file__).with_name(name) for name in ("q4_kernel.c", "decode_step.c")]
+HEADERS = [Path(__file__).with_name("q4_kernel.h")]
 TILE = 16  # output rows per tile (one AVX-512 register of float32)
 GROUP = 32  # inputs per scale and zero
-_FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp"]
+# No contraction of a * b + c into fma where the C is written as two operations: decode_step.c's RoPE then
+# rounds as torch's separate multiply and add do (the kernels' fma are explicit intrinsics, unaffected).
+_FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off"]
 
 
 @functools.cache
@@ -42,6 +46,8 @@ def _library() -> ctypes.CDLL | None:
     library.q4_matmul.restype = None
     library.rms_norm.argtypes = [p, p, ctypes.c_float, i, i, p]
     library.rms_norm.restype = None
+    library.decode_step.argtypes = [p, p, i, p, p, p, i, p]
+    library.decode_step.restype = ctypes.c_int
     return library
 
 
@@ -49,8 +55,8 @@ def _build() -> Path:
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         raise OSError("no C compiler")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    sources = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
+    key = hashlib.sha256(sources + " ".join(_FLAGS).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("KVGUARD_CACHE", Path.home() / ".cache" / "kvguard"))
     target = cache / f"q4_kernel-{key}.so"
     if target.exists():
@@ -58,8 +64,8 @@ def _build() -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as scratch:
         built = Path(scratch) / target.name
-        subprocess.run([compiler, *_FLAGS, str(SOURCE), "-o", str(built)], check=True, capture_output=True,
-                       timeout=120)
+        subprocess.run([compiler, *_FLAGS, *map(str, SOURCES), "-o", str(built)], check=True,
+                       capture_output=True, timeout=120)
         os.replace(built, target)
     return target
 

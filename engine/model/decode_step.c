@@ -1,0 +1,211 @@
+/* A whole decode step of the decoder's layers in one call: for every sequence's one new token, layer by layer,
+ *
+ *   h += o_proj(attention(rope(qkv_proj(rms_norm(h)))))        (K/V stored into the paged cache first)
+ *   h += down_proj(silu(gate) * up),  gate | up = gate_up_proj(rms_norm(h))
+ *
+ * the same maths as llama.py's torch path with the same int4 kernel (q4_kernel.h) and the same RMSNorm, so
+ * the two differ only where torch's own ops are not reproduced bit for bit: the softmax and SiLU (exp) and
+ * the attention's summation order. RoPE is ``x * cos + roll(x, D/2) * sin_signed`` with RotaryEmbedding's
+ * tables, rounded as torch rounds it (no contraction into fma: built with -ffp-contract=off).
+ *
+ * Why: at one decoding token a layer is ~50 small torch ops of a few microseconds each, as long as its int4
+ * matmuls; here a step is one call, and its threads meet at four barriers a layer (one OpenMP region for the
+ * whole step). Small row-wise work (norm, activation quantization, SiLU * up) is done by every thread into
+ * its own scratch rather than by one thread behind another barrier: at a few rows it costs less than the
+ * barrier would.
+ *
+ * The KV cache of a layer is float32 [2, blocks, block_size, kv_heads, head_dim] (K then V); token p of
+ * sequence s lives in slot tables[s, p / block_size] * block_size + p % block_size, and its own K/V go to
+ * slots[s] (the engine's slot_mapping) before it attends to positions 0 .. seq_lens[s] - 1.
+ */
+#include <string.h>
+
+#include "q4_kernel.h"
+
+typedef struct {
+    const uint8_t *q;   /* q4_native.pack's qpack */
+    const uint16_t *s;  /* and its scales */
+} q4_weight;
+
+typedef struct {
+    const float *input_norm, *post_norm;  /* [hidden] */
+    q4_weight qkv;                        /* [(heads + 2 kv_heads) * head_dim, hidden] */
+    q4_weight o;                          /* [hidden, heads * head_dim] */
+    q4_weight gate_up;                    /* [2 * intermediate, hidden] */
+    q4_weight down;                       /* [hidden, intermediate] */
+    float *kv_cache;                      /* this layer's cache (above) */
+} decode_layer;
+
+typedef struct {
+    int layers, hidden, heads, kv_heads, head_dim, intermediate, block_size;
+    int64_t cache_slots;     /* blocks * block_size: where V starts, in units of one slot */
+    float eps, scale;        /* RMSNorm's epsilon; the attention scale (head_dim ** -0.5) */
+    const float *cos, *sin;  /* [max_position, head_dim]: RotaryEmbedding's cos_cache, sin_cache */
+    const decode_layer *layer;
+} decode_model;
+
+/* e^x for 16 floats (Cephes' expf: x = n ln 2 + r, |r| <= ln 2 / 2, a degree-7 polynomial in r, scaled by
+ * 2^n): within 2 ulp; very negative x gives 0, as the softmax's masked scores need. */
+TARGET static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.72f)), _mm512_set1_ps(-104.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* x[0..D) rotated in place by one position's tables (D even, D % 16 == 0). */
+TARGET static inline void rope(float *x, const float *cos, const float *sin, int D) {
+    float rotated[D];
+    const int half = D / 2;
+    for (int i = 0; i < D; i++) rotated[i] = x[i] * cos[i] + x[(i + half) % D] * sin[i];
+    memcpy(x, rotated, sizeof(float) * D);
+}
+
+TARGET static inline float dot(const float *a, const float *b, int D) {
+    __m512 sum = _mm512_setzero_ps();
+    for (int i = 0; i < D; i += 16) sum = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), sum);
+    return _mm512_reduce_add_ps(sum);
+}
+
+/* Sequence s, kv head j: rotate its query heads and its key, store its key and value into the cache, and
+ * attend each of those query heads over the sequence's context; out[s, query heads of j] = the results.
+ * scores: room for seq_lens[s] floats. */
+TARGET static void attend(const decode_model *m, const decode_layer *L, float *qkv, float *out, int s, int j,
+                          const int64_t *positions, const int64_t *slots, const int32_t *tables, int width,
+                          const int32_t *seq_lens, float *scores) {
+    const int D = m->head_dim, group = m->heads / m->kv_heads, kv_row = m->kv_heads * D;
+    const int width_qkv = (m->heads + 2 * m->kv_heads) * D;
+    float *row = qkv + (size_t)s * width_qkv;
+    const float *cos = m->cos + positions[s] * D, *sin = m->sin + positions[s] * D;
+    float *key = row + (m->heads + j) * D, *value = row + (m->heads + m->kv_heads + j) * D;
+    rope(key, cos, sin, D);
+    float *keys = L->kv_cache, *values = L->kv_cache + m->cache_slots * kv_row;
+    memcpy(keys + slots[s] * kv_row + j * D, key, sizeof(float) * D);
+    memcpy(values + slots[s] * kv_row + j * D, value, sizeof(float) * D);
+    const int n = seq_lens[s], bs = m->block_size;
+    const int32_t *table = tables + (size_t)s * width;
+    for (int h = j * group; h < (j + 1) * group; h++) {
+        float *query = row + h * D;
+        rope(query, cos, sin, D);
+        float top = -INFINITY;
+        for (int p = 0; p < n; p++) {
+            const int64_t slot = (int64_t)table[p / bs] * bs + p % bs;
+            scores[p] = dot(query, keys + slot * kv_row + j * D, D) * m->scale;
+            top = fmaxf(top, scores[p]);
+        }
+        __m512 total = _mm512_setzero_ps();
+        int p = 0;
+        for (; p + 16 <= n; p += 16) {
+            __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(scores + p), _mm512_set1_ps(top)));
+            _mm512_storeu_ps(scores + p, e);
+            total = _mm512_add_ps(total, e);
+        }
+        if (p < n) {
+            const __mmask16 tail = (__mmask16)((1u << (n - p)) - 1);
+            __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, scores + p), _mm512_set1_ps(top)));
+            _mm512_mask_storeu_ps(scores + p, tail, e);
+            total = _mm512_add_ps(total, _mm512_maskz_mov_ps(tail, e));
+        }
+        const float inverse = 1.0f / _mm512_reduce_add_ps(total);
+        float *o = out + (size_t)s * m->heads * D + h * D;
+        for (int i = 0; i < D; i += 16) {
+            __m512 acc = _mm512_setzero_ps();
+            for (int q = 0; q < n; q++) {
+                const int64_t slot = (int64_t)table[q / bs] * bs + q % bs;
+                acc = _mm512_fmadd_ps(_mm512_set1_ps(scores[q]), _mm512_loadu_ps(values + slot * kv_row + j * D + i),
+                                      acc);
+            }
+            _mm512_storeu_ps(o + i, _mm512_mul_ps(acc, _mm512_set1_ps(inverse)));
+        }
+    }
+}
+
+/* Every thread's own scratch: rows normed or activated (x), and their quantized digits (xq, dx, sx). */
+typedef struct {
+    float *x, *dx, *sx, *scores;
+    int8_t *xq;
+} scratch;
+
+/* x = RMSNorm(h) of S rows, quantized into t (every thread, its own copy). */
+TARGET static inline void normed(const float *h, const float *w, float eps, int S, int K, scratch *t) {
+    const int G = K / 32;
+    for (int r = 0; r < S; r++) {
+        rms_norm_row(h + (size_t)r * K, w, eps, K, t->x + (size_t)r * K);
+        quantize_row(t->x + (size_t)r * K, K, t->xq + (size_t)r * 2 * K, t->dx + (size_t)r * G, t->sx + (size_t)r * G);
+    }
+}
+
+/* silu(gate) * up of S rows of gate_up [S, 2I] (gate then up), quantized into t. */
+TARGET static inline void activated(const float *gate_up, int S, int I, scratch *t) {
+    const int G = I / 32;
+    for (int r = 0; r < S; r++) {
+        const float *gate = gate_up + (size_t)r * 2 * I, *up = gate + I;
+        float *x = t->x + (size_t)r * I;
+        for (int i = 0; i < I; i += 16) {
+            __m512 g = _mm512_loadu_ps(gate + i);
+            __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+            _mm512_storeu_ps(x + i, _mm512_mul_ps(silu, _mm512_loadu_ps(up + i)));
+        }
+        quantize_row(x, I, t->xq + (size_t)r * 2 * I, t->dx + (size_t)r * G, t->sx + (size_t)r * G);
+    }
+}
+
+/* The decoder's layers for S sequences decoding one token each: h [S, hidden] (float32, the embeddings in,
+ * the last layer's output out, in place). positions, slots: [S] int64; tables [S, width] int32; seq_lens [S]
+ * int32, each the context length with the new token. Returns 0, or -1 when scratch could not be allocated
+ * (nothing computed then). */
+TARGET int decode_step(const decode_model *m, float *h, int S, const int64_t *positions, const int64_t *slots,
+                       const int32_t *tables, int width, const int32_t *seq_lens) {
+    const int H = m->hidden, I = m->intermediate, D = m->head_dim;
+    const int width_qkv = (m->heads + 2 * m->kv_heads) * D, widest = I > H ? I : (H > m->heads * D ? H : m->heads * D);
+    int longest = 1;
+    for (int s = 0; s < S; s++) longest = seq_lens[s] > longest ? seq_lens[s] : longest;
+    float *qkv = malloc(sizeof(float) * (size_t)S * width_qkv), *attn = malloc(sizeof(float) * (size_t)S * m->heads * D);
+    float *gate_up = malloc(sizeof(float) * (size_t)S * 2 * I);
+    int failed = !qkv || !attn || !gate_up;
+#pragma omp parallel if (!failed)
+    {
+        scratch t = {malloc(sizeof(float) * (size_t)S * widest), malloc(sizeof(float) * (size_t)S * widest / 32),
+                     malloc(sizeof(float) * (size_t)S * widest / 32), malloc(sizeof(float) * (size_t)(longest + 16)),
+                     malloc((size_t)S * 2 * widest)};
+        int missing = !t.x || !t.dx || !t.sx || !t.scores || !t.xq;
+#pragma omp atomic
+        failed += missing;
+#pragma omp barrier
+        for (int l = 0; l < m->layers && !failed; l++) {
+            const decode_layer *L = &m->layer[l];
+            normed(h, L->input_norm, m->eps, S, H, &t);
+            q4_tiles(t.xq, t.dx, t.sx, S, H, L->qkv.q, L->qkv.s, width_qkv, qkv, NULL);
+#pragma omp for schedule(static)
+            for (int i = 0; i < S * m->kv_heads; i++)
+                attend(m, L, qkv, attn, i / m->kv_heads, i % m->kv_heads, positions, slots, tables, width, seq_lens,
+                       t.scores);
+            for (int r = 0; r < S; r++)  /* the attention's rows, quantized as the o projection takes them */
+                quantize_row(attn + (size_t)r * m->heads * D, m->heads * D, t.xq + (size_t)r * 2 * m->heads * D,
+                             t.dx + (size_t)r * m->heads * D / 32, t.sx + (size_t)r * m->heads * D / 32);
+            q4_tiles(t.xq, t.dx, t.sx, S, m->heads * D, L->o.q, L->o.s, H, h, h);
+            normed(h, L->post_norm, m->eps, S, H, &t);
+            q4_tiles(t.xq, t.dx, t.sx, S, H, L->gate_up.q, L->gate_up.s, 2 * I, gate_up, NULL);
+            activated(gate_up, S, I, &t);
+            q4_tiles(t.xq, t.dx, t.sx, S, I, L->down.q, L->down.s, H, h, h);
+        }
+        free(t.x);
+        free(t.dx);
+        free(t.sx);
+        free(t.scores);
+        free(t.xq);
+    }
+    free(qkv);
+    free(attn);
+    free(gate_up);
+    return failed ? -1 : 0;
+}
