@@ -9,15 +9,16 @@
  * tables, rounded as torch rounds it (no contraction into fma: built with -ffp-contract=off).
  *
  * Why: at one decoding token a layer is ~50 small torch ops of a few microseconds each, as long as its int4
- * matmuls; here a step is one call, and its threads meet at four barriers a layer (one OpenMP region for the
- * whole step). Small row-wise work (norm, activation quantization, SiLU * up) is done by every thread into
- * its own scratch rather than by one thread behind another barrier: at a few rows it costs less than the
- * barrier would.
+ * matmuls; here a step is one call (one OpenMP region), whose threads share each phase's work by claiming
+ * it (below: no barrier waits for a thread that is not running). Small row-wise work (norm, activation
+ * quantization, SiLU * up) is done by every thread into its own scratch rather than by one thread while the
+ * others wait: at a few rows it costs less than the wait would.
  *
  * The KV cache of a layer is float32 [2, blocks, block_size, kv_heads, head_dim] (K then V); token p of
  * sequence s lives in slot tables[s, p / block_size] * block_size + p % block_size, and its own K/V go to
  * slots[s] (the engine's slot_mapping) before it attends to positions 0 .. seq_lens[s] - 1.
  */
+#include <sched.h>
 #include <string.h>
 
 #include "q4_kernel.h"
@@ -159,19 +160,86 @@ TARGET static inline void activated(const float *gate_up, int S, int I, scratch 
     }
 }
 
+/* Phases without barriers. A step is 5 phases a layer (q/k/v, attention, o, gate/up, down), each cut into
+ * units; a thread claims a phase's units one at a time (an atomic counter) and counts the ones it finished
+ * into ``done``. The next phase starts once ``done`` has them all. A thread that the OS has descheduled
+ * (another process on its core: this machine is shared) holds nobody up unless it holds a claimed unit;
+ * with an OpenMP barrier per phase, every phase waited for it: two threads then decoded a fifth as fast as
+ * one. A thread that comes back late finds the phases it missed fully claimed and skips them; the private
+ * preparation it may have started for one (from inputs a later phase has since overwritten) is thrown away
+ * unused, because it claims nothing there. A phase's inputs never change while it still has units to claim:
+ * each is rewritten only by a phase that starts after it ends. */
+typedef struct {
+    int claimed, done;
+    char pad[56]; /* one cache line per phase: the counters of different phases do not share one */
+} phase;
+
+static inline int phase_open(phase *p, int units) {
+    return __atomic_load_n(&p->claimed, __ATOMIC_RELAXED) < units;
+}
+
+static inline int phase_claim(phase *p) { return __atomic_fetch_add(&p->claimed, 1, __ATOMIC_RELAXED); }
+
+static inline void phase_finish(phase *p, int units) {
+    if (units) __atomic_fetch_add(&p->done, units, __ATOMIC_RELEASE);
+}
+
+/* Spin a little (a running thread finishes a unit in microseconds), then yield the core: the thread waited
+ * for may be the one the OS took off it, and may get it back. */
+TARGET static inline void phase_wait(phase *p, int units) {
+    for (int spins = 0; __atomic_load_n(&p->done, __ATOMIC_ACQUIRE) < units; spins++) {
+        if (spins < 2000) _mm_pause();
+        else sched_yield();
+    }
+}
+
+enum { QKV, ATTENTION, O, GATE_UP, DOWN, PHASES };
+
+/* Output rows of a phase's matmul (0: the attention), and its input width. */
+static inline int phase_rows(const decode_model *m, int kind) {
+    const int heads = (m->heads + 2 * m->kv_heads) * m->head_dim;
+    return kind == QKV ? heads : kind == GATE_UP ? 2 * m->intermediate : kind == ATTENTION ? 0 : m->hidden;
+}
+
+static inline int phase_inputs(const decode_model *m, int kind) {
+    return kind == O ? m->heads * m->head_dim : kind == DOWN ? m->intermediate : m->hidden;
+}
+
+/* Output tiles per unit: about 16 units a matmul, so two threads balance and claims stay few. */
+static inline int tiles_per_unit(int tiles) { return tiles >= 32 ? tiles / 16 : 1; }
+
+/* Units of a phase: groups of tiles_per_unit output tiles, or one (sequence, kv head) of the attention. */
+static inline int phase_units(const decode_model *m, int S, int kind) {
+    const int tiles = phase_rows(m, kind) / 16, per = tiles_per_unit(tiles);
+    return kind == ATTENTION ? S * m->kv_heads : (tiles + per - 1) / per;
+}
+
+/* This thread's own copy of phase ``kind``'s quantized input, in t. */
+TARGET static void prepare(const decode_model *m, const decode_layer *L, int kind, const float *h,
+                           const float *attn, const float *gate_up, int S, scratch *t) {
+    const int A = m->heads * m->head_dim;
+    if (kind == QKV || kind == GATE_UP) normed(h, kind == QKV ? L->input_norm : L->post_norm, m->eps, S, m->hidden, t);
+    if (kind == DOWN) activated(gate_up, S, m->intermediate, t);
+    if (kind == O)  /* the attention's rows */
+        for (int r = 0; r < S; r++)
+            quantize_row(attn + (size_t)r * A, A, t->xq + (size_t)r * 2 * A, t->dx + (size_t)r * A / 32,
+                         t->sx + (size_t)r * A / 32);
+}
+
 /* The decoder's layers for S sequences decoding one token each: h [S, hidden] (float32, the embeddings in,
  * the last layer's output out, in place). positions, slots: [S] int64; tables [S, width] int32; seq_lens [S]
  * int32, each the context length with the new token. Returns 0, or -1 when scratch could not be allocated
  * (nothing computed then). */
 TARGET int decode_step(const decode_model *m, float *h, int S, const int64_t *positions, const int64_t *slots,
                        const int32_t *tables, int width, const int32_t *seq_lens) {
-    const int H = m->hidden, I = m->intermediate, D = m->head_dim;
-    const int width_qkv = (m->heads + 2 * m->kv_heads) * D, widest = I > H ? I : (H > m->heads * D ? H : m->heads * D);
+    const int H = m->hidden, I = m->intermediate, A = m->heads * m->head_dim, last = m->layers * PHASES - 1;
+    const int widest = I > H ? (I > A ? I : A) : (H > A ? H : A);
     int longest = 1;
     for (int s = 0; s < S; s++) longest = seq_lens[s] > longest ? seq_lens[s] : longest;
-    float *qkv = malloc(sizeof(float) * (size_t)S * width_qkv), *attn = malloc(sizeof(float) * (size_t)S * m->heads * D);
+    float *qkv = malloc(sizeof(float) * (size_t)S * phase_rows(m, QKV)), *attn = malloc(sizeof(float) * (size_t)S * A);
     float *gate_up = malloc(sizeof(float) * (size_t)S * 2 * I);
-    int failed = !qkv || !attn || !gate_up;
+    phase *phases = calloc((size_t)m->layers * PHASES, sizeof(phase));
+    int failed = !qkv || !attn || !gate_up || !phases;
 #pragma omp parallel if (!failed)
     {
         scratch t = {malloc(sizeof(float) * (size_t)S * widest), malloc(sizeof(float) * (size_t)S * widest / 32),
@@ -181,23 +249,28 @@ TARGET int decode_step(const decode_model *m, float *h, int S, const int64_t *po
 #pragma omp atomic
         failed += missing;
 #pragma omp barrier
-        for (int l = 0; l < m->layers && !failed; l++) {
-            const decode_layer *L = &m->layer[l];
-            normed(h, L->input_norm, m->eps, S, H, &t);
-            q4_tiles(t.xq, t.dx, t.sx, S, H, L->qkv.q, L->qkv.s, width_qkv, qkv, NULL);
-#pragma omp for schedule(static)
-            for (int i = 0; i < S * m->kv_heads; i++)
-                attend(m, L, qkv, attn, i / m->kv_heads, i % m->kv_heads, positions, slots, tables, width, seq_lens,
-                       t.scores);
-            for (int r = 0; r < S; r++)  /* the attention's rows, quantized as the o projection takes them */
-                quantize_row(attn + (size_t)r * m->heads * D, m->heads * D, t.xq + (size_t)r * 2 * m->heads * D,
-                             t.dx + (size_t)r * m->heads * D / 32, t.sx + (size_t)r * m->heads * D / 32);
-            q4_tiles(t.xq, t.dx, t.sx, S, m->heads * D, L->o.q, L->o.s, H, h, h);
-            normed(h, L->post_norm, m->eps, S, H, &t);
-            q4_tiles(t.xq, t.dx, t.sx, S, H, L->gate_up.q, L->gate_up.s, 2 * I, gate_up, NULL);
-            activated(gate_up, S, I, &t);
-            q4_tiles(t.xq, t.dx, t.sx, S, I, L->down.q, L->down.s, H, h, h);
+        for (int p = 0; p <= last && !failed; p++) {
+            const decode_layer *L = &m->layer[p / PHASES];
+            const int kind = p % PHASES, units = phase_units(m, S, kind);
+            if (p > 0) phase_wait(&phases[p - 1], phase_units(m, S, (p - 1) % PHASES));
+            if (!phase_open(&phases[p], units)) continue;
+            prepare(m, L, kind, h, attn, gate_up, S, &t);
+            const q4_weight *w = kind == QKV ? &L->qkv : kind == O ? &L->o : kind == GATE_UP ? &L->gate_up : &L->down;
+            float *out = kind == QKV ? qkv : kind == GATE_UP ? gate_up : h;
+            const int N = phase_rows(m, kind), K = phase_inputs(m, kind), per = tiles_per_unit(N / 16);
+            int finished = 0;
+            for (int u; (u = phase_claim(&phases[p])) < units; finished++) {
+                if (kind == ATTENTION) {
+                    attend(m, L, qkv, attn, u / m->kv_heads, u % m->kv_heads, positions, slots, tables, width,
+                           seq_lens, t.scores);
+                } else {  /* o and down add their product to h: the residual */
+                    const int end = (u + 1) * per < N / 16 ? (u + 1) * per : N / 16;
+                    q4_tile_range(t.xq, t.dx, t.sx, S, K, w->q, w->s, N, out, out == h ? h : NULL, u * per, end);
+                }
+            }
+            phase_finish(&phases[p], finished);
         }
+        if (!failed) phase_wait(&phases[last], phase_units(m, S, last % PHASES));
         free(t.x);
         free(t.dx);
         free(t.sx);
@@ -207,5 +280,6 @@ TARGET int decode_step(const decode_model *m, float *h, int S, const int64_t *po
     free(qkv);
     free(attn);
     free(gate_up);
+    free(phases);
     return failed ? -1 : 0;
 }

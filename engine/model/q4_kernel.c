@@ -20,7 +20,8 @@ TARGET void q4_matmul(const float *x, int M, int K, const uint8_t *qpack, const 
 #pragma omp for schedule(static)
         for (int r = 0; r < M; r++)
             quantize_row(x + (size_t)r * K, K, xq + (size_t)r * 2 * K, dx + (size_t)r * G, sx + (size_t)r * G);
-        q4_tiles(xq, dx, sx, M, K, qpack, scales, N, out, NULL);
+#pragma omp for schedule(static)
+        for (int t = 0; t < N / 16; t++) q4_tile_range(xq, dx, sx, M, K, qpack, scales, N, out, NULL, t, t + 1);
     }
     free(xq);
     free(dx);

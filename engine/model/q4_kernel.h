@@ -101,15 +101,13 @@ TARGET static inline __attribute__((always_inline)) void tile_rows(
     }
 }
 
-/* out [M, N] (= res + x W^T with res, which may be out itself) from x already quantized (xq, dx, sx as
- * quantize_row leaves them, M rows), the output tiles shared among the threads of the enclosing OpenMP
- * region (an orphaned ``omp for``: every thread of the team must call it; it ends at a barrier). */
-TARGET static inline void q4_tiles(const int8_t *xq, const float *dx, const float *sx, int M, int K,
-                                   const uint8_t *qpack, const uint16_t *scales, int N, float *out,
-                                   const float *res) {
-    const int G = K / 32, tiles = N / 16;
-#pragma omp for schedule(static)
-    for (int t = 0; t < tiles; t++) {
+/* Tiles t0 .. t1 - 1 of out [M, N] (= res + x W^T with res, which may be out itself) from x already
+ * quantized (xq, dx, sx as quantize_row leaves them, M rows). */
+TARGET static inline void q4_tile_range(const int8_t *xq, const float *dx, const float *sx, int M, int K,
+                                        const uint8_t *qpack, const uint16_t *scales, int N, float *out,
+                                        const float *res, int t0, int t1) {
+    const int G = K / 32;
+    for (int t = t0; t < t1; t++) {
         const uint8_t *qt = qpack + (size_t)t * K * 8;
         const uint16_t *st = scales + (size_t)t * G * 32;
         const size_t at = 16 * (size_t)t;
