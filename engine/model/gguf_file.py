@@ -38,13 +38,13 @@ def open_gguf(path: Path) -> GGUFReader:
     if magic != GGUF_MAGIC:
         raise ModelLoadError(f"{path}: not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r})")
     try:
-        return _PlainArrayReader(path)
+        return PlainArrayReader(path)
     except Exception as exc:  # noqa: BLE001 - the reader raises whatever numpy raises on short or bad data
         size = path.stat().st_size
         raise ModelLoadError(f"{path}: truncated or corrupt GGUF file ({size} bytes): {exc}") from None
 
 
-class _PlainArrayReader(GGUFReader):
+class PlainArrayReader(GGUFReader):
     """The reader over a plain ndarray view of its memory map instead of the ``np.memmap`` itself.
 
     The reader slices its data once or more per metadata value (a vocabulary of 49,152 strings and as many

@@ -15,7 +15,7 @@ import pytest
 import torch
 import transformers
 from support.gguf_files import ALL_TYPES, CHATML, write_tiny_gguf
-from support.hf_reference import hf_greedy, hf_last_logits
+from support.hf_reference import hf_greedy, hf_last_logits, hf_model_from_gguf
 from support.processes import run_command
 from support.single_sequence import SingleSequence
 
@@ -42,8 +42,7 @@ def tiny_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(tiny_file: Path) -> transformers.PreTrainedModel:
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        str(tiny_file.parent), gguf_file=tiny_file.name, dtype=torch.float32).eval()
+    return hf_model_from_gguf(tiny_file)
 
 
 @pytest.fixture(scope="module")

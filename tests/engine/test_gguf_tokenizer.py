@@ -26,10 +26,10 @@ from typing import Any
 import gguf
 import pytest
 import tokenizers
-import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from support import ROOT
+from support.hf_reference import hf_tokenizer_from_gguf
 from tokenizers import pre_tokenizers
 
 from engine.model.sources import smollm2_path
@@ -79,7 +79,7 @@ def vocab(reader: gguf.GGUFReader) -> GGUFVocab:
 def reference() -> Any:
     """transformers' tokenizer for the same file, with SmolLM2's own split (see the module docstring)."""
     path = smollm2_path()
-    hf = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    hf = hf_tokenizer_from_gguf(path)
     hf.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
     )
@@ -164,7 +164,7 @@ def flavours(reader: gguf.GGUFReader, tmp_path_factory: pytest.TempPathFactory) 
     result = {}
     for pre in PRE_FLAVOURS:
         path = _write_gguf(directory / f"{pre}.gguf", "gpt2", tokens, types, pre=pre, merges=merges, add_bos=False)
-        hf = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=path.name)
+        hf = hf_tokenizer_from_gguf(path)
         result[pre] = (read_gguf_vocab(gguf.GGUFReader(path)), hf)
     return result
 
@@ -191,8 +191,7 @@ def sentencepiece(tmp_path_factory: pytest.TempPathFactory) -> tuple[GGUFVocab, 
     scores = [0.0] * 259 + [-float(rank) for rank in range(len(pieces))]  # earlier pieces merge first
     directory = tmp_path_factory.mktemp("gguf-spm")
     path = _write_gguf(directory / "spm.gguf", "llama", tokens, types, scores=scores, add_bos=True)
-    return read_gguf_vocab(gguf.GGUFReader(path)), transformers.AutoTokenizer.from_pretrained(
-        directory, gguf_file=path.name)
+    return read_gguf_vocab(gguf.GGUFReader(path)), hf_tokenizer_from_gguf(path)
 
 
 @settings(max_examples=50, deadline=None)

@@ -174,7 +174,7 @@ def test_engine_greedy_tokens_match_the_torch_backend() -> None:
     # Four-token blocks and a 16-token budget: prompts are chunked, blocks are crossed, and most steps mix
     # prefill chunks with decodes. fp32 everywhere, so that the backends can only differ by summation order.
     prompts = ["The quick brown fox", "Hello", "paged attention, split over the context"]
-    params = SamplingParams(max_tokens=12, temperature=0.0)
+    params = SamplingParams(max_tokens=6, temperature=0.0)  # Triton's interpreter: ~0.5 s a step
     outputs = {}
     for backend in ("torch", "triton"):
         llm = LLM("tiny", device=DEVICE.type, dtype="float32", num_blocks=64, block_size=4,

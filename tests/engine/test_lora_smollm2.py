@@ -8,9 +8,7 @@ makes the same claims on a random Llama in the default suite."""
 from __future__ import annotations
 
 import pytest
-import torch
-import transformers
-from support.hf_reference import hf_greedy
+from support.hf_reference import hf_greedy, hf_model_from_gguf
 from support.lora_adapters import add_peft_adapters
 
 from engine import LLM, SamplingParams
@@ -26,8 +24,7 @@ SPECS = {"support": {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "k_p
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory):
     path = smollm2_path()
-    base = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                             dtype=torch.float32).eval()
+    base = hf_model_from_gguf(path)
     directory = tmp_path_factory.mktemp("smollm2-lora")
     reference = add_peft_adapters(base, directory, SPECS)
     # Blocks of 4 and 20 of them: nine ~25-token sequences need about 60, so they preempt each other.

@@ -6,10 +6,18 @@ produce exactly ``max_tokens`` tokens whichever ids a model treats as end-of-gen
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
+import gguf
 import torch
 import transformers
+
+from engine.model.gguf_file import PlainArrayReader
 
 # A Llama/Qwen2 config small enough to build in a test, with GQA and more than one layer.
 SMALL = {
@@ -21,6 +29,34 @@ SMALL = {
     "num_key_value_heads": 2,
     "max_position_embeddings": 256,
 }
+
+
+@contextlib.contextmanager
+def _quick_gguf_parsing() -> Iterator[None]:
+    """transformers' GGUF loading with two of gguf-py's costs taken off, not its results.
+
+    transformers parses the file with ``gguf.GGUFReader``, whose ``np.memmap`` runs Python's
+    ``__array_finalize__`` on every one of ~500,000 slices for SmolLM2's vocabulary; the engine's
+    ``PlainArrayReader`` is the same reader over a plain view of the same map. It also rebuilds
+    ``get_tensor_name_map(arch, layers)`` (a pure function) once per module of the model, ~400 times.
+    Together ~35 s of the ~45 s SmolLM2 took to load on the 2-core VM.
+    """
+    with mock.patch.object(gguf, "GGUFReader", PlainArrayReader), \
+            mock.patch.object(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map)):
+        yield
+
+
+def hf_model_from_gguf(path: Path) -> transformers.PreTrainedModel:
+    """transformers' own fp32 model from a GGUF file (its dequantization and Q/K un-permutation), in eval mode."""
+    with _quick_gguf_parsing():
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def hf_tokenizer_from_gguf(path: Path) -> Any:
+    """transformers' own tokenizer built from a GGUF file's vocabulary."""
+    with _quick_gguf_parsing():
+        return transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
 
 
 def hf_greedy(model: transformers.PreTrainedModel, prompt: list[int], max_tokens: int) -> list[int]:
