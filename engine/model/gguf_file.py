@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from gguf import GGUFReader, GGUFValueType, ReaderField
 
 from engine.model.errors import ModelLoadError
+from engine.prompting.gguf_reader import PlainArrayReader
 
 GGUF_MAGIC = b"GGUF"
 _INTEGER_TYPES = frozenset({
@@ -42,24 +42,6 @@ def open_gguf(path: Path) -> GGUFReader:
     except Exception as exc:  # noqa: BLE001 - the reader raises whatever numpy raises on short or bad data
         size = path.stat().st_size
         raise ModelLoadError(f"{path}: truncated or corrupt GGUF file ({size} bytes): {exc}") from None
-
-
-class PlainArrayReader(GGUFReader):
-    """The reader over a plain ndarray view of its memory map instead of the ``np.memmap`` itself.
-
-    The reader slices its data once or more per metadata value (a vocabulary of 49,152 strings and as many
-    merges is about 250,000 slices), and every slice of an ``np.memmap`` runs ``memmap.__array_finalize__``
-    in Python; a plain view slices in C. Same bytes, same mapping (the view keeps it alive), 2-4x faster to
-    open SmolLM2's file (2.7 s before on this 2-core VM). Tensors' ``data`` are plain views too.
-    """
-
-    @property
-    def data(self) -> np.ndarray:
-        return self._plain_data
-
-    @data.setter
-    def data(self, mapped: np.ndarray) -> None:
-        self._plain_data = mapped.view(np.ndarray)
 
 
 @dataclass(slots=True, frozen=True)

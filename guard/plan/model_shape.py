@@ -113,10 +113,10 @@ def _safetensors_parameters(path: Path) -> int:
 def _gguf_shape(path: Path) -> tuple[int, int, int, int, int | None]:
     """Layers, KV heads, head size, parameter count and context window (``{arch}.context_length``, None when
     absent) from llama.cpp's ``{arch}.*`` metadata keys."""
-    from gguf import GGUFReader  # numpy-heavy and slow to parse a vocabulary: only when a GGUF is named
+    from engine.prompting.gguf_reader import PlainArrayReader  # numpy-heavy: only when a GGUF is named
 
     try:
-        reader = GGUFReader(path)
+        reader = PlainArrayReader(path)
     except Exception as exc:  # noqa: BLE001 - the reader raises whatever numpy raises on a bad file
         raise PlanError(f"{path}: not a readable GGUF file: {exc}") from None
 

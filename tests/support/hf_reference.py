@@ -17,7 +17,7 @@ import gguf
 import torch
 import transformers
 
-from engine.model.gguf_file import PlainArrayReader
+from engine.prompting.gguf_reader import PlainArrayReader
 
 # A Llama/Qwen2 config small enough to build in a test, with GQA and more than one layer.
 SMALL = {
