@@ -15,6 +15,8 @@
  */
 #include "q4_kernel.h"
 
+int native_threads(void); /* decode_step.c: one thread while the machine's other cores are taken */
+
 #define INT8_MAX_ROWS 8 /* rows of x per call: their weights stay in registers across the rows */
 
 /* out [M, N] = (x [M, K] W^T) * scales[N]; M <= INT8_MAX_ROWS, K % 64 == 0, K <= 1024 (the caller checks).
@@ -35,7 +37,7 @@ TARGET int int8_matmul(const float *x, int M, int K, const int8_t *w, const floa
         for (int c = 0; c < chunks; c++)
             for (int i = 0; i < 16; i++) steps[((size_t)r * chunks + c) * 16 + i] = dx[r * G + 2 * c + i / 8] / 254.0f;
     }
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(native_threads())
     for (int n = 0; n < N; n++) {
         __m512i weights[16], sums[16];
         const __m512i ones = _mm512_set1_epi8(1);
