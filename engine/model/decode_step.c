@@ -207,8 +207,8 @@ TARGET static inline double phase_wait(phase *p, int units) {
     return since == 0 ? 0 : now() - since;
 }
 
-/* When the other threads kept the calling one waiting (yielding) for more than CONTENDED_S in a step, the
- * next SOLO_STEPS steps, and the LM head's product with them (int8_kernel.c), run on the calling thread
+/* When the other threads kept the calling one waiting (yielding) for more than CONTENDED_S and a fifth of a
+ * step (a step of 32 sequences is ten times one stream's), the next SOLO_STEPS steps, and the LM head's product with them (int8_kernel.c), run on the calling thread
  * alone; then the threads are tried again. A thread that another process holds off its core for a time
  * slice holds up whichever unit it has claimed, and OpenMP's region end: with one of the two cores taken,
  * two threads decoded one stream at a quarter of one thread's speed (33.6 against 128 tokens/s in two
@@ -275,6 +275,7 @@ TARGET int decode_step(const decode_model *m, float *h, int S, const int64_t *po
                            malloc(sizeof(float) * (size_t)(longest + 16)), malloc((size_t)S * 2 * widest)};
         failed |= !own[i].x || !own[i].dx || !own[i].sx || !own[i].scores || !own[i].xq;
     }
+    const double started = now();
     double waited = 0, finished_at = 0;  /* the calling thread's time yielding, and when its own work ended */
 #pragma omp parallel num_threads(threads) if (!failed)
     {
@@ -313,8 +314,9 @@ TARGET int decode_step(const decode_model *m, float *h, int S, const int64_t *po
         free(own[i].scores);
         free(own[i].xq);
     }
-    if (!failed && threads > 1 && waited + (now() - finished_at) > CONTENDED_S)  /* + the region's end */
-        solo_steps = SOLO_STEPS;
+    const double ended = now();
+    waited += ended - finished_at;  /* the region's end */
+    if (!failed && threads > 1 && waited > CONTENDED_S && waited > 0.2 * (ended - started)) solo_steps = SOLO_STEPS;
     free(qkv);
     free(attn);
     free(gate_up);
