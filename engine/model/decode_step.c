@@ -208,8 +208,8 @@ TARGET static inline double phase_wait(phase *p, int units) {
 }
 
 /* When the other threads kept the calling one waiting (yielding) for more than CONTENDED_S and a fifth of a
- * step (a step of 32 sequences is ten times one stream's), the next SOLO_STEPS steps, and the LM head's product with them (int8_kernel.c), run on the calling thread
- * alone; then the threads are tried again. A thread that another process holds off its core for a time
+ * step (a step of 32 sequences is ten times one stream's), the next SOLO_STEPS steps, and the LM head's
+ * product with them (int8_kernel.c), run on the calling thread alone; then the threads are tried again. A thread that another process holds off its core for a time
  * slice holds up whichever unit it has claimed, and OpenMP's region end: with one of the two cores taken,
  * two threads decoded one stream at a quarter of one thread's speed (33.6 against 128 tokens/s in two
  * rounds of one locked run). Only the engine's step thread calls these: steps never overlap. */

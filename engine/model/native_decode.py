@@ -85,8 +85,8 @@ class NativeDecoder:
     def applies(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> bool:
         """Whether this step is one the native call does: one new token per sequence, float32, no adapter."""
-        return (meta.max_query_len == 1 and positions.dtype == torch.int64 and hidden.shape[0] == meta.num_seqs and hidden.dtype == torch.float32
-                and not hidden.is_cuda and kv_caches[0].dtype == torch.float32
+        return (meta.max_query_len == 1 and positions.dtype == torch.int64 and hidden.shape[0] == meta.num_seqs
+                and hidden.dtype == torch.float32 and not hidden.is_cuda and kv_caches[0].dtype == torch.float32
                 and self.first_attention.lora is NO_LORA)
 
     def run(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
