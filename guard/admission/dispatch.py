@@ -43,6 +43,7 @@ from guard.admission.fairness import FairQueue, TenantQueue
 from guard.config import GuardConfig, Lane, Tenant
 from guard.errors import GuardError
 from guard.pool.gate import engine_priority
+from guard.pool.latency import Sent
 from guard.pool.pool import ReplicaPool
 from guard.pool.replica import Replica
 from guard.pool.scheduling import Candidate, Profile
@@ -91,7 +92,7 @@ class Ticket:
     uncached: int = 0  # its prompt tokens the replica has to prefill, until its first token (latency model)
     work: int = 0  # prefill tokens ahead of it on its replica when admitted, its own included
     priority: int = 0  # the engine priority it runs at, once admitted
-    band: tuple[int, bool] | None = None  # its load band there when admitted (guard/pool/latency.py)
+    sent: Sent | None = None  # its load band and the requests running there when admitted (guard/pool/latency.py)
 
 
 class Dispatcher:
@@ -296,7 +297,7 @@ class Dispatcher:
             cached = ticket.hit_blocks * snapshot.block_size if snapshot is not None else 0
             ticket.uncached = max(0, ticket.prompt_tokens - cached)
             ticket.priority = engine_priority(ticket.lane.priority, ticket.borrowed)
-            ticket.work, ticket.band = ticket.replica.latency.admitted(ticket.priority, ticket.uncached)
+            ticket.work, ticket.sent = ticket.replica.latency.admitted(ticket.priority, ticket.uncached)
         self.running.setdefault(queue.name, set()).add(ticket)
         if ticket.admitted is not None:  # None while submit is admitting it itself
             ticket.admitted.set_result(None)
@@ -322,7 +323,7 @@ class Dispatcher:
         latency = ticket.replica.latency
         latency.started(ticket.priority, ticket.uncached)
         if after_s is not None:
-            latency.observe_ttft(ticket.priority, ticket.work, after_s, ticket.band)
+            latency.observe_ttft(ticket.priority, ticket.work, after_s, ticket.sent)
         ticket.uncached = ticket.work = 0
 
     def charge_output(self, ticket: Ticket, output_tokens: int) -> None:
@@ -336,6 +337,7 @@ class Dispatcher:
         elif ticket.state is TicketState.ADMITTED:
             assert ticket.replica is not None  # set with the reservation
             self.started(ticket)  # ended without a first token: its prefill is ahead of nobody now
+            ticket.replica.latency.finished()  # counted running there by _admitted
             ticket.replica.gate.release(ticket.request_id)
             ticket.replica.finished()
             running = self.running[ticket.tenant.name]

@@ -23,7 +23,7 @@ from guard.admission.slo import BacklogPace, Departures, objective_for
 from guard.config import ConfigError, Lane, Routing, load_config
 from guard.console.app import CONSOLE
 from guard.errors import GuardError
-from guard.pool.latency import MIN_FIT, LatencyModel
+from guard.pool.latency import MIN_FIT, LatencyModel, Sent
 from guard.pool.scheduling import profile_for
 
 SLO_LANES = """
@@ -82,27 +82,54 @@ def test_the_latency_model_learns_base_and_prefill_rate_and_counts_work_by_engin
     for i in range(3 * MIN_FIT):  # engine TTFT = 20 ms + 0.2 ms per token of work ahead
         work = 50 + 97 * (i % 7)
         model.observe_ttft(1, work, 0.020 + 2e-4 * work)
-    base, per_token = model.coefficients(1)
+    base, per_token, per_running = model.coefficients(1)
     assert base == pytest.approx(0.020, rel=0.02) and per_token == pytest.approx(2e-4, rel=0.02)
-    assert model.coefficients(104) == (base, per_token), "a priority not seen yet: the fit over all of them"
+    assert per_running == 0.0, "nothing known to be running: no slope for it"
+    assert model.coefficients(104) == (base, per_token, 0.0), "a priority not seen yet: the fit over all of them"
     for i in range(MIN_FIT):
         model.observe_ttft(104, 300, 0.5)
     assert model.predict_ttft(104, 300) == pytest.approx(0.5, rel=0.01), "then its own"
-    assert model.admitted(1, 100) == (100, (1, False))
-    assert model.admitted(104, 500) == (600, (104, False)), "a borrower's prefill waits for every higher priority's"
+    assert model.admitted(1, 100) == (100, Sent((1, False), 0))
+    assert model.admitted(104, 500) == (600, Sent((104, False), 1)), \
+        "a borrower's prefill waits for every higher priority's, beside one request running"
     assert model.band(1) == (1, True), "a lower priority's prefill in flight: another band"
     assert model.ahead(1) == 100, "a lower priority's prefill is not ahead of a critical request"
     assert model.predict_ttft(1, 50) == pytest.approx(0.020 + 2e-4 * 150, rel=0.02)
     model.started(1, 100)
     model.started(104, 500)
     assert model.pending == {} and model.ahead(200) == 0
+    for _ in range(3):
+        model.finished()
+    assert model.running == 0, "never below nothing running"
+
+
+def test_the_latency_model_learns_what_each_request_running_beside_a_prefill_costs() -> None:
+    """Engine TTFT = 5 ms + 0.2 ms per token of work + 1.5 ms per request already running: the fit finds all
+    three, and an interactive prompt (the same work every time) still gets the running term."""
+    model = LatencyModel()
+    for i in range(6 * MIN_FIT):
+        work, running = 50 + 97 * (i % 7), (5 * i) % 21
+        model.observe_ttft(1, work, 0.005 + 2e-4 * work + 1.5e-3 * running, Sent((1, False), running))
+    base, per_token, per_running = model.coefficients(1)
+    assert (base, per_token, per_running) == pytest.approx((0.005, 2e-4, 1.5e-3), rel=0.02)
+    for i in range(6 * MIN_FIT):  # another priority: always 54 tokens, so no slope per token to fit
+        running = (3 * i) % 17
+        model.observe_ttft(2, 54, 0.010 + 1.5e-3 * running, Sent((2, False), running))
+    for _ in range(12):  # requests sent here, their first tokens come: only running now
+        model.admitted(2, 54)
+        model.started(2, 54)
+    assert model.running == 12 and model.ahead(2) == 0
+    assert model.predict_ttft(2, 54) == pytest.approx(0.010 + 1.5e-3 * 12, rel=0.02)
+    for _ in range(12):
+        model.finished()
+    assert model.predict_ttft(2, 54) == pytest.approx(0.010, rel=0.02), "the batch has drained"
 
 
 def test_a_band_the_fit_misses_is_corrected_by_its_residual() -> None:
     model = LatencyModel()
     for _ in range(3 * MIN_FIT):  # alone: 20 ms; with a borrower's prefill in flight: 60 ms (its step first)
-        model.observe_ttft(1, 50, 0.020, (1, False))
-        model.observe_ttft(1, 50, 0.060, (1, True))
+        model.observe_ttft(1, 50, 0.020, Sent((1, False), 0))
+        model.observe_ttft(1, 50, 0.060, Sent((1, True), 0))
     alone = model.predict_ttft(1, 50)
     model.admitted(104, 500)
     behind = model.predict_ttft(1, 50)
@@ -117,8 +144,10 @@ async def test_critical_work_reclaims_what_sheddable_work_holds_and_goes_first(t
     critical = slo_ticket(dispatcher, 0, 15, "critical")
     await asyncio.wait_for(dispatcher.submit(critical), 1.0)
     assert critical.state is TicketState.ADMITTED and critical.borrowed == 0, "admitted at once, reclaiming"
+    assert sum(r.latency.running for r in dispatcher.pool.replicas) == 2, "both running in the TTFT model"
     for t in (bulk, critical):
         dispatcher.finish(t)
+    assert all(r.latency.running == 0 for r in dispatcher.pool.replicas), "ended: running nowhere"
     # The budget held by critical work: a sheddable ticket queues first, with the lower VTC counter, then a
     # critical one; of the 25 blocks a release frees, the critical one takes 10 and the sheddable one's 20
     # no longer fit.
