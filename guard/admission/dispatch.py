@@ -297,7 +297,8 @@ class Dispatcher:
             cached = ticket.hit_blocks * snapshot.block_size if snapshot is not None else 0
             ticket.uncached = max(0, ticket.prompt_tokens - cached)
             ticket.priority = engine_priority(ticket.lane.priority, ticket.borrowed)
-            ticket.work, ticket.sent = ticket.replica.latency.admitted(ticket.priority, ticket.uncached)
+            ticket.work, ticket.sent = ticket.replica.latency.admitted(  # in_flight has it since its reservation
+                ticket.priority, ticket.uncached, ticket.replica.in_flight - 1)
         self.running.setdefault(queue.name, set()).add(ticket)
         if ticket.admitted is not None:  # None while submit is admitting it itself
             ticket.admitted.set_result(None)
@@ -337,7 +338,6 @@ class Dispatcher:
         elif ticket.state is TicketState.ADMITTED:
             assert ticket.replica is not None  # set with the reservation
             self.started(ticket)  # ended without a first token: its prefill is ahead of nobody now
-            ticket.replica.latency.finished()  # counted running there by _admitted
             ticket.replica.gate.release(ticket.request_id)
             ticket.replica.finished()
             running = self.running[ticket.tenant.name]

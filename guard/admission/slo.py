@@ -284,8 +284,8 @@ def predicted_ttft(pool: ReplicaPool, departures: Departures, ticket: Judged, ah
     if wait is not None:
         wait = correction.correct(ticket.wait_key, wait)
     priority = engine_priority(ticket.lane.priority, ticket.lane.priority_class == SHEDDABLE)
-    engine = min((r.latency.predict_ttft(priority, ticket.prompt_tokens) for r in pool.replicas if r.usable()),
-                 default=0.0)
+    engine = min((r.latency.predict_ttft(priority, ticket.prompt_tokens, r.in_flight) for r in pool.replicas
+                  if r.usable()), default=0.0)
     ticket.predicted_queue = queue = time.monotonic() - ticket.arrived + (wait or 0.0)
     ticket.predicted_engine = engine
     return queue + engine, wait

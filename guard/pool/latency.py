@@ -1,7 +1,7 @@
 """A replica's latency model, learned online: what TTFT and TPOT a request sent there now would see.
 
     engine TTFT = base + per_token x (prefill tokens ahead + the request's uncached prompt tokens)
-                       + per_running x requests running here (the guard's, sent and not ended)
+                       + per_running x requests running here (``Replica.in_flight``: the guard's)
 
 ``prefill tokens ahead`` are the uncached prompt tokens of the guard's requests already sent to the replica
 that have no first token yet and run at the same engine priority or a higher one (the engine prefills
@@ -136,7 +136,6 @@ class LatencyModel:
     _step_s: float = 0.0  # the telemetry's mean step time
     _itl_s: float = 0.0  # the telemetry's mean decode step
     _tpot_s: float | None = None  # observed mean gap between tokens, weighted
-    running: int = 0  # requests sent here and not ended (``admitted`` counts them, ``finished`` uncounts)
 
     def on_snapshot(self, snapshot: TelemetrySnapshot) -> None:
         self._step_s = snapshot.step_time_s
@@ -150,18 +149,13 @@ class LatencyModel:
         """The load band a request sent now at ``priority`` is in (see the module docstring)."""
         return priority, any(tokens for at, tokens in self.pending.items() if at > priority)
 
-    def admitted(self, priority: int, uncached_tokens: int) -> tuple[int, Sent]:
-        """A request with ``uncached_tokens`` to prefill was sent here at engine ``priority``; returns the
-        work ahead of it (its own included) and what else it met, which ``observe_ttft`` is given back with
-        its first token. It runs until ``finished``."""
-        sent = Sent(self.band(priority), self.running)
+    def admitted(self, priority: int, uncached_tokens: int, running: int) -> tuple[int, Sent]:
+        """A request with ``uncached_tokens`` to prefill was sent here at engine ``priority``, beside
+        ``running`` other requests of the guard's; returns the work ahead of it (its own included) and what
+        else it met, which ``observe_ttft`` is given back with its first token."""
+        sent = Sent(self.band(priority), running)
         self.pending[priority] = self.pending.get(priority, 0) + uncached_tokens
-        self.running += 1
         return self.ahead(priority), sent
-
-    def finished(self) -> None:
-        """A request ``admitted`` here ended."""
-        self.running = max(0, self.running - 1)
 
     def started(self, priority: int, uncached_tokens: int) -> None:
         """The request's first token came (or it ended without one): its prefill is no longer ahead of anyone."""
@@ -185,10 +179,10 @@ class LatencyModel:
         base, per_token, per_running = self.coefficients(priority)
         return base + per_token * work + per_running * running
 
-    def predict_ttft(self, priority: int, uncached_tokens: int) -> float:
+    def predict_ttft(self, priority: int, uncached_tokens: int, running: int) -> float:
         """Seconds from being sent here at engine ``priority`` to the first token, for a request with
-        ``uncached_tokens`` to prefill, with what is pending and running here now."""
-        fitted = self.fitted(priority, self.ahead(priority) + uncached_tokens, self.running)
+        ``uncached_tokens`` to prefill, with what is pending here now and ``running`` requests of the guard's."""
+        fitted = self.fitted(priority, self.ahead(priority) + uncached_tokens, running)
         return self._residual.correct(self.band(priority), fitted)
 
     def observe_ttft(self, priority: int, work: int, seconds: float, sent: Sent | None = None) -> None:

@@ -114,4 +114,4 @@ def predicted_ttft(replica: Replica, ctx: Context) -> float:
     prompts' blocks cached there not counted."""
     snapshot = replica.gate.snapshot
     cached = ctx.hits.get(replica, 0) * snapshot.block_size if snapshot is not None else 0
-    return replica.latency.predict_ttft(ctx.priority, max(0, ctx.prompt_tokens - cached))
+    return replica.latency.predict_ttft(ctx.priority, max(0, ctx.prompt_tokens - cached), replica.in_flight)
