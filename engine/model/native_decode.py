@@ -4,7 +4,7 @@ At one decoding token a SmolLM2 layer was ~50 small torch ops (views, RoPE, the 
 gather and softmax, residual adds, SiLU * up), each a few microseconds of dispatch: as long as the layer's
 int4 matmuls, and no shorter with a second thread. ``NativeDecoder.run`` does what the layers' torch path
 does (llama.py, with the torch attention backend) for a step in which every sequence decodes one token, in
-one C call whose threads meet at four barriers a layer.
+one C call whose threads share each phase's work by claiming it (decode_step.c).
 
 It applies (``decoder_for``) when the native library is built (q4_native: ``KVGUARD_Q4_NATIVE=0`` turns
 both off; ``KVGUARD_NATIVE_DECODE=0`` this alone), every layer's projections are fused int4 ``Q4Linear``
