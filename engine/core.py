@@ -190,10 +190,15 @@ class EngineCore:
             return None
         for seq in request.seqs:
             self.scheduler.finish(seq, "abort")
-        return self.output_processor.output(request)
+        return self.output_processor.output(request, True)
 
-    def step(self) -> list[RequestOutput]:
-        """Run one step; return the requests that produced tokens or ended in it."""
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """Run one step; return the requests that produced tokens or ended in it.
+
+        ``finished_only``: return only the requests that ended, for a caller that waits for final outputs
+        (``LLM.generate``): an output per request per step is most of the host work of a large decode batch
+        after the schedule, and a streaming server needs it (text deltas, inter-token latency), not they.
+        """
         if not self.scheduler.has_work:
             return []
         started = time.perf_counter()
@@ -209,9 +214,12 @@ class EngineCore:
         self.stats.on_step(time.perf_counter() - started, result.num_tokens, out.has_decode, result.bytes_moved)
         outputs = []
         for request in touched:
-            if request.finished:
+            finished = request.finished
+            if finished:
                 del self.requests[request.request_id]
-            outputs.append(self.output_processor.output(request))
+            elif finished_only:
+                continue
+            outputs.append(self.output_processor.output(request, finished))
         return outputs
 
     def telemetry(self, healthy: bool = True) -> TelemetrySnapshot:

@@ -72,9 +72,8 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         try:
             while len(finished) < count:
-                for output in self.core.step():
-                    if output.finished:
-                        finished[output.request_id] = output
+                for output in self.core.step(finished_only=True):
+                    finished[output.request_id] = output
         finally:
             # An interrupted generate (KeyboardInterrupt, a failing forward) must not strand blocks.
             for request in requests:

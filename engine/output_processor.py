@@ -58,14 +58,15 @@ class OutputProcessor:
             seq.text += detokenizer.flush()
         return reason
 
-    def output(self, request: Request) -> RequestOutput:
+    def output(self, request: Request, finished: bool) -> RequestOutput:
+        """The request's completions so far; ``finished`` is ``request.finished``, which the caller has."""
         completions = []
         for seq in request.seqs:
             if seq.detokenizer is None and self.tokenizer is not None and seq.status is SeqStatus.FINISHED:
                 seq.text = self.tokenizer.decode(seq.output_token_ids)
             completions.append(CompletionOutput(seq.index, seq.text, seq.output_token_ids, seq.finish_reason))
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
-                             request.num_cached_tokens, request.finished)
+                             request.num_cached_tokens, finished)
 
     @staticmethod
     def _check_stop_strings(seq: Sequence, new_text: str) -> str | None:

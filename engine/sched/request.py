@@ -63,7 +63,10 @@ class Request:
     def finished(self) -> bool:
         """All sequences ended. Siblings are forked in the step their parent samples its first token, so an
         unfinished parent always stands for the forks it has yet to spawn."""
-        return all(s.status is SeqStatus.FINISHED for s in self.seqs)
+        for seq in self.seqs:  # a loop, not all(genexpr): asked for every request in every step
+            if seq.status is not SeqStatus.FINISHED:
+                return False
+        return True
 
 
 @dataclass(slots=True, eq=False)
@@ -83,6 +86,12 @@ class Sequence:
     detokenizer: IncrementalDetokenizer | None = None
     text: str = ""
     stopped_by_string: bool = False
+    # Scheduling order: priority, then age; the largest key is preempted first. Fixed for the sequence's
+    # life, so computed once: every step sorts the running sequences by it.
+    sort_key: tuple[int, float, int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.sort_key = (self.request.priority, self.request.arrival_time, self.seq_id)
 
     @property
     def cache_salt(self) -> str | None:
@@ -91,11 +100,6 @@ class Sequence:
     @property
     def lora(self) -> str | None:
         return self.request.lora.name if self.request.lora is not None else None
-
-    @property
-    def sort_key(self) -> tuple[int, float, int]:
-        """Scheduling order: priority, then age; the largest key is preempted first."""
-        return (self.request.priority, self.request.arrival_time, self.seq_id)
 
     @property
     def num_tokens(self) -> int:

@@ -24,6 +24,7 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Callable
+from operator import attrgetter
 
 from engine.kv.manager import KVCacheManager
 from engine.sched.output import ScheduledChunk, ScheduledSeq, SchedulerOutput
@@ -32,6 +33,8 @@ from engine.sched.stats import SchedulerLoad, SchedulerStats, TenantLoad
 
 # Called with each sequence right after a sampled token is appended to it: the finish reason, or None.
 StopCheck = Callable[[Sequence, int], str | None]
+
+_sort_key = attrgetter("sort_key")
 
 
 class Scheduler:
@@ -83,33 +86,37 @@ class Scheduler:
 
         ``sampled`` holds the tokens the worker drew for ``out.sampling``, in its order. First every
         scheduled sequence's computed tokens are recorded and the blocks they filled published to the prefix
-        cache; then sequences sampling their first token fork their siblings (before any token is appended,
+        cache, and each sequence sampling its first token forks its siblings (before any token is appended,
         because appending may finish the parent and free the blocks the children share); then each token is
         appended and its sequence finished if ``check_stop`` says so, which frees its blocks at once.
         """
         targets: list[Sequence] = []
+        commit = self.kv.commit
         for item in out.scheduled:
             seq = item.seq
             seq.num_computed_tokens += item.num_new_tokens
-            self.kv.commit(seq)
-        for item in out.scheduled:
-            if item.num_samples:
-                targets.append(item.seq)
-                targets += [self._fork(item.seq, index) for index in range(1, item.num_samples)]
-                item.seq.forks_pending = 0
+            commit(seq)
+            if item.num_samples:  # forks copy the tokens computed so far: the commit above comes first
+                targets.append(seq)
+                if item.num_samples > 1:
+                    targets += [self._fork(seq, index) for index in range(1, item.num_samples)]
+                    seq.forks_pending = 0
         touched: dict[str, Request] = {}
         now = time.monotonic()
+        check_stop = self.check_stop
         for seq, token in zip(targets, sampled, strict=True):
             request = seq.request
             if request.first_token_time is None:
                 request.first_token_time = now
                 self.stats.on_first_token(request.tenant, len(request.prompt_token_ids))
             seq.token_ids.append(token)
-            self.stats.on_token(request.tenant)
-            reason = self.check_stop(seq, token)
+            if request.tenant is not None:
+                self.stats.tenant(request.tenant).generation_tokens += 1
+            reason = check_stop(seq, token)
             if reason is not None:
                 self.finish(seq, reason)
             touched[request.request_id] = request
+        self.stats.generation_tokens += len(targets)
         return list(touched.values())
 
     def finish(self, seq: Sequence, reason: str) -> None:
@@ -139,7 +146,7 @@ class Scheduler:
         return SchedulerLoad(len(self.running), len(self.waiting), len(self.swapped), tenants)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        self.running.sort(key=lambda s: s.sort_key)
+        self.running.sort(key=_sort_key)
         queue = deque(self.running)
         still_running: list[Sequence] = []
         while queue:
@@ -216,12 +223,13 @@ class Scheduler:
         final here: later decisions of this step never touch the blocks of a sequence already scheduled)."""
         start = seq.num_computed_tokens
         end = start + num_new
-        num_samples = 1 + seq.forks_pending if end == seq.num_tokens else 0
+        token_ids = seq.token_ids
+        num_samples = 1 + seq.forks_pending if end == len(token_ids) else 0
+        request = seq.request
         out.scheduled.append(ScheduledSeq(seq, num_new, num_samples))
-        out.chunks.append(ScheduledChunk(seq.token_ids[start:end], start, self.kv.block_ids(seq), num_samples > 0,
-                                         seq.request.lora))
+        out.chunks.append(ScheduledChunk(token_ids[start:end], start, self.kv.block_ids(seq), num_samples > 0,
+                                         request.lora))
         if num_samples:
-            request = seq.request
             out.sampling.add(request.params, request.generators, seq.index, num_samples)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
@@ -232,7 +240,7 @@ class Scheduler:
             self.kv.swap_out(seq, out.copies)
             self.stats.on_preemption(seq.request.tenant, "swap", len(out.copies.swap_out) - before)
             seq.status = SeqStatus.SWAPPED
-            bisect.insort(self.swapped, seq, key=lambda s: s.sort_key)
+            bisect.insort(self.swapped, seq, key=_sort_key)
         else:
             self.kv.free(seq)
             seq.num_computed_tokens = 0
@@ -241,7 +249,7 @@ class Scheduler:
 
     def _enqueue(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
-        bisect.insort(self.waiting, seq, key=lambda s: s.sort_key)
+        bisect.insort(self.waiting, seq, key=_sort_key)
 
     def _fork(self, parent: Sequence, index: int) -> Sequence:
         """Start completion ``index`` of ``parent``'s request as a running copy sharing its blocks."""

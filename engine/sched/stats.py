@@ -44,11 +44,6 @@ class SchedulerStats:
         if tenant is not None:
             self.tenant(tenant).prompt_tokens += num_prompt_tokens
 
-    def on_token(self, tenant: str | None) -> None:
-        self.generation_tokens += 1
-        if tenant is not None:
-            self.tenant(tenant).generation_tokens += 1
-
 
 @dataclass(slots=True)
 class TenantLoad:

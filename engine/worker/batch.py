@@ -58,8 +58,12 @@ class HostBatch:
             start, end = chunk.start, chunk.start + len(chunk.token_ids)
             table = chunk.block_table
             input_ids += chunk.token_ids
-            positions += range(start, end)
-            slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+            if end - start == 1:  # a decode, most chunks of most steps: no ranges, no comprehension
+                positions.append(start)
+                slots.append(table[start // block_size] * block_size + start % block_size)
+            else:
+                positions += range(start, end)
+                slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
             tables.append(table)
             query_lens.append(end - start)
             seq_lens.append(end)
