@@ -15,7 +15,16 @@ Reported: output tokens/s for each, their ratio, and decode MBU: over the engine
 bytes they move (weights once, every context's K/V, the new K/V) per second of step time, over the
 device's peak bandwidth (``engine.worker.bandwidth``), for all of them and for those of batch >= 64.
 
+Where the engine's time goes, from the timed run itself (``bench/step_phases.py`` wraps the engine's
+functions; its own cost is a few microseconds a step): each step's phases, averaged over the decode-only
+steps of batch >= 64, the steps with a prefill chunk, and all steps; host work per step (every phase but
+"model" and "sample"), "model" (on a GPU: kernel launches or a graph replay) and "sample" (on a GPU: the
+wait for the device); and the time ``generate`` spent outside its steps. ``--kernel-profile N``: after a
+model's timed runs, a fresh engine runs N decode-only steps at the largest batch, eagerly, under
+``torch.profiler`` (``bench/kernel_profile.py``): the top 15 kernels (on a CPU: ops) by self time.
+
     .venv/bin/python bench/engine_throughput.py         # both models, on the GPU (bench/results/gpu/)
+    .venv/bin/python bench/engine_throughput.py --kernel-profile 20   # and the kernels of 20 decode steps
     .venv/bin/python bench/engine_throughput.py --smoke          # toy shapes: checks that it runs
 """
 
@@ -26,22 +35,21 @@ import gc
 import random
 import tempfile
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import transformers
+from kernel_profile import format_kernels, profile_decode
 from run_info import device_report, print_preamble, write_report
+from step_phases import PHASES_HEADER, StepPhases, format_phases, summarize
 
 from engine import LLM, SamplingParams
 from engine.core import EngineCore
 from engine.sched.output import SchedulerOutput
 from engine.worker.bandwidth import peak_bandwidth
 from engine.worker.runner import StepResult
-
-if TYPE_CHECKING:  # xgrammar is imported only where a grammar is used
-    from engine.structured.bitmask import GrammarBitmask
 
 # Architecture hyperparameters of the two published models; weights are random.
 SHAPES: dict[str, tuple[type[transformers.PretrainedConfig], dict]] = {
@@ -144,14 +152,15 @@ def trace_steps(core: EngineCore) -> list[StepRecord]:
     """Record every engine step: decode-only or not, batch size, bytes moved, step time (from telemetry)."""
     steps: list[StepRecord] = []
     execute, on_step = core.runner.execute, core.stats.on_step
-    kinds: list[tuple[bool, int]] = []
+    # First in, first out: an engine that runs a step ahead executes the next step before this one reports.
+    kinds: deque[tuple[bool, int]] = deque()
 
-    def traced_execute(out: SchedulerOutput, grammar: GrammarBitmask | None = None) -> StepResult:
+    def traced_execute(out: SchedulerOutput, *args, **kwargs) -> StepResult:
         kinds.append((all(s.num_new_tokens == 1 for s in out.scheduled), len(out.scheduled)))
-        return execute(out, grammar)
+        return execute(out, *args, **kwargs)
 
     def traced_on_step(duration_s: float, num_tokens: int, has_decode: bool, bytes_moved: int) -> None:
-        decode_only, batch = kinds.pop()
+        decode_only, batch = kinds.popleft()
         steps.append(StepRecord(decode_only, batch, bytes_moved, duration_s))
         on_step(duration_s, num_tokens, has_decode, bytes_moved)
 
@@ -160,16 +169,19 @@ def trace_steps(core: EngineCore) -> list[StepRecord]:
     return steps
 
 
-def run_engine(directory: Path, work: Workload, args: argparse.Namespace, device: torch.device) -> dict:
-    max_len = max(map(len, work.prompts)) + max(work.output_lens)
-    llm = LLM(
+def make_llm(directory: Path, work: Workload, args: argparse.Namespace, device: torch.device) -> LLM:
+    return LLM(
         str(directory),
         device=device.type,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=max_len,
+        max_model_len=max(map(len, work.prompts)) + max(work.output_lens),
         enable_prefix_caching=False,
     )
+
+
+def run_engine(directory: Path, work: Workload, args: argparse.Namespace, device: torch.device) -> dict:
+    llm = make_llm(directory, work, args, device)
     # Warm-up: short prompts whose outputs end one step apart, so the decode batch shrinks through every
     # size once (compiling each kernel variant and capturing each CUDA graph before the clock starts).
     warm = min(args.max_num_seqs, len(work.prompts))
@@ -178,12 +190,15 @@ def run_engine(directory: Path, work: Workload, args: argparse.Namespace, device
         [SamplingParams(max_tokens=i + 1, temperature=0.0, ignore_eos=True) for i in range(warm)],
     )
     steps = trace_steps(llm.core)
+    phases = StepPhases(llm.core) if args.phases else None
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in work.output_lens]
     sync(device)
     start = time.perf_counter()
     outputs = llm.generate(work.prompts, params)
     sync(device)
     elapsed = time.perf_counter() - start
+    if phases is not None:
+        phases.detach()
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
     if produced != work.output_tokens:
         raise RuntimeError(f"engine produced {produced} output tokens, expected {work.output_tokens}")
@@ -202,9 +217,55 @@ def run_engine(directory: Path, work: Workload, args: argparse.Namespace, device
         busy = sum(s.duration_s for s in chosen)
         result[label] = sum(s.bytes_moved for s in chosen) / busy / peak if busy else None
         result[label + "_steps"] = len(chosen)
+    breakdown = result["breakdown"] = {}  # reported as it is
+    if phases is not None:
+        breakdown["phases"] = phase_groups(steps, phases.rows)
+        breakdown["outside_steps_s"] = elapsed - sum(map(sum, phases.rows))  # generate's own loop
     del llm
     release(device)
     return result
+
+
+def run_kernel_profile(directory: Path, work: Workload, args: argparse.Namespace, device: torch.device) -> dict:
+    """``--kernel-profile``, after the model's timed runs: a fresh engine on the same checkpoint whose CUDA
+    graphs are set aside before any is captured (no graph ever meets the profiler: see kernel_profile.py),
+    ``args.kernel_profile`` decode-only steps at the largest batch. A failure is reported, not raised: the
+    timed figures stand without the profile."""
+    try:
+        llm = make_llm(directory, work, args, device)
+        llm.core.runner.graphs = None
+        profiled = profile_decode(llm.core, work.prompts[: args.max_num_seqs], args.kernel_profile)
+        del llm
+        release(device)
+        return profiled
+    except Exception as error:  # noqa: BLE001 - see the docstring
+        return {"kernel_profile_error": f"{type(error).__name__}: {error}"}
+
+
+def phase_groups(steps: list[StepRecord], rows: list[tuple[float, ...]]) -> dict[str, dict | None]:
+    """Mean ms per step of each phase (``step_phases.summarize``) over the decode-only steps of batch >= 64,
+    the steps with a prefill chunk, and all steps; a group without steps is None."""
+    if len(rows) != len(steps):
+        raise RuntimeError(f"{len(rows)} steps timed by phase, {len(steps)} traced: the two must be the same")
+    pairs = list(zip(steps, rows, strict=True))
+    return {"decode_batch_ge_64": summarize([r for s, r in pairs if s.decode_only and s.batch >= 64]),
+            "with_prefill": summarize([r for s, r in pairs if not s.decode_only]),
+            "all": summarize(rows)}
+
+
+def breakdown_lines(label: str, breakdown: dict) -> list[str]:
+    """The printed form of a model's phases and kernel profile."""
+    lines = []
+    if "phases" in breakdown:
+        title = ("ms per step by phase, from the timed run (host: every phase but model and sample; on a GPU, "
+                 "model is launches or a graph replay, sample holds the wait for the device)")
+        lines += ["", title, PHASES_HEADER, *format_phases(label, breakdown["phases"]),
+                  f"{label}: {breakdown['outside_steps_s'] * 1e3:.1f} ms of the timed run outside engine steps"]
+    if "kernels" in breakdown:
+        lines += ["", *format_kernels(label, breakdown)]
+    if "kernel_profile_error" in breakdown:
+        lines += ["", f"{label}: kernel profile failed: {breakdown['kernel_profile_error']}"]
+    return lines
 
 
 def run_transformers(directory: Path, work: Workload, args: argparse.Namespace, device: torch.device) -> dict:
@@ -270,6 +331,10 @@ def main() -> None:
         "--hf-batch-size", type=int, default=256, help="requests per transformers generate call"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--phases", action=argparse.BooleanOptionalAction, default=True,
+                        help="time each step's phases during the timed run (--no-phases: to measure their cost)")
+    parser.add_argument("--kernel-profile", type=int, default=0, metavar="N",
+                        help="after the timed run, profile N decode-only steps at the largest batch (0: off)")
     parser.add_argument(
         "--smoke",
         action="store_true",
@@ -298,7 +363,7 @@ def main() -> None:
         f"{'model':<28}{'engine tok/s':>14}{'hf tok/s':>12}{'ratio':>8}{'decode MBU':>12}"
         f"{'MBU b>=64':>11}  details"
     )
-    rows, results = [], []
+    rows, results, breakdowns = [], [], []
     path = args.json or (GPU_REPORT if device.type == "cuda" and not args.smoke else None)
     for name in args.models:
         with tempfile.TemporaryDirectory(prefix=f"kvguard-{name}-") as tmp:
@@ -312,6 +377,8 @@ def main() -> None:
             work = make_workload(args.num_requests, args.min_len, args.max_len, vocab, args.seed)
             ours = run_engine(Path(tmp), work, args, device)
             theirs = run_transformers(Path(tmp), work, args, device)
+            if args.kernel_profile:
+                ours["breakdown"].update(run_kernel_profile(Path(tmp), work, args, device))
         label = f"{name}{'-smoke' if args.smoke else ''}-shaped"
         rows.append(
             f"{label:<28}{ours['tokens_per_s']:>14,.0f}{theirs['tokens_per_s']:>12,.0f}"
@@ -338,7 +405,9 @@ def main() -> None:
             "dtype": ours["dtype"],
             "attention_backend": ours["backend"],
             "num_blocks": ours["num_blocks"],
+            **ours["breakdown"],
         })
+        breakdowns += breakdown_lines(label.removesuffix("-shaped"), ours["breakdown"])
         if path is not None:  # after every model: a run cut short (out of memory, out of time) keeps its figures
             write_report(path, device_report(
                 device, results, peak_bandwidth_gbps=peak_bandwidth(device) / 1e9,
@@ -347,6 +416,8 @@ def main() -> None:
                 hf_batch_size=args.hf_batch_size))
     print(header)
     print("\n".join(rows))
+    if breakdowns:
+        print("\n".join(breakdowns))
     if path is not None:
         print(f"report: {path}")
 

@@ -7,15 +7,9 @@ device idles while the host works. This benchmark measures that host work with t
 where the model itself costs little, so the bookkeeping shows.
 
 ``batch`` sequences are prefilled with ``context``-token prompts, then ``steps`` decode-only steps are
-timed, each phase separately (wrapping the engine's own functions):
-
-- schedule: ``Scheduler.schedule`` (the running queue, block allocation, the step's chunks);
-- inputs: the host batch and the model's input tensors (on a GPU, the host-to-device copies);
-- model: the forward and the LM head (on a GPU, kernel launches or a CUDA graph replay);
-- sample: sampling and reading the tokens back (on a GPU, the step's one synchronisation);
-- commit: ``Scheduler.update_from_output`` (tokens appended, stops checked, prefix blocks published);
-- outputs: one ``RequestOutput`` per request that got a token;
-- rest: everything else in ``EngineCore.step`` (telemetry, the loop).
+timed, each phase separately, by ``bench/step_phases.py`` (schedule, inputs, model, sample, commit, outputs,
+rest: see there). "host" here is every phase but "model": with the tiny model on a CPU, sampling is host
+work; on a GPU "sample" also holds the wait for the device (``bench/engine_throughput.py`` reports it apart).
 
 Python's garbage collections run inside whichever phase allocates when they fall due; their count and time
 by generation are reported on their own, with the longest step (a full collection shows there).
@@ -31,18 +25,15 @@ import argparse
 import gc
 import random
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from run_info import device_report, print_preamble, write_report
+from step_phases import PHASES, StepPhases, summarize
 
-import engine.worker.runner as runner_module
 from engine import SamplingParams
 from engine.config import EngineConfig
 from engine.core import EngineCore
-
-PHASES = ("schedule", "inputs", "model", "sample", "commit", "outputs", "rest")
 
 
 def build_core(batch: int, context: int, steps: int, device: str) -> EngineCore:
@@ -59,46 +50,12 @@ def build_core(batch: int, context: int, steps: int, device: str) -> EngineCore:
     return core
 
 
-def instrument(core: EngineCore, spent: dict[str, float]) -> Callable[[], None]:
-    """Time the engine's phases into ``spent`` (seconds); returns the function that undoes it."""
-
-    def timed(name: str, fn: Callable) -> Callable:
-        def wrapper(*args, **kwargs):
-            started = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                spent[name] += time.perf_counter() - started
-
-        return wrapper
-
-    host_batch = runner_module.HostBatch
-    phases = {(core.scheduler, "schedule"): "schedule", (host_batch, "build"): "inputs",
-              (host_batch, "to_device"): "inputs", (core.runner.model, "forward"): "model",
-              (core.runner.model, "compute_logits"): "model", (runner_module, "sample"): "sample",
-              (core.scheduler, "update_from_output"): "commit", (core.output_processor, "output"): "outputs"}
-    # What each owner itself holds under the name (None: an instance inherits it from its class).
-    originals = {(owner, name): vars(owner).get(name) for owner, name in phases}
-    for (owner, name), phase in phases.items():
-        setattr(owner, name, timed(phase, getattr(owner, name)))
-
-    def undo() -> None:
-        for (owner, name), original in originals.items():
-            if original is None:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, original)
-
-    return undo
-
-
 def measure(batch: int, context: int, steps: int, device: str) -> dict:
     core = build_core(batch, context, steps, device)
     while core.scheduler.waiting or any(s.num_uncomputed_tokens > 1 for s in core.scheduler.running):
         core.step()  # prefill every prompt
     for _ in range(5):
         core.step()  # settle: every sequence decoding
-    spent = dict.fromkeys(PHASES, 0.0)
     collections = {generation: [0, 0.0] for generation in range(3)}  # generation -> [count, seconds]
     collecting_since = [0.0]
 
@@ -110,21 +67,18 @@ def measure(batch: int, context: int, steps: int, device: str) -> dict:
             record[0] += 1
             record[1] += time.perf_counter() - collecting_since[0]
 
-    undo = instrument(core, spent)
+    phases = StepPhases(core)
     gc.callbacks.append(on_gc)
-    durations = []
     for _ in range(steps):
         if len(core.scheduler.running) != batch:
             raise RuntimeError(f"the decode batch shrank to {len(core.scheduler.running)}: raise --steps' margin")
-        started = time.perf_counter()
         core.step()
-        durations.append(time.perf_counter() - started)
     gc.callbacks.remove(on_gc)
-    undo()
+    phases.detach()
+    durations = [sum(row) for row in phases.rows]  # each step's wall time
     total = sum(durations)
-    spent["rest"] = total - sum(spent.values())
-    per_step_ms = {name: seconds / steps * 1e3 for name, seconds in spent.items()}
-    host_ms = sum(ms for name, ms in per_step_ms.items() if name != "model")
+    per_step_ms = summarize(phases.rows)["phases_ms"]
+    host_ms = sum(ms for name, ms in per_step_ms.items() if name != "model")  # on a CPU, sampling is host work
     return {"batch": batch, "context": context, "steps": steps, "step_ms": total / steps * 1e3,
             "host_ms": host_ms, "host_us_per_seq": host_ms * 1e3 / batch, "phases_ms": per_step_ms,
             "longest_step_ms": max(durations) * 1e3, "frozen_objects": gc.get_freeze_count(),

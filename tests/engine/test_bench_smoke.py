@@ -25,10 +25,12 @@ def run_smoke(script: str, *args: object) -> str:
 
 
 def test_engine_throughput_smoke(tmp_path: Path) -> None:
-    out = run_smoke("engine_throughput.py", "--json", tmp_path / "report.json")
+    out = run_smoke("engine_throughput.py", "--kernel-profile", "2", "--json", tmp_path / "report.json")
     for model in ("qwen2.5-0.5b", "llama-3.2-1b"):
         row = next(line for line in out.splitlines() if line.startswith(f"{model}-smoke-shaped"))
         assert "67 output tokens" in row and "x" in row.split()[3]
+        assert any(line.split()[:2] == [f"{model}-smoke", "all"] for line in out.splitlines())  # the phases
+        assert f"{model}-smoke: top " in out  # the kernel profile's title
     # The raw report issue 19 commits from the GPU run, in its shape.
     report = json.loads((tmp_path / "report.json").read_text())
     assert isinstance(report["device"], str) and report["num_requests"] == 8
@@ -36,6 +38,39 @@ def test_engine_throughput_smoke(tmp_path: Path) -> None:
     for result in report["results"]:
         assert result["output_tokens"] == 67 and result["engine_tokens_per_s"] > 0 and result["hf_tokens_per_s"] > 0
         assert 0 < result["decode_mbu"] and result["decode_mbu_batch_ge_64"] is None  # no batch of 64 in 8
+        check_phases(result)
+        check_kernels(result)
+
+
+def check_phases(result: dict) -> None:
+    """The timed run's phases (bench/step_phases.py): every step timed, each group's phases adding up to its
+    step time, none negative (a call counted twice would make "rest" so), and the step times within the run."""
+    phases = result["phases"]
+    assert phases["decode_batch_ge_64"] is None  # as for the MBU: no batch of 64 in 8 requests
+    everything, prefill = phases["all"], phases["with_prefill"]
+    assert everything["steps"] == result["steps"]
+    assert prefill["steps"] == result["steps"] - result["decode_only_steps"] > 0
+    for group in (everything, prefill):
+        assert sum(group["phases_ms"].values()) == pytest.approx(group["step_ms"])
+        assert min(group["phases_ms"].values()) >= 0 and group["phases_ms"]["schedule"] > 0
+        assert group["model_ms"] > 0 and group["host_ms"] > 0 and group["sample_ms"] > 0
+        assert group["host_ms"] + group["model_ms"] + group["sample_ms"] == pytest.approx(group["step_ms"])
+    stepping_s = everything["step_ms"] * everything["steps"] / 1e3
+    assert 0 <= result["outside_steps_s"] and stepping_s + result["outside_steps_s"] == pytest.approx(
+        result["engine_elapsed_s"])
+    assert stepping_s > 0.5 * result["engine_elapsed_s"]  # generate's own loop is not most of the run
+
+
+def check_kernels(result: dict) -> None:
+    """--kernel-profile 2 on a CPU: aten ops by CPU self time, largest first, from 2 steps at batch 8."""
+    assert "kernel_profile_error" not in result, result.get("kernel_profile_error")
+    assert (result["kernel_profile_mode"], result["kernel_profile_batch"], result["kernel_profile_steps"]) == \
+        ("cpu", 8, 2)
+    kernels = result["kernels"]
+    assert 0 < len(kernels) <= 15 and all(k["calls"] > 0 and k["total_ms"] > 0 for k in kernels)
+    assert [k["total_ms"] for k in kernels] == sorted((k["total_ms"] for k in kernels), reverse=True)
+    assert 0 < sum(k["share"] for k in kernels) <= 1 + 1e-9 and any("mm" in k["name"] for k in kernels)
+    assert result["kernel_ms_per_step"] * 2 >= sum(k["total_ms"] for k in kernels) - 1e-9
 
 
 def test_kernel_bandwidth_smoke(tmp_path: Path) -> None:
