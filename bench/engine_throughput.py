@@ -233,11 +233,12 @@ def run_kernel_profile(directory: Path, work: Workload, args: argparse.Namespace
     timed figures stand without the profile."""
     try:
         llm = make_llm(directory, work, args, device)
-        llm.core.runner.graphs = None
-        profiled = profile_decode(llm.core, work.prompts[: args.max_num_seqs], args.kernel_profile)
-        del llm
-        release(device)
-        return profiled
+        try:
+            llm.core.runner.graphs = None
+            return profile_decode(llm.core, work.prompts[: args.max_num_seqs], args.kernel_profile)
+        finally:  # its blocks and memory go back even when the profile fails
+            del llm
+            release(device)
     except Exception as error:  # noqa: BLE001 - see the docstring
         return {"kernel_profile_error": f"{type(error).__name__}: {error}"}
 
