@@ -169,7 +169,9 @@ def trace_steps(core: EngineCore) -> list[StepRecord]:
     return steps
 
 
-def make_llm(directory: Path, work: Workload, args: argparse.Namespace, device: torch.device) -> LLM:
+def make_llm(
+    directory: Path, work: Workload, args: argparse.Namespace, device: torch.device, async_scheduling: bool = False
+) -> LLM:
     return LLM(
         str(directory),
         device=device.type,
@@ -177,11 +179,14 @@ def make_llm(directory: Path, work: Workload, args: argparse.Namespace, device: 
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=max(map(len, work.prompts)) + max(work.output_lens),
         enable_prefix_caching=False,
+        async_scheduling=async_scheduling,
     )
 
 
-def run_engine(directory: Path, work: Workload, args: argparse.Namespace, device: torch.device) -> dict:
-    llm = make_llm(directory, work, args, device)
+def run_engine(
+    directory: Path, work: Workload, args: argparse.Namespace, device: torch.device, async_scheduling: bool = False
+) -> dict:
+    llm = make_llm(directory, work, args, device, async_scheduling)
     # Warm-up: short prompts whose outputs end one step apart, so the decode batch shrinks through every
     # size once (compiling each kernel variant and capturing each CUDA graph before the clock starts).
     warm = min(args.max_num_seqs, len(work.prompts))
@@ -211,6 +216,7 @@ def run_engine(directory: Path, work: Workload, args: argparse.Namespace, device
         "num_blocks": llm.core.kv.pool.num_blocks,
         "dtype": str(llm.core.dtype).removeprefix("torch."),
         "backend": llm.core.loaded.model.attn_backend.name,
+        "token_ids": [o.outputs[0].token_ids for o in outputs],  # to compare modes; not reported
     }
     for label, min_batch in (("mbu_all", 1), ("mbu_64", 64)):
         chosen = [s for s in steps if s.decode_only and s.batch >= min_batch]
@@ -332,6 +338,8 @@ def main() -> None:
         "--hf-batch-size", type=int, default=256, help="requests per transformers generate call"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--async-scheduling", choices=["off", "on", "both"], default="off",
+                        help="the engine's run-ahead scheduling; both: the timed run without it, then with it")
     parser.add_argument("--phases", action=argparse.BooleanOptionalAction, default=True,
                         help="time each step's phases during the timed run (--no-phases: to measure their cost)")
     parser.add_argument("--kernel-profile", type=int, default=0, metavar="N",
@@ -376,7 +384,10 @@ def main() -> None:
                 Path(tmp),
             )
             work = make_workload(args.num_requests, args.min_len, args.max_len, vocab, args.seed)
-            ours = run_engine(Path(tmp), work, args, device)
+            ours = run_engine(Path(tmp), work, args, device, args.async_scheduling == "on")
+            ahead = None
+            if args.async_scheduling == "both":
+                ahead = run_engine(Path(tmp), work, args, device, True)
             theirs = run_transformers(Path(tmp), work, args, device)
             if args.kernel_profile:
                 ours["breakdown"].update(run_kernel_profile(Path(tmp), work, args, device))
@@ -406,9 +417,24 @@ def main() -> None:
             "dtype": ours["dtype"],
             "attention_backend": ours["backend"],
             "num_blocks": ours["num_blocks"],
+            "async_scheduling": args.async_scheduling == "on",
             **ours["breakdown"],
         })
+        if ahead is not None:
+            # The same requests with run-ahead scheduling, after the run above: its figures, and whether
+            # every request got the very tokens it got there (greedy: it must).
+            results[-1]["with_async_scheduling"] = {
+                "engine_tokens_per_s": ahead["tokens_per_s"], "engine_elapsed_s": ahead["elapsed_s"],
+                "steps": ahead["steps"], "decode_mbu": ahead["mbu_all"], "decode_mbu_batch_ge_64": ahead["mbu_64"],
+                "same_tokens": ahead["token_ids"] == ours["token_ids"], **ahead["breakdown"]}
+            rows.append(
+                f"{label + ' async':<28}{ahead['tokens_per_s']:>14,.0f}{'':>12}"
+                f"{ahead['tokens_per_s'] / theirs['tokens_per_s']:>7.1f}x{percent(ahead['mbu_all']):>12}"
+                f"{percent(ahead['mbu_64']):>11}  async_scheduling; engine {ahead['elapsed_s']:.2f} s, "
+                f"{ahead['steps']} steps; same tokens as without: {ahead['token_ids'] == ours['token_ids']}")
         breakdowns += breakdown_lines(label.removesuffix("-shaped"), ours["breakdown"])
+        if ahead is not None:
+            breakdowns += breakdown_lines(label.removesuffix("-shaped") + "+async", ahead["breakdown"])
         if path is not None:  # after every model: a run cut short (out of memory, out of time) keeps its figures
             write_report(path, device_report(
                 device, results, peak_bandwidth_gbps=peak_bandwidth(device) / 1e9,

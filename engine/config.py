@@ -52,6 +52,11 @@ class EngineConfig:
     max_loras: int = 4
     max_lora_rank: int = 16
     allow_runtime_lora: bool = False
+    # Schedule and queue a steady decode's next step before this one's tokens are read back, so that the
+    # host's work per step overlaps the device's (EngineCore.step). It pays where the device runs
+    # asynchronously (CUDA); on CPU every step finishes before the next is scheduled, and each finished
+    # sequence computes one token that is dropped.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         cuda = isinstance(self.device, str) and (self.device == "cuda" or self.device.startswith("cuda:"))
@@ -89,6 +94,7 @@ class EngineConfig:
             ("max_loras", _positive(self.max_loras), "a positive integer"),
             ("max_lora_rank", _positive(self.max_lora_rank), "a positive integer"),
             ("allow_runtime_lora", isinstance(self.allow_runtime_lora, bool), "a boolean"),
+            ("async_scheduling", isinstance(self.async_scheduling, bool), "a boolean"),
         ]
         for name, ok, expected in checks:
             require(ok, name, expected, getattr(self, name))

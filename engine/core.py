@@ -42,7 +42,7 @@ from engine.telemetry import EngineStats
 from engine.validation import is_int, require
 from engine.worker.bandwidth import peak_bandwidth
 from engine.worker.memory_profile import activation_bytes
-from engine.worker.runner import ModelRunner
+from engine.worker.runner import ModelRunner, StepResult
 
 if TYPE_CHECKING:
     from engine.structured.manager import StructuredOutputManager
@@ -86,9 +86,12 @@ class EngineCore:
         self._request_ids = itertools.count()
         self._structured: StructuredOutputManager | None = None  # built by the first compile_grammar
         self._structured_lock = threading.Lock()
-        # The latest step's schedule, for the server's tracing (engine/server/tracing.py): which sequences
-        # ran what, and which were preempted. Read on the stepping thread, between steps.
+        # The schedule of the latest step whose tokens were committed, for the server's tracing
+        # (engine/server/tracing.py): which sequences ran what, and which were preempted. Read on the
+        # stepping thread, between steps.
         self.last_schedule: SchedulerOutput | None = None
+        # With async_scheduling: the step scheduled and queued ahead, whose tokens the next call reads back.
+        self._ahead: tuple[SchedulerOutput, StepResult] | None = None
         freeze_startup_heap()  # last: everything built above lives as long as the engine
 
     @property
@@ -190,6 +193,8 @@ class EngineCore:
             return None
         for seq in request.seqs:
             self.scheduler.finish(seq, "abort")
+        if not self.scheduler.running:
+            self._ahead = None  # as in step: it computes only for sequences that have ended
         return self.output_processor.output(request, True)
 
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
@@ -198,19 +203,35 @@ class EngineCore:
         ``finished_only``: return only the requests that ended, for a caller that waits for final outputs
         (``LLM.generate``): an output per request per step is most of the host work of a large decode batch
         after the schedule, and a streaming server needs it (text deltas, inter-token latency), not they.
+
+        With ``async_scheduling``, a steady decode runs one step ahead: the step after this one is
+        scheduled and queued on the device before this one's tokens are read back (``Scheduler.advance``),
+        so the host's work overlaps the device's. Each call still returns one step's tokens; a sequence that
+        they end has computed one token too many, which is dropped.
         """
-        if not self.scheduler.has_work:
-            return []
         started = time.perf_counter()
-        out = self.last_schedule = self.scheduler.schedule()
-        if not out.scheduled:
-            # Validation guarantees every request fits an idle pool; an empty step with work left is a bug,
-            # and raising beats spinning forever.
-            raise RuntimeError("scheduler: no sequence could be scheduled although requests are pending")
-        # The matchers have accepted every token committed so far; this step's commit advances them.
-        grammar = self._structured.bitmask(out) if self._structured is not None else None
-        result = self.runner.execute(out, grammar)
-        touched = self.scheduler.update_from_output(out, result.sampled)
+        if self._ahead is not None:
+            out, result = self._ahead
+            self._ahead = None
+        elif not self.scheduler.has_work:
+            return []
+        else:
+            out = self.scheduler.schedule()
+            if not out.scheduled:
+                # Validation guarantees every request fits an idle pool; an empty step with work left is a
+                # bug, and raising beats spinning forever.
+                raise RuntimeError("scheduler: no sequence could be scheduled although requests are pending")
+            result = self._execute(out)
+        self.scheduler.advance(out)
+        if self.config.async_scheduling and self.scheduler.can_run_ahead():
+            ahead = self.scheduler.schedule()
+            self._ahead = (ahead, self._execute(ahead, result))
+        touched = self.scheduler.settle(out, result.sampled())
+        if not self.scheduler.running:
+            # Every sequence of the step ahead has ended (run-ahead preempts nobody, so a sequence leaves the
+            # running queue only by ending): nobody will read its tokens, and an idle engine keeps no step.
+            self._ahead = None
+        self.last_schedule = out
         self.stats.on_step(time.perf_counter() - started, result.num_tokens, out.has_decode, result.bytes_moved)
         outputs = []
         for request in touched:
@@ -221,6 +242,11 @@ class EngineCore:
                 continue
             outputs.append(self.output_processor.output(request, finished))
         return outputs
+
+    def _execute(self, out: SchedulerOutput, previous: StepResult | None = None) -> StepResult:
+        # The matchers have accepted every token committed so far; this step's commit advances them.
+        grammar = self._structured.bitmask(out) if self._structured is not None else None
+        return self.runner.execute(out, grammar, previous)
 
     def telemetry(self, healthy: bool = True) -> TelemetrySnapshot:
         snapshot = self.stats.snapshot(self.model_name, self.kv, self.scheduler.load(), healthy)

@@ -39,6 +39,9 @@ class ScheduledChunk:
     block_table: list[int]  # device blocks holding positions 0 .. start + len(token_ids) - 1, in order
     sample: bool  # its last token's logits are wanted: a row of the step's logits
     lora: LoraAdapter | None = None  # the adapter its tokens run with; None: the base model
+    # >= 0: its last token is ``PENDING``, sampled by the previous step and still on the device, in this row
+    # of that step's tokens (the scheduler ran ahead, see ``Scheduler.advance``).
+    pending_row: int = -1
 
 
 @dataclass(slots=True)
@@ -68,6 +71,8 @@ class SchedulerOutput:
     copies: BlockCopies = field(default_factory=BlockCopies)
     sampling: SamplingBatch = field(default_factory=SamplingBatch)
     preempted: list[Sequence] = field(default_factory=list)
+    # The sequence each sampled token goes to, in the order of ``sampling``: filled by ``Scheduler.advance``.
+    targets: list[Sequence] = field(default_factory=list)
 
     @property
     def has_decode(self) -> bool:

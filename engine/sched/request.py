@@ -27,6 +27,11 @@ if TYPE_CHECKING:
     from engine.structured.spec import Grammar
 
 
+# A sequence's last token while the step that sampled it has run but its tokens are not read back yet
+# (``Scheduler.advance``); never a vocabulary id.
+PENDING = -1
+
+
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -82,6 +87,8 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)
     finish_reason: str | None = None
     num_preemptions: int = 0
+    # While the last token is ``PENDING``: its row among the tokens of the step that sampled it; else -1.
+    pending_row: int = -1
     # Text state, kept by ``engine.output_processor``.
     detokenizer: IncrementalDetokenizer | None = None
     text: str = ""

@@ -28,7 +28,7 @@ from operator import attrgetter
 
 from engine.kv.manager import KVCacheManager
 from engine.sched.output import ScheduledChunk, ScheduledSeq, SchedulerOutput
-from engine.sched.request import Request, SeqStatus, Sequence
+from engine.sched.request import PENDING, Request, SeqStatus, Sequence
 from engine.sched.stats import SchedulerLoad, SchedulerStats, TenantLoad
 
 # Called with each sequence right after a sampled token is appended to it: the finish reason, or None.
@@ -82,18 +82,32 @@ class Scheduler:
         return out
 
     def update_from_output(self, out: SchedulerOutput, sampled: list[int]) -> list[Request]:
-        """Commit an executed step; return the requests that received tokens, in order of first token.
+        """Commit an executed step (``advance``, then ``settle`` with its tokens); return the requests that
+        received tokens, in order of first token."""
+        self.advance(out)
+        return self.settle(out, sampled)
 
-        ``sampled`` holds the tokens the worker drew for ``out.sampling``, in its order. First every
-        scheduled sequence's computed tokens are recorded and the blocks they filled published to the prefix
-        cache, and each sequence sampling its first token forks its siblings (before any token is appended,
-        because appending may finish the parent and free the blocks the children share); then each token is
-        appended and its sequence finished if ``check_stop`` says so, which frees its blocks at once.
+    def advance(self, out: SchedulerOutput) -> None:
+        """The part of a step's commit that needs none of its sampled tokens.
+
+        Every scheduled sequence's computed tokens are recorded and the blocks they filled published to the
+        prefix cache; a sequence sampling its first token forks its siblings (before any token is appended,
+        because appending may finish the parent and free the blocks the children share); then every sampling
+        sequence gets ``PENDING`` as its last token and ``pending_row``, the row of the step's tokens that
+        will replace it. ``out.targets`` lists them in the order of ``out.sampling``. A sequence that ended
+        since it was scheduled (an abort) only keeps its rows' places in ``out.targets``.
+
+        After this, ``schedule`` can plan the next step while this one's tokens are still on the device: a
+        decode's input is then its ``PENDING`` token, which the worker takes from this step's sampled tokens
+        (``ScheduledChunk.pending_row``).
         """
-        targets: list[Sequence] = []
+        targets = out.targets
         commit = self.kv.commit
         for item in out.scheduled:
             seq = item.seq
+            if seq.status is SeqStatus.FINISHED:
+                targets += [seq] * item.num_samples
+                continue
             seq.num_computed_tokens += item.num_new_tokens
             commit(seq)
             if item.num_samples:  # forks copy the tokens computed so far: the commit above comes first
@@ -101,23 +115,55 @@ class Scheduler:
                 if item.num_samples > 1:
                     targets += [self._fork(seq, index) for index in range(1, item.num_samples)]
                     seq.forks_pending = 0
+        for row, seq in enumerate(targets):
+            if seq.status is not SeqStatus.FINISHED:
+                seq.token_ids.append(PENDING)
+                seq.pending_row = row
+
+    def settle(self, out: SchedulerOutput, sampled: list[int]) -> list[Request]:
+        """Finish a step's commit once its tokens are known (``sampled``, in the order of ``out.sampling``):
+        each ``PENDING`` token is replaced and its sequence finished if ``check_stop`` says so, which frees
+        its blocks at once. Sequences that ended since ``advance`` are skipped: their tokens are dropped.
+        Returns the requests that received tokens, in order of first token."""
         touched: dict[str, Request] = {}
         now = time.monotonic()
         check_stop = self.check_stop
-        for seq, token in zip(targets, sampled, strict=True):
+        tokens = 0
+        for seq, token in zip(out.targets, sampled, strict=True):
+            if seq.status is SeqStatus.FINISHED:
+                continue
             request = seq.request
             if request.first_token_time is None:
                 request.first_token_time = now
                 self.stats.on_first_token(request.tenant, len(request.prompt_token_ids))
-            seq.token_ids.append(token)
+            seq.token_ids[-1] = token
+            seq.pending_row = -1
+            tokens += 1
             if request.tenant is not None:
                 self.stats.tenant(request.tenant).generation_tokens += 1
             reason = check_stop(seq, token)
             if reason is not None:
                 self.finish(seq, reason)
             touched[request.request_id] = request
-        self.stats.generation_tokens += len(targets)
+        self.stats.generation_tokens += tokens
         return list(touched.values())
+
+    def can_run_ahead(self) -> bool:
+        """After ``advance``: whether the next step may be scheduled before this one's tokens are read back.
+
+        Only a steady decode qualifies: every running sequence has exactly one token to compute, nothing
+        waits or is swapped out (admission hashes prompts' blocks, and a ``PENDING`` token must never enter
+        a hash), no request follows a grammar (its next mask needs this step's tokens accepted), and the pool
+        has a free block for every running sequence, so that nobody can be preempted. A sequence that the
+        unread tokens end then computes one token too many, which ``settle`` of that step drops.
+        """
+        running = self.running
+        if self.waiting or self.swapped or not running or self.kv.pool.num_free < len(running):
+            return False
+        for seq in running:
+            if seq.num_computed_tokens + 1 != len(seq.token_ids) or seq.request.matchers:
+                return False
+        return True
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End ``seq`` wherever it is and release everything it holds. Idempotent."""
@@ -127,6 +173,9 @@ class Scheduler:
                  SeqStatus.SWAPPED: self.swapped}[seq.status]
         queue.remove(seq)
         self.kv.free(seq)
+        if seq.pending_row >= 0:  # ended (aborted) while its step's tokens were unread: never sampled
+            seq.token_ids.pop()
+            seq.pending_row = -1
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
 
@@ -228,7 +277,7 @@ class Scheduler:
         request = seq.request
         out.scheduled.append(ScheduledSeq(seq, num_new, num_samples))
         out.chunks.append(ScheduledChunk(token_ids[start:end], start, self.kv.block_ids(seq), num_samples > 0,
-                                         request.lora))
+                                         request.lora, seq.pending_row if num_samples else -1))
         if num_samples:
             out.sampling.add(request.params, request.generators, seq.index, num_samples)
 

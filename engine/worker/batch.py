@@ -8,7 +8,11 @@ copy (from pinned memory, without waiting) instead of one synchronous copy per t
 of that one device buffer::
 
     | input_ids (T) | positions (T) | slot_mapping (T) | logits_indices (L) | query_start_loc (S+1) |
-    | seq_lens (S) | block_tables (S * width, row-major) |
+    | seq_lens (S) | block_tables (S * width, row-major) | pending_positions (P) | pending_rows (P) |
+
+A token that the previous step sampled and nobody has read back yet (the scheduler ran ahead) is ``PENDING``
+(-1) in ``input_ids``; ``pending_positions`` says where, ``pending_rows`` which of the previous step's
+sampled tokens goes there, so the runner fills them in on the device.
 
 The int32 inputs the kernels take (tables, lengths) are converted on the device.
 """
@@ -16,7 +20,7 @@ The int32 inputs the kernels take (tables, lengths) are converted on the device.
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 
 import torch
@@ -36,6 +40,8 @@ class HostBatch:
     query_lens: list[int]
     seq_lens: list[int]
     logits_indices: list[int]  # the last token of each chunk that samples
+    pending_positions: list[int] = field(default_factory=list)  # where input_ids holds a PENDING token ...
+    pending_rows: list[int] = field(default_factory=list)  # ... and the previous step's row that replaces it
 
     @property
     def num_seqs(self) -> int:
@@ -54,6 +60,8 @@ class HostBatch:
         query_lens: list[int] = []
         seq_lens: list[int] = []
         logits_indices: list[int] = []
+        pending_positions: list[int] = []
+        pending_rows: list[int] = []
         for chunk in chunks:
             start, end = chunk.start, chunk.start + len(chunk.token_ids)
             table = chunk.block_table
@@ -69,7 +77,11 @@ class HostBatch:
             seq_lens.append(end)
             if chunk.sample:
                 logits_indices.append(len(input_ids) - 1)
-        return cls(input_ids, positions, slots, tables, query_lens, seq_lens, logits_indices)
+            if chunk.pending_row >= 0:
+                pending_positions.append(len(input_ids) - 1)
+                pending_rows.append(chunk.pending_row)
+        return cls(input_ids, positions, slots, tables, query_lens, seq_lens, logits_indices, pending_positions,
+                   pending_rows)
 
     def to_device(self, device: torch.device) -> StepInputs:
         """The step's tensors on ``device``, all views of one buffer copied there once (see the module)."""
@@ -84,14 +96,17 @@ class HostBatch:
         for table in self.block_tables:
             flat += table
             flat += padding[len(table):]
+        num_pending = len(self.pending_rows)
+        flat += self.pending_positions
+        flat += self.pending_rows
         host = torch.frombuffer(array("q", flat), dtype=torch.int64)
         if device.type == "cuda":
             # Pinned, the copy need not wait for the host; the caching host allocator keeps the pinned block
             # until the copy has run.
             host = host.pin_memory().to(device, non_blocking=True)
-        (input_ids, positions, slot_mapping, logits_indices, query_start_loc, seq_lens,
-         tables) = host.split([num_tokens, num_tokens, num_tokens, num_logits, num_seqs + 1, num_seqs,
-                                num_seqs * width])
+        (input_ids, positions, slot_mapping, logits_indices, query_start_loc, seq_lens, tables, pending_positions,
+         pending_rows) = host.split([num_tokens, num_tokens, num_tokens, num_logits, num_seqs + 1, num_seqs,
+                                     num_seqs * width, num_pending, num_pending])
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
             block_tables=tables.view(num_seqs, width).to(torch.int32),
@@ -102,7 +117,8 @@ class HostBatch:
             max_query_len=self.max_query_len,
             max_seq_len=max(self.seq_lens),
         )
-        return StepInputs(input_ids, positions, logits_indices, meta)
+        pending = (pending_positions, pending_rows) if num_pending else None
+        return StepInputs(input_ids, positions, logits_indices, meta, pending)
 
 
 @dataclass(slots=True)
@@ -113,3 +129,6 @@ class StepInputs:
     positions: torch.Tensor  # [T] int64
     logits_indices: torch.Tensor  # [L] int64: the last token of each chunk that samples
     meta: AttentionMetadata
+    # Where input_ids holds PENDING tokens, and which rows of the previous step's tokens replace them ([P]
+    # int64 each); None when there are none.
+    pending: tuple[torch.Tensor, torch.Tensor] | None = None

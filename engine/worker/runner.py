@@ -33,10 +33,27 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class StepResult:
+    """One executed step. On CUDA its work may still be running: only ``sampled()`` waits for it."""
+
     logits: torch.Tensor  # [chunks that sample, vocab] float32, in scheduling order
-    sampled: list[int]  # one token per entry of the output's ``sampling``, in its order
+    tokens: torch.Tensor  # [draws] int64 on the device: one per entry of the output's ``sampling``, in its order
     num_tokens: int
     bytes_moved: int  # weights read once, KV read over every context, KV written for new tokens
+    _host: torch.Tensor | None = None  # CUDA: the pinned copy of ``tokens`` on its way
+    _copied: torch.cuda.Event | None = None  # ... recorded after that copy
+    _sampled: list[int] | None = None
+
+    def sampled(self) -> list[int]:
+        """The step's tokens on the host, in the order of the output's ``sampling``. On CUDA this is the
+        step's one wait for the device."""
+        if self._sampled is None:
+            if self._copied is not None:
+                assert self._host is not None
+                self._copied.synchronize()
+                self._sampled = self._host.tolist()
+            else:
+                self._sampled = self.tokens.tolist()
+        return self._sampled
 
 
 class ModelRunner:
@@ -68,10 +85,22 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.kv_caches, max_blocks, device)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, grammar: GrammarBitmask | None = None) -> StepResult:
+    def execute(
+        self, out: SchedulerOutput, grammar: GrammarBitmask | None = None, previous: StepResult | None = None
+    ) -> StepResult:
+        """Run ``out``; on CUDA, return as soon as its work is queued (see ``StepResult.sampled``).
+
+        ``previous``: the step before, when ``out`` was scheduled before its tokens were read back; its
+        tokens fill ``out``'s ``PENDING`` inputs on the device, behind it on the same stream.
+        """
         self._apply_copies(out.copies)
         batch = HostBatch.build(out.chunks, self.block_size)
         inputs = batch.to_device(self.device)
+        if inputs.pending is not None:
+            if previous is None:
+                raise ValueError("a step with PENDING inputs needs the previous step's result")
+            positions, rows = inputs.pending
+            inputs.input_ids.index_copy_(0, positions, previous.tokens.index_select(0, rows))
         # A step with adapters runs eagerly: the captured graphs hold no adapter layout.
         lora = self.lora_slots is not None and self.lora_slots.prepare([c.lora for c in out.chunks],
                                                                         batch.query_lens)
@@ -86,10 +115,17 @@ class ModelRunner:
             draws = logits  # one draw per row, in row order: no copy (a grammar would mask it in place)
         else:
             draws = logits.index_select(0, torch.tensor(sampling.rows, dtype=torch.int64, device=self.device))
-        sampled = sample(draws, sampling.params, sampling.generators, grammar)
+        tokens = sample(draws, sampling.params, sampling.generators, grammar)
         num_tokens = len(batch.input_ids)
         kv_bytes = self.kv_bytes_per_token * (sum(batch.seq_lens) + num_tokens)
-        return StepResult(logits, sampled, num_tokens, self.weight_bytes + kv_bytes)
+        result = StepResult(logits, tokens, num_tokens, self.weight_bytes + kv_bytes)
+        if tokens.is_cuda:
+            # Start the copy home now, without waiting: the host goes on (schedules the next step) meanwhile.
+            result._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            result._host.copy_(tokens, non_blocking=True)
+            result._copied = torch.cuda.Event()
+            result._copied.record()
+        return result
 
     def _apply_copies(self, copies: BlockCopies) -> None:
         # Swap-outs read blocks that this step may already have handed to other sequences: copy them first.

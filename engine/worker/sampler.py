@@ -25,8 +25,9 @@ def sample(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     grammar: GrammarBitmask | None = None,
-) -> list[int]:
-    """Sample one token per row of ``logits`` ([rows, vocab], float32), masked in place by ``grammar``."""
+) -> torch.Tensor:
+    """Sample one token per row of ``logits`` ([rows, vocab], float32), masked in place by ``grammar``:
+    ``[rows]`` int64 on the logits' device (reading them back is the caller's choice of when)."""
     if grammar is not None:
         grammar.apply(logits)
     tokens = logits.argmax(dim=-1)
@@ -39,7 +40,7 @@ def sample(
             if generators[i] is not None:
                 noise[j].exponential_(generator=generators[i])
         tokens[random_rows] = (probs / noise).argmax(dim=-1)
-    return tokens.tolist()
+    return tokens
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

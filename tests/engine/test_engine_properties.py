@@ -1,5 +1,5 @@
-"""Random interleavings of add / step / abort (with forks, shared prefixes, priorities and both preemption
-modes) against the real engine: the block accounting invariants hold after every operation, and once every
+"""Random interleavings of add / step / abort (with forks, shared prefixes, priorities, both preemption
+modes, and run-ahead scheduling on or off) against the real engine: the block accounting invariants hold after every operation, and once every
 request has ended, every block is free again."""
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 9, 9, 9, 9, 9], []]
 
 class EngineMachine(RuleBasedStateMachine):
     @initialize(mode=st.sampled_from(["recompute", "swap"]), num_blocks=st.integers(10, 20),
-                prefix_caching=st.booleans())
-    def start(self, mode: str, num_blocks: int, prefix_caching: bool) -> None:
+                prefix_caching=st.booleans(), async_scheduling=st.booleans())
+    def start(self, mode: str, num_blocks: int, prefix_caching: bool, async_scheduling: bool) -> None:
         self.core = EngineCore(EngineConfig(
             model="tiny", device="cpu", block_size=4, num_blocks=num_blocks, max_num_seqs=6,
             max_num_batched_tokens=24, preemption_mode=mode, swap_blocks=num_blocks // 2,
-            enable_prefix_caching=prefix_caching))
+            enable_prefix_caching=prefix_caching, async_scheduling=async_scheduling))
         self.live: list[str] = []
 
     @rule(prefix=st.sampled_from(PREFIXES), tail=st.lists(st.integers(0, 255), min_size=1, max_size=10),
@@ -40,6 +40,7 @@ class EngineMachine(RuleBasedStateMachine):
     def step(self, steps: int) -> None:
         for _ in range(steps):
             for out in self.core.step():
+                assert all(t >= 0 for c in out.outputs for t in c.token_ids), "no PENDING token shows"
                 if out.finished:
                     self.live.remove(out.request_id)
                     assert all(c.finish_reason == "length" for c in out.outputs)
@@ -51,6 +52,7 @@ class EngineMachine(RuleBasedStateMachine):
         self.live.remove(request_id)
         out = self.core.abort(request_id)
         assert out is not None and out.finished
+        assert all(t >= 0 for c in out.outputs for t in c.token_ids), "no PENDING token shows"
 
     @invariant()
     def blocks_accounted(self) -> None:

@@ -32,12 +32,12 @@ def test_sampler_draws_from_the_filtered_distribution() -> None:
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     logits = probs.log().repeat(4000, 1)
     gen = torch.Generator().manual_seed(0)
-    draws = torch.tensor(sample(logits, [SamplingParams(seed=0)] * 4000, [gen] * 4000))
+    draws = sample(logits, [SamplingParams(seed=0)] * 4000, [gen] * 4000)
     freq = torch.bincount(draws, minlength=4).float() / 4000
     assert torch.allclose(freq, probs, atol=0.03), freq
-    nucleus = torch.tensor(sample(logits[:2000], [SamplingParams(top_p=0.75)] * 2000, [None] * 2000))
+    nucleus = sample(logits[:2000], [SamplingParams(top_p=0.75)] * 2000, [None] * 2000)
     assert set(nucleus.tolist()) == {0, 1}, "top_p=0.75 keeps the two tokens whose mass reaches 0.75"
-    top2 = torch.tensor(sample(logits[:2000], [SamplingParams(top_k=2)] * 2000, [None] * 2000))
+    top2 = sample(logits[:2000], [SamplingParams(top_k=2)] * 2000, [None] * 2000)
     assert set(top2.tolist()) == {0, 1}
 
 

@@ -23,8 +23,8 @@ def test_a_chunked_prefill_then_a_fork_through_the_step_contract() -> None:
     assert chunk.block_table == core.kv.block_ids(seq) and len(chunk.block_table) == 2
     assert out.sampling.rows == []
     result = core.runner.execute(out)
-    assert result.sampled == [] and result.num_tokens == 8
-    assert core.scheduler.update_from_output(out, result.sampled) == []
+    assert result.sampled() == [] and result.num_tokens == 8
+    assert core.scheduler.update_from_output(out, result.sampled()) == []
     assert seq.num_computed_tokens == 8 and len(seq.token_ids) == 10
     check_block_accounting(core)
 
@@ -34,11 +34,11 @@ def test_a_chunked_prefill_then_a_fork_through_the_step_contract() -> None:
     assert chunk.block_table == core.kv.block_ids(seq) and len(chunk.block_table) == 3
     assert out.sampling.rows == [0, 0], "the prompt's last logits give both completions their first token"
     result = core.runner.execute(out)
-    (request,) = core.scheduler.update_from_output(out, result.sampled)
+    (request,) = core.scheduler.update_from_output(out, result.sampled())
     parent, child = request.seqs
     assert (parent.index, child.index) == (0, 1) and child.num_computed_tokens == parent.num_computed_tokens == 10
     assert core.kv.tables[child.seq_id] == core.kv.tables[parent.seq_id], "a fork shares its parent's blocks"
-    assert [parent.token_ids[-1], child.token_ids[-1]] == result.sampled
+    assert [parent.token_ids[-1], child.token_ids[-1]] == result.sampled()
     check_block_accounting(core)
 
     while core.has_unfinished:
