@@ -189,9 +189,12 @@ def run_engine(
     llm = make_llm(directory, work, args, device, async_scheduling)
     # Warm-up: short prompts whose outputs end one step apart, so the decode batch shrinks through every
     # size once (compiling each kernel variant and capturing each CUDA graph before the clock starts).
+    # Whole prompts: their block tables are as wide as the timed run's, and Triton compiles a kernel again
+    # for an argument (a table's row stride) that is 1, divisible by 16, or neither (first H200 run: 16-token
+    # prompts left the timed run ~1.5 s of compiling in its first prefill steps).
     warm = min(args.max_num_seqs, len(work.prompts))
     llm.generate(
-        [p[:16] for p in work.prompts[:warm]],
+        work.prompts[:warm],
         [SamplingParams(max_tokens=i + 1, temperature=0.0, ignore_eos=True) for i in range(warm)],
     )
     steps = trace_steps(llm.core)
@@ -421,17 +424,21 @@ def main() -> None:
             **ours["breakdown"],
         })
         if ahead is not None:
-            # The same requests with run-ahead scheduling, after the run above: its figures, and whether
-            # every request got the very tokens it got there (greedy: it must).
+            # The same requests with run-ahead scheduling, after the run above: its figures, and how many
+            # requests got the very tokens they got there. Greedy, yet in bf16 not all: a batch's shape
+            # (which sequences are still in it, the graph's padded size) moves logits by rounding, and
+            # random weights leave near-ties (in fp32 every request matched, on the H200).
+            identical = sum(a == b for a, b in zip(ahead["token_ids"], ours["token_ids"], strict=True))
             results[-1]["with_async_scheduling"] = {
                 "engine_tokens_per_s": ahead["tokens_per_s"], "engine_elapsed_s": ahead["elapsed_s"],
                 "steps": ahead["steps"], "decode_mbu": ahead["mbu_all"], "decode_mbu_batch_ge_64": ahead["mbu_64"],
-                "same_tokens": ahead["token_ids"] == ours["token_ids"], **ahead["breakdown"]}
+                "identical_requests": identical, **ahead["breakdown"]}
             rows.append(
                 f"{label + ' async':<28}{ahead['tokens_per_s']:>14,.0f}{'':>12}"
                 f"{ahead['tokens_per_s'] / theirs['tokens_per_s']:>7.1f}x{percent(ahead['mbu_all']):>12}"
                 f"{percent(ahead['mbu_64']):>11}  async_scheduling; engine {ahead['elapsed_s']:.2f} s, "
-                f"{ahead['steps']} steps; same tokens as without: {ahead['token_ids'] == ours['token_ids']}")
+                f"{ahead['steps']} steps; {identical} of {len(ours['token_ids'])} requests token for token "
+                f"as without")
         breakdowns += breakdown_lines(label.removesuffix("-shaped"), ours["breakdown"])
         if ahead is not None:
             breakdowns += breakdown_lines(label.removesuffix("-shaped") + "+async", ahead["breakdown"])
