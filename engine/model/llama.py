@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 # Not `from engine.model import ...`: that imports engine/model/__init__ (the loader), a circle.
+import engine.model.cuda_fusion as cuda_fusion  # noqa: PLR0402
 import engine.model.native_decode as native_decode  # noqa: PLR0402
 import engine.model.q4_native as q4_native  # noqa: PLR0402
 from engine.kernels.backend import AttentionBackend
@@ -33,6 +34,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cuda_fusion.applies(x) and x.dim() == 2 and x.stride(-1) == 1:
+            from engine.kernels.triton_norm import rms_norm  # deferred: triton may be missing on a CPU host
+
+            return rms_norm(x, self.weight, self.eps)[0]
         if x.dtype == torch.float32:  # the same maths in one call: the native one on a CPU that has it
             if x.device.type == "cpu" and x.is_contiguous() and q4_native.available():
                 return q4_native.rms_norm(x, self.weight, self.eps)
@@ -41,6 +46,17 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x + residual, self(x + residual))``; on CUDA in one kernel (engine/kernels/triton_norm.py)."""
+        if cuda_fusion.applies(x) and x.dim() == 2 and x.stride(-1) == 1 and residual.stride(-1) == 1:
+            from engine.kernels.triton_norm import rms_norm  # deferred, as in forward
+
+            normed, total = rms_norm(x, self.weight, self.eps, residual)
+            assert total is not None
+            return total, normed
+        total = x + residual
+        return total, self(total)
 
 
 class RotaryEmbedding(nn.Module):
@@ -66,9 +82,13 @@ class RotaryEmbedding(nn.Module):
         half = config.head_dim // 2
         self.register_buffer("sin_cache", torch.cat((-angles[:, :half].sin(), angles[:, half:].sin()), dim=-1),
                              persistent=False)  # sin_signed (above)
-        # Every layer of a step passes the same ``positions`` tensor: its rows are gathered once per step (on
-        # CPU; a CUDA graph replays one positions buffer with new contents, so CUDA gathers every time).
+        # Every layer of a forward passes the same ``positions`` tensor: its rows are gathered once, by the
+        # first layer. ``start_forward`` forgets the last forward's rows, so that a CUDA graph captured from a
+        # forward records that gather too (a graph's warm-up forward runs on the very same positions tensor).
         self._step: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
+
+    def start_forward(self) -> None:
+        self._step = None
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
@@ -79,7 +99,7 @@ class RotaryEmbedding(nn.Module):
     def rotate(self, positions: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
         """Rotate ``heads [T, any number of heads, D]`` by their tokens' positions."""
         step = self._step
-        if step is None or step[0] is not positions or step[1] != heads.dtype or positions.is_cuda:
+        if step is None or step[0] is not positions or step[1] != heads.dtype:
             cos = self.cos_cache[positions].to(heads.dtype)[:, None, :]
             sin = self.sin_cache[positions].to(heads.dtype)[:, None, :]
             step = self._step = (positions, heads.dtype, cos, sin)
@@ -212,8 +232,9 @@ class DecoderLayer(nn.Module):
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, rotary, kv_caches, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        attended = self.self_attn(self.input_layernorm(hidden), positions, rotary, kv_caches, meta)
+        hidden, normed = self.post_attention_layernorm.add_forward(hidden, attended)
+        return hidden + self.mlp(normed)
 
 
 class DecoderStack(nn.Module):
@@ -240,6 +261,7 @@ class DecoderStack(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        self.rotary_emb.start_forward()
         native = native_decode.decoder_for(self)  # every layer in one native call (native_decode.py)
         if native is not None and native.applies(hidden, positions, kv_caches, meta):
             return self.norm(native.run(hidden, positions, kv_caches, meta))

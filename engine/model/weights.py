@@ -47,6 +47,7 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 # Not `from engine.model import q4_native`: that imports engine/model/__init__ (the loader), a circle.
+import engine.model.cuda_fusion as cuda_fusion  # noqa: PLR0402
 import engine.model.q4_native as q4_native  # noqa: PLR0402
 
 Q = GGMLQuantizationType
@@ -220,18 +221,36 @@ class Q4Linear(QuantizedLinear):
         return q4_native.unpack(self.qpack, self.scales, dtype)
 
 
-def concatenated(modules: list[nn.Module]) -> Q4Linear | None:
-    """One ``Q4Linear`` whose output rows are the ``modules``' one after another (they share an input), or
-    None unless every module is a ``Q4Linear`` without bias: one kernel call in place of several, on buffers
-    that are the originals' concatenated (the layout tiles output rows), so no weight moves or rounds."""
-    if not modules or not all(type(m) is Q4Linear and m.bias is None for m in modules):
+def concatenated(modules: list[nn.Module]) -> nn.Module | None:
+    """One module whose output rows are the ``modules``' one after another (they share an input), or None:
+    one kernel call in place of several, with no weight rounded again.
+
+    - every module a ``Q4Linear`` without bias: a ``Q4Linear`` on buffers that are the originals'
+      concatenated (the layout tiles output rows);
+    - every module a dense ``nn.Linear`` on CUDA, all with a bias or none (``cuda_fusion``): an ``nn.Linear``
+      of the weights (and biases) concatenated. On CPU dense projections stay apart, as HF computes them.
+    """
+    if not modules or len({m.in_features for m in modules}) != 1:
         return None
-    if len({m.in_features for m in modules}) != 1:
+    if all(type(m) is nn.Linear and cuda_fusion.applies(m.weight) for m in modules):
+        return _dense_concatenated(modules)
+    if not all(type(m) is Q4Linear and m.bias is None for m in modules):
         return None
     fused = Q4Linear.__new__(Q4Linear)
     QuantizedLinear.__init__(fused, sum(m.out_features for m in modules), modules[0].in_features, None)
     fused.register_buffer("qpack", torch.cat([m.qpack for m in modules]))
     fused.register_buffer("scales", torch.cat([m.scales for m in modules]))
+    return fused
+
+
+def _dense_concatenated(modules: list[nn.Linear]) -> nn.Linear | None:
+    if len({m.bias is None for m in modules}) != 1:
+        return None
+    weight = torch.cat([m.weight for m in modules])
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=modules[0].bias is not None, device="meta")
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    if modules[0].bias is not None:
+        fused.bias = nn.Parameter(torch.cat([m.bias for m in modules]), requires_grad=False)
     return fused
 
 

@@ -22,7 +22,7 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
-from engine.kernels import triton_decode, triton_lora, triton_prefill, triton_store
+from engine.kernels import triton_decode, triton_lora, triton_norm, triton_prefill, triton_store
 
 TRITON_DTYPES = {"bfloat16": ("bf16", 2), "float16": ("fp16", 2), "float32": ("fp32", 4)}
 # Pointer element types by argument name; the activation and cache pointers take the dtype under test.
@@ -80,6 +80,10 @@ def kernels(shape: Shape, element_size: int) -> dict[str, tuple[triton.JITFuncti
              "BLOCK_SIZE": shape.block_size, "BLOCK_Q": max(1, block_m // block_g), "BLOCK_N": block_n},
             triton_prefill.NUM_WARPS,
         ),
+        # RMSNorm after the residual add, over a hidden size of heads x head_dim, as rms_norm launches it.
+        "rms_norm": (triton_norm._rms_norm_kernel,
+                     {"HAS_RESIDUAL": 1, "BLOCK": triton.next_power_of_2(shape.heads * shape.head_dim)},
+                     4 if shape.heads * shape.head_dim <= 2048 else 8),
         # The LoRA BGMV pair at the default --max-lora-rank (16), with the tiles lora_bgmv launches.
         "lora_shrink": (triton_lora._shrink_kernel, {"BLOCK_R": 16, "BLOCK_K": 64}, 4),
         "lora_expand": (triton_lora._expand_kernel, {"BLOCK_R": 16, "BLOCK_N": 64}, 4),
@@ -94,7 +98,7 @@ def signature(kernel: triton.JITFunction, constexprs: dict[str, int], dtype: str
         elif name.endswith("_ptr"):
             types[name] = INDEX_POINTERS.get(name, f"*{dtype}")
         else:
-            types[name] = "fp32" if name == "scale_log2" else "i32"
+            types[name] = "fp32" if name in ("scale_log2", "eps") else "i32"
     return types
 
 

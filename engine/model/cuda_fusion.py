@@ -1,0 +1,17 @@
+"""Whether the model fuses small ops on CUDA, where each kernel launch and its pass over the activations cost
+more than the arithmetic: q/k/v and gate/up as one matrix each (``weights.concatenated``) and RMSNorm with its
+residual add in one kernel (engine/kernels/triton_norm.py). CPU runs keep HF's separate ops, the reference the
+parity tests hold the engine to. ``KVGUARD_CUDA_FUSION=0`` keeps them on CUDA too, for a side-by-side run.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+ENABLED = os.environ.get("KVGUARD_CUDA_FUSION", "1") != "0"
+
+
+def applies(tensor: torch.Tensor) -> bool:
+    return ENABLED and tensor.is_cuda

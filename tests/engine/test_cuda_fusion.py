@@ -1,0 +1,57 @@
+"""The CUDA path's fusions (engine/model/cuda_fusion.py) compute what the separate ops compute: RMSNorm with
+its residual add in one Triton kernel, and q/k/v and gate/up as one dense matrix each.
+
+Without CUDA the kernel runs in Triton's interpreter (``conftest.py``), on the small shapes it affords; in
+16-bit only float16 there (bfloat16 where CUDA compiles the kernel), as in test_kernels_triton.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")  # before the import below: the kernel module imports triton
+
+import engine.model.cuda_fusion as cuda_fusion  # noqa: PLR0402
+from engine import LLM, SamplingParams
+from engine.kernels.triton_norm import rms_norm
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
+
+
+def separate_ops(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """llama.py's unfused 16-bit RMSNorm, HF's order of ops (the fp32 one is the same maths)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 96])  # a power of two, and one the kernel's block must mask
+def test_fused_add_rms_norm_matches_the_separate_ops(dtype: torch.dtype, hidden: int) -> None:
+    generator = torch.Generator().manual_seed(hidden)
+    x, residual = (torch.randn(5, hidden, generator=generator).to(DEVICE, dtype) for _ in range(2))
+    weight = (1 + torch.randn(hidden, generator=generator) / 4).to(DEVICE, dtype)
+    normed, total = rms_norm(x, weight, 1e-6, residual)
+    assert total is not None and torch.equal(total, x + residual), "the sum rounds as torch's add"
+    expected = separate_ops(x + residual, weight, 1e-6)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # fp32: sum order; 16-bit: one rounding step
+    assert (normed.float() - expected.float()).abs().max() <= tolerance * expected.float().abs().max()
+    alone, none = rms_norm(x, weight, 1e-6)
+    assert none is None
+    assert (alone.float() - separate_ops(x, weight, 1e-6).float()).abs().max() <= tolerance * 4
+
+
+def test_the_fused_model_gives_the_unfused_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    prompts = [[3, 14, 15, 92, 65, 35], [89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50]]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    options = dict(model="tiny", device=DEVICE.type, dtype="float32", num_blocks=32)
+    unfused = [o.token_ids for o in LLM(**options).generate(prompts, params)]
+    # Without CUDA, this stands in for a CUDA tensor: the fused path is the subject, not the device.
+    monkeypatch.setattr(cuda_fusion, "applies", lambda tensor: True)
+    llm = LLM(**options)
+    attention, mlp = llm.core.loaded.model.model.layers[0].self_attn, llm.core.loaded.model.model.layers[0].mlp
+    assert type(attention.qkv_proj) is torch.nn.Linear and attention.qkv_proj.bias is not None
+    assert type(mlp.gate_up_proj) is torch.nn.Linear and not hasattr(mlp, "gate_proj")
+    assert [o.token_ids for o in llm.generate(prompts, params)] == unfused
