@@ -98,6 +98,11 @@ class RotaryEmbedding(nn.Module):
 
     def rotate(self, positions: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
         """Rotate ``heads [T, any number of heads, D]`` by their tokens' positions."""
+        head_dim = heads.shape[-1]
+        if cuda_fusion.applies(heads) and heads.stride(-1) == 1 and head_dim & (head_dim - 1) == 0:
+            from engine.kernels.triton_rope import rope  # deferred: triton may be missing on a CPU host
+
+            return rope(heads, positions, self.cos_cache, self.sin_cache)
         step = self._step
         if step is None or step[0] is not positions or step[1] != heads.dtype:
             cos = self.cos_cache[positions].to(heads.dtype)[:, None, :]
@@ -212,7 +217,13 @@ class MLP(nn.Module):
             gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        gated = F.silu(self.lora("gate_proj", x, gate)) * self.lora("up_proj", x, up)
+        gate, up = self.lora("gate_proj", x, gate), self.lora("up_proj", x, up)
+        if cuda_fusion.applies(gate) and gate.stride(-1) == 1 and up.stride(-1) == 1:
+            from engine.kernels.triton_silu import silu_mul  # deferred: triton may be missing on a CPU host
+
+            gated = silu_mul(gate, up)
+        else:
+            gated = F.silu(gate) * up
         return self.lora("down_proj", gated, self.down_proj(gated))
 
 

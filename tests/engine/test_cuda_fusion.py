@@ -1,5 +1,6 @@
 """The CUDA path's fusions (engine/model/cuda_fusion.py) compute what the separate ops compute: RMSNorm with
-its residual add in one Triton kernel, and q/k/v and gate/up as one dense matrix each.
+its residual add, RoPE and silu(gate) * up in one Triton kernel each, and q/k/v and gate/up as one dense matrix
+each.
 
 Without CUDA the kernel runs in Triton's interpreter (``conftest.py``), on the small shapes it affords; in
 16-bit only float16 there (bfloat16 where CUDA compiles the kernel), as in test_kernels_triton.py.
@@ -15,6 +16,10 @@ pytest.importorskip("triton")  # before the import below: the kernel module impo
 import engine.model.cuda_fusion as cuda_fusion  # noqa: PLR0402
 from engine import LLM, SamplingParams
 from engine.kernels.triton_norm import rms_norm
+from engine.kernels.triton_rope import rope
+from engine.kernels.triton_silu import silu_mul
+from engine.model.config import ModelConfig
+from engine.model.llama import RotaryEmbedding
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
@@ -41,6 +46,36 @@ def test_fused_add_rms_norm_matches_the_separate_ops(dtype: torch.dtype, hidden:
     alone, none = rms_norm(x, weight, 1e-6)
     assert none is None
     assert (alone.float() - separate_ops(x, weight, 1e-6).float()).abs().max() <= tolerance * 4
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_rope_matches_the_separate_ops(dtype: torch.dtype) -> None:
+    config = ModelConfig(architecture="qwen2", vocab_size=64, hidden_size=64, intermediate_size=64,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None, max_position_embeddings=64,
+                         tie_word_embeddings=True, attention_bias=False, attention_output_bias=False,
+                         bos_token_id=None, eos_token_ids=(), torch_dtype="float32")
+    rotary = RotaryEmbedding(config).to(DEVICE)
+    generator = torch.Generator().manual_seed(0)
+    qkv = torch.randn(5, 8, 16, generator=generator).to(DEVICE, dtype)  # q, k and v heads side by side
+    heads = qkv[:, :6]  # q and k: a view with v's rows between tokens, as Attention passes it
+    positions = torch.tensor([0, 3, 17, 40, 63], device=DEVICE)
+    cos = rotary.cos_cache[positions].to(dtype)[:, None, :]  # RotaryEmbedding.rotate's separate ops
+    sin = rotary.sin_cache[positions].to(dtype)[:, None, :]
+    expected = heads * cos + heads.roll(8, dims=-1) * sin
+    ours = rope(heads, positions, rotary.cos_cache, rotary.sin_cache)
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-2  # the same roundings, but a compiler may contract
+    assert (ours.float() - expected.float()).abs().max() <= tolerance * expected.float().abs().max()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_silu_mul_matches_the_separate_ops(dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(1)
+    gate_up = (3 * torch.randn(3, 2 * 1100, generator=generator)).to(DEVICE, dtype)  # two column blocks
+    gate, up = gate_up.split(1100, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-2  # exp's last bits can move a rounding
+    assert (silu_mul(gate, up).float() - expected.float()).abs().max() <= tolerance * expected.float().abs().max()
 
 
 def test_the_fused_model_gives_the_unfused_tokens(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -22,12 +22,13 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
-from engine.kernels import triton_decode, triton_lora, triton_norm, triton_prefill, triton_store
+from engine.kernels import triton_decode, triton_lora, triton_norm, triton_prefill, triton_rope, triton_silu, triton_store
 
 TRITON_DTYPES = {"bfloat16": ("bf16", 2), "float16": ("fp16", 2), "float32": ("fp32", 4)}
 # Pointer element types by argument name; the activation and cache pointers take the dtype under test.
 INDEX_POINTERS = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_ptr": "*i32",
                   "slot_ptr": "*i64", "partial_ptr": "*fp32", "lse_ptr": "*fp32",
+                  "positions_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32",  # RoPE's fp32 tables
                   "slots_ptr": "*i32", "scales_ptr": "*fp32", "y_ptr": "*fp32"}  # the LoRA kernels'
 
 
@@ -84,6 +85,10 @@ def kernels(shape: Shape, element_size: int) -> dict[str, tuple[triton.JITFuncti
         "rms_norm": (triton_norm._rms_norm_kernel,
                      {"HAS_RESIDUAL": 1, "BLOCK": triton.next_power_of_2(shape.heads * shape.head_dim)},
                      4 if shape.heads * shape.head_dim <= 2048 else 8),
+        # RoPE over a fused q/k view (heads + kv_heads), and the MLP gate, as rope and silu_mul launch them.
+        "rope": (triton_rope._rope_kernel,
+                 {"HEAD_DIM": shape.head_dim, "BLOCK_H": triton.next_power_of_2(shape.heads + shape.kv_heads)}, 4),
+        "silu_mul": (triton_silu._silu_mul_kernel, {"BLOCK": triton_silu.BLOCK}, 4),
         # The LoRA BGMV pair at the default --max-lora-rank (16), with the tiles lora_bgmv launches.
         "lora_shrink": (triton_lora._shrink_kernel, {"BLOCK_R": 16, "BLOCK_K": 64}, 4),
         "lora_expand": (triton_lora._expand_kernel, {"BLOCK_R": 16, "BLOCK_N": 64}, 4),
