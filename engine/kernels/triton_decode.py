@@ -55,7 +55,9 @@ def _split_len(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
     return tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
 
 
-@triton.jit
+# A block table is as wide as the step's longest sequence needs, which changes from step to step: Triton
+# would compile again whenever that width moves between 1, a multiple of 16 and neither.
+@triton.jit(do_not_specialize=["table_stride"])
 def _decode_partial_kernel(
     q_ptr,
     cache_ptr,

@@ -39,7 +39,9 @@ def default_tiles(head_dim: int, element_size: int) -> tuple[int, int]:
     return (128, 64) if head_dim <= 64 else (64, 32)
 
 
-@triton.jit
+# A block table is as wide as the step's longest sequence needs, which changes from step to step: Triton
+# would compile again whenever that width moves between 1, a multiple of 16 and neither.
+@triton.jit(do_not_specialize=["table_stride"])
 def _prefill_kernel(
     q_ptr,
     cache_ptr,
