@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import random
 
+import openai
 import pytest
+from support.engine_server import ServerThread
 from support.invariants import assert_all_blocks_back
 
 from engine import LLM, SamplingParams
@@ -30,16 +32,22 @@ def workload() -> tuple[list[list[int]], list[SamplingParams]]:
     return prompts, params
 
 
-def generate(async_scheduling: bool, **options: object) -> tuple[list[RequestOutput], int]:
-    """The outputs, and how many steps took a token that the step before had left on the device."""
-    llm = LLM(**{**OPTIONS, **options}, async_scheduling=async_scheduling)
-    execute, ran_ahead = llm.core.runner.execute, [0]
+def count_run_ahead(runner: ModelRunner) -> list[int]:
+    """From now on, count in the returned cell the steps that take a token the step before left unread."""
+    execute, ran_ahead = runner.execute, [0]
 
     def counting(out, grammar=None, previous=None):  # noqa: ANN001, ANN202 - the runner's own signature
         ran_ahead[0] += previous is not None
         return execute(out, grammar, previous)
 
-    llm.core.runner.execute = counting  # type: ignore[method-assign]
+    runner.execute = counting  # type: ignore[method-assign]
+    return ran_ahead
+
+
+def generate(async_scheduling: bool, **options: object) -> tuple[list[RequestOutput], int]:
+    """The outputs, and how many steps took a token that the step before had left on the device."""
+    llm = LLM(**{**OPTIONS, **options}, async_scheduling=async_scheduling)
+    ran_ahead = count_run_ahead(llm.core.runner)
     prompts, params = workload()
     outputs = llm.generate(prompts, params)
     assert_all_blocks_back(llm.core)
@@ -60,3 +68,26 @@ def test_run_ahead_gives_the_same_completions(num_blocks: int) -> None:
     assert all(t >= 0 for o in ahead for c in o.outputs for t in c.token_ids)
     reasons = {c.finish_reason for o in sync for c in o.outputs}
     assert reasons == {"stop", "length"}, reasons
+
+
+def test_the_server_runs_ahead_and_streams_the_same_text() -> None:
+    """Through the HTTP server (``--async-scheduling``): whole and streamed completions equal the offline
+    engine's without run-ahead, and a stream the client drops mid-way gives every block back."""
+    prompt, params = "Run ahead, then settle", SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    (expected,) = LLM(**OPTIONS).generate([prompt], params)
+    greedy = {"max_tokens": 40, "temperature": 0.0, "extra_body": {"ignore_eos": True}}
+    with ServerThread(num_blocks=256, block_size=16, async_scheduling=True) as server:
+        ran_ahead = count_run_ahead(server.core.runner)
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        whole = client.completions.create(model="tiny", prompt=prompt, **greedy)
+        assert whole.choices[0].text == expected.text and whole.usage.completion_tokens == 40
+        chunks = [c.choices[0].text for c in client.completions.create(model="tiny", prompt=prompt, stream=True,
+                                                                       **greedy) if c.choices]
+        assert len(chunks) > 10 and "".join(chunks) == expected.text
+        with client.completions.create(model="tiny", prompt=prompt, stream=True, **greedy) as stream:
+            for index, _ in enumerate(stream):
+                if index == 3:
+                    break  # the client goes away: the server aborts the request
+        server.wait_idle()
+        assert_all_blocks_back(server.core)
+    assert ran_ahead[0] > 30, "decode steps ran ahead"
