@@ -173,7 +173,7 @@ class Scheduler:
                  SeqStatus.SWAPPED: self.swapped}[seq.status]
         queue.remove(seq)
         self.kv.free(seq)
-        if seq.pending_row >= 0:  # ended (aborted) while its step's tokens were unread: never sampled
+        if seq.pending_row >= 0:  # its step failed between advance and settle: the token was never drawn
             seq.token_ids.pop()
             seq.pending_row = -1
         seq.status = SeqStatus.FINISHED
