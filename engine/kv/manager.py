@@ -13,6 +13,7 @@ exactly the host ids the swap space has handed out (``SwapSpace.check``).
 
 from __future__ import annotations
 
+from array import array
 from collections import Counter
 from collections.abc import Sequence
 
@@ -24,6 +25,9 @@ from engine.kv.sequence import KVSequence
 from engine.kv.swap import SwapSpace
 
 
+_NO_IDS = array("q")  # a sequence without device blocks (never modified)
+
+
 class KVCacheManager:
     def __init__(self, pool: BlockPool, swap: SwapSpace, block_size: int) -> None:
         self.pool = pool
@@ -31,16 +35,18 @@ class KVCacheManager:
         self.block_size = block_size
         self.tables: dict[int, list[KVBlock]] = {}  # seq_id -> device blocks, in token order
         # seq_id -> the ids of its table's blocks, rebuilt only when the table changes (once per block_size
-        # decode steps), not for every step's chunk.
-        self._ids: dict[int, list[int]] = {}
+        # decode steps), not for every step's chunk. Machine int64s (array 'q'): the worker packs every
+        # table into the step's input buffer as bytes, with no conversion of Python ints per step.
+        self._ids: dict[int, array] = {}
         self.host_tables: dict[int, list[int]] = {}  # seq_id -> host block ids while swapped out
         # seq_id -> leading entries of its device table already offered to the prefix cache, so that a
         # commit costs the blocks filled since the last one, not the whole table, every step.
         self._published: dict[int, int] = {}
 
-    def block_ids(self, seq: KVSequence) -> list[int]:
-        """The ids of ``seq``'s device blocks, in token order. Shared, never changed: read, do not modify."""
-        return self._ids.get(seq.seq_id, [])
+    def block_ids(self, seq: KVSequence) -> array:
+        """The ids of ``seq``'s device blocks, in token order (an ``array('q')``). Shared, never changed: read,
+        do not modify."""
+        return self._ids.get(seq.seq_id, _NO_IDS)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -154,12 +160,13 @@ class KVCacheManager:
             raise RuntimeError(f"sequences {sorted(both)} hold device and host blocks at once")
         if stale := self._published.keys() - self.tables.keys():
             raise RuntimeError(f"sequences {sorted(stale)} have published blocks but no device table")
-        if self._ids != {seq_id: [b.block_id for b in table] for seq_id, table in self.tables.items()}:
+        if {seq_id: ids.tolist() for seq_id, ids in self._ids.items()} != {
+                seq_id: [b.block_id for b in table] for seq_id, table in self.tables.items()}:
             raise RuntimeError("the block id lists do not mirror the block tables")
 
     def _set_table(self, seq_id: int, table: list[KVBlock]) -> None:
         self.tables[seq_id] = table
-        self._ids[seq_id] = [b.block_id for b in table]
+        self._ids[seq_id] = array("q", [b.block_id for b in table])
 
     def _drop_table(self, seq_id: int) -> list[KVBlock]:
         self._published.pop(seq_id, None)

@@ -8,6 +8,7 @@ and the tokens the worker sampled. ``scheduled`` and ``chunks`` are parallel lis
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -36,7 +37,9 @@ class ScheduledChunk:
 
     token_ids: list[int]
     start: int  # tokens of the sequence already in the KV cache
-    block_table: list[int]  # device blocks holding positions 0 .. start + len(token_ids) - 1, in order
+    # Device blocks holding positions 0 .. start + len(token_ids) - 1, in order: the KV manager's array('q')
+    # (engine/kv/manager.py), or any sequence of ints.
+    block_table: Sequence[int]
     sample: bool  # its last token's logits are wanted: a row of the step's logits
     lora: LoraAdapter | None = None  # the adapter its tokens run with; None: the base model
     # >= 0: its last token is ``PENDING``, sampled by the previous step and still on the device, in this row
