@@ -59,7 +59,7 @@ PARTS: list[tuple[str, list[Callable[..., object]]]] = [
     ("sampling", [sampler.sample]),
     ("step inputs (host batch, input tensors, attention metadata)",
      [HostBatch.build, HostBatch.to_device]),
-    ("scheduler (schedule, commit)", [Scheduler.schedule, Scheduler.update_from_output]),
+    ("scheduler (schedule, commit)", [Scheduler.schedule, Scheduler.advance, Scheduler.settle]),
     ("request outputs", [OutputProcessor.output]),
 ]
 

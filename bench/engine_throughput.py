@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from kernel_profile import format_kernels, profile_decode
+from kernel_profile import format_kernels, profile_decode, sync
 from run_info import device_report, print_preamble, write_report
 from step_phases import PHASES_HEADER, StepPhases, format_phases, summarize
 
@@ -316,11 +316,6 @@ def hf_generate(
 
 def percent(fraction: float | None) -> str:
     return "n/a" if fraction is None else f"{fraction:.1%}"
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def release(device: torch.device) -> None:

@@ -7,10 +7,9 @@ each phase is the wall time spent in the functions it names:
 - inputs: ``HostBatch.build`` and ``HostBatch.to_device`` (the host batch and the model's input tensors; on a
   GPU the pinned host-to-device copy is queued here, not waited for);
 - model: the model's ``forward`` (or, on CUDA, ``DecodeGraphs.run``: a graph replay) and ``compute_logits``;
-- sample: ``engine.worker.runner.sample`` and, where the engine has it, ``StepResult.sampled`` (sampling,
-  then reading the tokens back);
-- commit: ``Scheduler.update_from_output``, or its halves ``advance`` and ``settle`` where the engine calls
-  them apart (tokens appended, stops checked, prefix blocks published);
+- sample: ``engine.worker.runner.sample`` and ``StepResult.sampled`` (sampling, then reading the tokens back);
+- commit: ``Scheduler.advance`` and ``Scheduler.settle``, the two halves of a step's commit (tokens appended,
+  stops checked, prefix blocks published);
 - outputs: ``OutputProcessor.output`` (one ``RequestOutput`` per request reported);
 - rest: the step's wall time less the phases above (block copies, telemetry, the step's own code).
 
@@ -31,8 +30,8 @@ wait and commit: the host's work per step, as the device sees it.
 
 ``HostBatch``, ``StepResult`` and the runner's ``sample`` are patched where every engine of the process sees
 them: one ``StepPhases`` at a time per process. The names wrapped are the engine's; one renamed there
-(``advance``, ``settle`` and ``sampled`` excepted) fails here at once, with an AttributeError in the
-benchmarks' smoke tests, rather than leaving a phase silently empty on a GPU.
+fails here at once, with an AttributeError in the benchmarks' smoke tests, rather than leaving a phase
+silently empty on a GPU.
 """
 
 from __future__ import annotations
@@ -63,16 +62,10 @@ class StepPhases:
         targets = [(scheduler, "schedule", "schedule"), (host_batch, "build", "inputs"),
                    (host_batch, "to_device", "inputs"), (runner.model, "forward", "model"),
                    (runner.model, "compute_logits", "model"), (runner_module, "sample", "sample"),
-                   (scheduler, "update_from_output", "commit"), (core.output_processor, "output", "outputs")]
+                   (runner_module.StepResult, "sampled", "sample"), (scheduler, "advance", "commit"),
+                   (scheduler, "settle", "commit"), (core.output_processor, "output", "outputs")]
         if runner.graphs is not None:  # CUDA: a decode step replays a graph instead of calling forward
             targets.append((runner.graphs, "run", "model"))
-        # Where the engine splits its commit around the read-back (advance, then settle once the tokens are
-        # on the host) and reads the tokens back apart from sampling (StepResult.sampled: the wait), those
-        # are timed too; an engine without them commits in update_from_output and reads back in sample
-        # (where StepResult.sampled is a field, not a method).
-        optional = [(scheduler, "advance", "commit"), (scheduler, "settle", "commit"),
-                    (runner_module.StepResult, "sampled", "sample")]
-        targets += [target for target in optional if callable(getattr(target[0], target[1], None))]
         for owner, name, phase in targets:
             self._patch(owner, name, self._timed(PHASES.index(phase), getattr(owner, name)))
         self._patch(core.stats, "on_step", self._marked(core.stats.on_step))

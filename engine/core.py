@@ -2,8 +2,8 @@
 
 ``EngineCore`` is synchronous and single-threaded; ``LLM`` drives it to completion and the server's
 ``AsyncEngine`` drives it from a background thread. A step is three calls: the scheduler decides
-(``SchedulerOutput``), the runner executes and samples, and the scheduler commits the result
-(``update_from_output``), consulting the output processor about stops. Every input is validated before any
+(``SchedulerOutput``), the runner executes and samples, and the scheduler commits the result (``advance``,
+then ``settle`` once the tokens are read back), consulting the output processor about stops. Every input is validated before any
 state changes, and every sequence that ends (finished, stopped or aborted) releases its blocks in the same
 call.
 
@@ -193,8 +193,7 @@ class EngineCore:
             return None
         for seq in request.seqs:
             self.scheduler.finish(seq, "abort")
-        if not self.scheduler.running:
-            self._ahead = None  # as in step: it computes only for sequences that have ended
+        self._drop_idle_ahead()
         return self.output_processor.output(request, True)
 
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
@@ -227,10 +226,7 @@ class EngineCore:
             ahead = self.scheduler.schedule()
             self._ahead = (ahead, self._execute(ahead, result))
         touched = self.scheduler.settle(out, result.sampled())
-        if not self.scheduler.running:
-            # Every sequence of the step ahead has ended (run-ahead preempts nobody, so a sequence leaves the
-            # running queue only by ending): nobody will read its tokens, and an idle engine keeps no step.
-            self._ahead = None
+        self._drop_idle_ahead()
         self.last_schedule = out
         self.stats.on_step(time.perf_counter() - started, result.num_tokens, out.has_decode, result.bytes_moved)
         outputs = []
@@ -242,6 +238,13 @@ class EngineCore:
                 continue
             outputs.append(self.output_processor.output(request, finished))
         return outputs
+
+    def _drop_idle_ahead(self) -> None:
+        """Forget the step ahead once nothing runs: every sequence in it has ended (run-ahead preempts
+        nobody, so a sequence leaves the running queue only by ending), nobody will read its tokens, and an
+        idle engine keeps no step."""
+        if not self.scheduler.running:
+            self._ahead = None
 
     def _execute(self, out: SchedulerOutput, previous: StepResult | None = None) -> StepResult:
         # The matchers have accepted every token committed so far; this step's commit advances them.

@@ -34,7 +34,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if cuda_fusion.applies(x) and x.dim() == 2 and x.stride(-1) == 1:
+        if self._fuses(x):
             from engine.kernels.triton_norm import rms_norm  # deferred: triton may be missing on a CPU host
 
             return rms_norm(x, self.weight, self.eps)[0]
@@ -49,7 +49,7 @@ class RMSNorm(nn.Module):
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(x + residual, self(x + residual))``; on CUDA in one kernel (engine/kernels/triton_norm.py)."""
-        if cuda_fusion.applies(x) and x.dim() == 2 and x.stride(-1) == 1 and residual.stride(-1) == 1:
+        if self._fuses(x) and residual.stride(-1) == 1:
             from engine.kernels.triton_norm import rms_norm  # deferred, as in forward
 
             normed, total = rms_norm(x, self.weight, self.eps, residual)
@@ -57,6 +57,11 @@ class RMSNorm(nn.Module):
             return total, normed
         total = x + residual
         return total, self(total)
+
+    @staticmethod
+    def _fuses(x: torch.Tensor) -> bool:
+        """Whether the Triton kernel takes ``x``: on CUDA (``cuda_fusion``), rows contiguous in the last dim."""
+        return cuda_fusion.applies(x) and x.dim() == 2 and x.stride(-1) == 1
 
 
 class RotaryEmbedding(nn.Module):

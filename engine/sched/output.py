@@ -2,7 +2,7 @@
 
 ``Scheduler.schedule`` fills a ``SchedulerOutput``; the worker runs it from the plain data alone
 (``chunks``, ``copies``, ``sampling``: token ids, positions, block ids, sampling parameters), without any
-scheduler or KV-manager state; then ``Scheduler.update_from_output`` commits the step from ``scheduled``
+scheduler or KV-manager state; then ``Scheduler.advance`` and ``settle`` commit the step from ``scheduled``
 and the tokens the worker sampled. ``scheduled`` and ``chunks`` are parallel lists in scheduling order.
 """
 
@@ -49,7 +49,7 @@ class ScheduledChunk:
 
 @dataclass(slots=True)
 class SamplingBatch:
-    """The tokens to draw from the step's logits, in the order ``update_from_output`` consumes them: each
+    """The tokens to draw from the step's logits, in the order ``Scheduler.settle`` consumes them: each
     sampling sequence's own token, then one per fork it spawns, all drawn from that sequence's one row."""
 
     rows: list[int] = field(default_factory=list)

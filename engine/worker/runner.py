@@ -43,6 +43,14 @@ class StepResult:
     _copied: torch.cuda.Event | None = None  # ... recorded after that copy
     _sampled: list[int] | None = None
 
+    def __post_init__(self) -> None:
+        if self.tokens.is_cuda:
+            # Start the copy home now, without waiting: the host goes on (schedules the next step) meanwhile.
+            self._host = torch.empty(self.tokens.shape, dtype=self.tokens.dtype, pin_memory=True)
+            self._host.copy_(self.tokens, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
     def sampled(self) -> list[int]:
         """The step's tokens on the host, in the order of the output's ``sampling``. On CUDA this is the
         step's one wait for the device."""
@@ -118,14 +126,7 @@ class ModelRunner:
         tokens = sample(draws, sampling.params, sampling.generators, grammar)
         num_tokens = len(batch.input_ids)
         kv_bytes = self.kv_bytes_per_token * (sum(batch.seq_lens) + num_tokens)
-        result = StepResult(logits, tokens, num_tokens, self.weight_bytes + kv_bytes)
-        if tokens.is_cuda:
-            # Start the copy home now, without waiting: the host goes on (schedules the next step) meanwhile.
-            result._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            result._host.copy_(tokens, non_blocking=True)
-            result._copied = torch.cuda.Event()
-            result._copied.record()
-        return result
+        return StepResult(logits, tokens, num_tokens, self.weight_bytes + kv_bytes)
 
     def _apply_copies(self, copies: BlockCopies) -> None:
         # Swap-outs read blocks that this step may already have handed to other sequences: copy them first.
