@@ -39,12 +39,12 @@ from pathlib import Path
 from aiohttp import web
 
 from guard.config import ConfigError, GuardConfig, load_config
-from guard.http.connections import raise_descriptor_limit, serve
-from guard.http.context import STATE
 from guard.http.routes import health, metrics_endpoint
+from guard.instance import STATE
 from guard.pool.scheduling import profile_for
 from guard.server.app import create_app
 from guard.server.reload import reload_on_sighup
+from guard.wire.connections import raise_descriptor_limit, serve
 
 # Young objects allocated before the collector starts a pass. The default (700) suits programs whose objects
 # die in order; here 64+ requests in flight allocate and free thousands at once, the count (allocations net

@@ -209,7 +209,7 @@ class Limits(Strict):
 
 
 class Connections(Strict):
-    """Client connections (guard/http/connections.py): how long the guard waits for each part of a request,
+    """Client connections (guard/wire/connections.py): how long the guard waits for each part of a request,
     how long an idle keep-alive connection stays, how many connections it holds. Read at start-up only."""
 
     # From accept, or from the first byte of a keep-alive connection's next request, to the end of the

@@ -14,7 +14,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import INF, floatToGoString
 
 MODES = ("normal", "pressure", "degraded")
-# Why the guard closed a client connection (guard/http/connections.py): a deadline of the request cycle, or
+# Why the guard closed a client connection (guard/wire/connections.py): a deadline of the request cycle, or
 # the connection cap (refused at accept).
 CONNECTION_CUTS = ("header_timeout", "body_timeout", "idle", "over_capacity")
 # From well under a millisecond (a cached reply) to minutes (a queued batch job).
@@ -148,7 +148,7 @@ class GuardMetrics:
 
     def _connection_series(self, r: CollectorRegistry) -> None:
         """Client connections, rate limits and the config."""
-        # Client connections (guard/http/connections.py).
+        # Client connections (guard/wire/connections.py).
         self.connections_open = Gauge("guard_connections_open", "Client connections open now.", registry=r)
         self.connections_limit = Gauge("guard_connections_limit", "Client connections the guard holds at "
                                        "most (connections.max_connections); more are refused with 503.",

@@ -186,3 +186,23 @@ def test_importing_the_guard_app_loads_no_torch():
     result = run_command(sys.executable, "-c", code)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+# The wire (DESIGN.md, "Wave 4"): bytes in and out, deadlines; what a request means is injected into it.
+WIRE_MAY_NOT_IMPORT = ("guard.admission", "guard.detect", "guard.pool.scheduling", "guard.records", "guard.http",
+                       "guard.instance")
+
+
+def test_the_wire_imports_no_policy():
+    graph = _graph()
+    assert any(module.startswith("guard.wire.") for module in graph)
+    wrong = {(module, target) for module, targets in graph.items() if module.startswith("guard.wire")
+             for target in targets
+             if any(target == banned or target.startswith(banned + ".") for banned in WIRE_MAY_NOT_IMPORT)}
+    assert wrong == set()
+
+
+def test_the_instance_state_lives_outside_the_http_folder():
+    graph = _graph()
+    assert "guard.instance" in graph and not [m for m in graph if m.startswith("guard.http.context")]
+    assert not [target for target in graph["guard.instance"] if target.startswith("guard.http")]

@@ -40,7 +40,7 @@ from aiohttp import web
 
 from guard.config import Admin, is_loopback
 from guard.console.snapshot import build
-from guard.http.context import STATE, GuardState
+from guard.instance import STATE, GuardState
 
 log = logging.getLogger("guard.console")
 

@@ -17,7 +17,7 @@ from collections import Counter
 from typing import Any
 
 from guard.config import Backend
-from guard.http.context import GuardState
+from guard.instance import GuardState
 from guard.pool.replica import Replica
 from guard.pool.routing import CircuitBreaker
 

@@ -1,2 +1,2 @@
-"""The guard's HTTP side: the app, the request pipeline and its stages (auth, validation, token counting),
-the relay to engines, and errors in the OpenAI shape."""
+"""A request's life in the guard: authentication, validation, token counting, the pipeline of stages from
+arrival to answer, and the handlers of the client routes. The bytes on the wire are guard/wire/'s."""

@@ -18,9 +18,9 @@ from guard.errors import GuardError, Outcome
 from guard.http import objectives, responses
 from guard.http.exchange import Exchange
 from guard.http.models import adapter_of
-from guard.http.relay import StreamObserver, UpstreamUnavailable
 from guard.http.tokens import TokenLimits
 from guard.pool.prefix_index import prompt_block_hashes
+from guard.wire.relay import StreamObserver, UpstreamUnavailable
 
 
 def refuse_if_confirmed(ex: Exchange) -> None:

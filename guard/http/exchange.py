@@ -19,11 +19,13 @@ from guard.admission.limits import Charge
 from guard.admission.sizing import Growth, Sizing
 from guard.config import Lane, Tenant
 from guard.errors import GuardError, Outcome
-from guard.http.context import REQUEST_ID, TENANT, Clients, GuardState
-from guard.http.relay import StreamObserver
+from guard.http.clients import Clients
 from guard.http.tokens import TokenLimits
-from guard.http.upstream import Answer
 from guard.http.validate import ParsedRequest
+from guard.instance import GuardState
+from guard.wire.relay import StreamObserver
+from guard.wire.stamp import REQUEST_ID, TENANT
+from guard.wire.upstream import Answer
 
 
 @dataclass(slots=True)

@@ -17,9 +17,9 @@ from aiohttp import web
 from guard.admission.dispatch import TicketState
 from guard.errors import Outcome
 from guard.http.exchange import Exchange, stamp_headers
-from guard.http.relay import StreamObserver, UpstreamUnavailable
-from guard.http.upstream import Answer, UpstreamError
 from guard.pool.gate import BORROWED_PRIORITY
+from guard.wire.relay import StreamObserver, UpstreamUnavailable
+from guard.wire.upstream import Answer, UpstreamError
 
 
 async def to_pool(ex: Exchange) -> web.StreamResponse:

@@ -25,16 +25,18 @@ from guard import tracing
 from guard.config import Tenant
 from guard.errors import GuardError, Outcome
 from guard.http import admit, objectives, responses
-from guard.http.context import CLIENTS, REQUEST_ID, STATE, TENANT
+from guard.http.clients import CLIENTS
 from guard.http.decision import keep_record
-from guard.http.errors import error_response
 from guard.http.exchange import Exchange, stamp_headers
 from guard.http.forward import forward, to_pool
 from guard.http.models import check_model
-from guard.http.relay import UpstreamUnavailable
 from guard.http.static import static_response
 from guard.http.validate import parse_request
+from guard.instance import STATE
 from guard.pool.routing import Route
+from guard.wire.errors import error_response
+from guard.wire.relay import UpstreamUnavailable
+from guard.wire.stamp import REQUEST_ID, TENANT
 
 
 def authenticate(request: web.Request) -> Tenant:

@@ -31,9 +31,10 @@ from aiohttp import web
 from engine.protocol import ChatMessage, ResponseObject, ResponsesRequest, sse_event
 from engine.protocol.responses import InputTokensDetails, OutputMessage, OutputText, ResponseUsage
 from guard.errors import GuardError
-from guard.http.context import Clients, GuardState
-from guard.http.relay import StreamObserver, cached_tokens
+from guard.http.clients import Clients
 from guard.http.validate import RESPONSES, ParsedRequest
+from guard.instance import GuardState
+from guard.wire.relay import StreamObserver, cached_tokens
 
 # The type of a Responses stream's last event, each as it stands in a data line (a quote inside a text is
 # escaped, so these bytes only ever stand for the type itself).

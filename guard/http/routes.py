@@ -12,11 +12,13 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from guard.errors import GuardError
-from guard.http.connections import GuardedConnection, request_began
-from guard.http.context import CLIENTS, REQUEST_ID, STATE, TENANT
-from guard.http.errors import error_response
+from guard.http.clients import CLIENTS
 from guard.http.models import visible_models
 from guard.http.pipeline import authenticate
+from guard.instance import STATE
+from guard.wire.connections import GuardedConnection, request_began
+from guard.wire.errors import error_response
+from guard.wire.stamp import REQUEST_ID, stamp
 
 SANE_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
@@ -36,12 +38,12 @@ def request_id_of(request: web.Request) -> str:
 @web.middleware
 async def identify(request: web.Request, handler) -> web.StreamResponse:
     """The app's middleware: ``answered``, with the client connection found from the request's transport."""
-    return await answered(request, handler, request_began(request))
+    return await answered(request, request_began(request), handler)
 
 
-async def answered(request: web.Request, handler, connection: GuardedConnection | None) -> web.StreamResponse:
+async def answered(request: web.Request, connection: GuardedConnection | None, handler) -> web.StreamResponse:
     """``handler``'s answer to ``request`` as every request gets it, through aiohttp (``identify``) or the
-    front (guard/http/front.py): its request id set, counted in flight, an HTTP exception answered as an
+    front (guard/wire/front.py): its request id set, counted in flight, an HTTP exception answered as an
     error, ``connection`` (whose ``request_began`` the caller has told) told when it ends, and an answer not
     yet sent stamped with the request id and the tenant."""
     request[REQUEST_ID] = request_id_of(request)
@@ -58,13 +60,6 @@ async def answered(request: web.Request, handler, connection: GuardedConnection 
     if not response.prepared:
         stamp(request, response)
     return response
-
-
-def stamp(request: web.Request, response: web.StreamResponse) -> None:
-    """Every answer, errors included, names the request id and the tenant (once known)."""
-    response.headers["X-Request-Id"] = request[REQUEST_ID]
-    if TENANT in request:
-        response.headers["X-Guard-Tenant"] = request[TENANT]
 
 
 async def models(request: web.Request) -> web.StreamResponse:

@@ -12,10 +12,11 @@ import json
 from aiohttp import web
 
 from guard.errors import GuardError
-from guard.http.context import CLIENTS, STATE
-from guard.http.errors import error_response
+from guard.http.clients import CLIENTS
 from guard.http.pipeline import authenticate
 from guard.http.responses import ask_replicas
+from guard.instance import STATE
+from guard.wire.errors import error_response
 
 
 async def stored(request: web.Request) -> web.StreamResponse:

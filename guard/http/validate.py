@@ -6,7 +6,7 @@ fault is not in one field, so that every 400 points somewhere); guard/http/token
 and checks it against the context window. Client-sent ``cache_salt``, ``priority`` and tenant hints are
 dropped: the guard sets them from the tenant. A Responses body is also checked as the chat it runs as
 (``counted``), which is what guard/http/tokens.py counts. Every stream asks its engine for usage, so that the guard
-charges what was generated, not the events it saw (guard/http/relay.py strips the usage chunk again from the
+charges what was generated, not the events it saw (guard/wire/relay.py strips the usage chunk again from the
 answer of a client that did not ask for it).
 """
 

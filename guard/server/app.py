@@ -1,6 +1,6 @@
 """The guard's aiohttp application built from its config, and its lifecycle (client session, each replica's
 telemetry and KV-event subscriptions, the health monitor, graceful shutdown). The handlers are
-guard/http/routes.py and the request pipeline guard/http/pipeline.py. Serve the app with guard/http/connections.py's ``GuardRunner``
+guard/http/routes.py and the request pipeline guard/http/pipeline.py. Serve the app with guard/wire/connections.py's ``GuardRunner``
 (``serve`` in a process), which puts client connections under deadlines and a cap."""
 
 from __future__ import annotations
@@ -16,23 +16,20 @@ from engine.protocol import StepProgress, TelemetrySnapshot
 from guard import tracing
 from guard.admission.dispatch import Dispatcher
 from guard.admission.shared_dispatch import SharedDispatcher
+from guard.auth import KeyStore
 from guard.config import Backend, GuardConfig, config_hash
 from guard.console.app import install as install_console
 from guard.detect.detector import Detector
 from guard.detect.escalation import Escalation
 from guard.detect.shared_verdicts import share_verdicts
 from guard.errors import GuardError
-from guard.http.auth import KeyStore
-from guard.http.connections import CONNECTIONS, ConnectionGuard
-from guard.http.context import CLIENTS, STATE, Clients, GuardState
-from guard.http.front import FrontConnection
+from guard.http.clients import CLIENTS, Clients
 from guard.http.models import learn_adapters
 from guard.http.pipeline import completion
-from guard.http.relay import SHUTTING_DOWN, Relay
-from guard.http.routes import health, identify, metrics_endpoint, models
+from guard.http.routes import answered, health, identify, metrics_endpoint, models
 from guard.http.stored import stored
 from guard.http.tokens import TokenCounter
-from guard.http.upstream import UpstreamClient
+from guard.instance import STATE, GuardState
 from guard.metrics import GuardMetrics
 from guard.pool.gate import AdmissionGate
 from guard.pool.kv_events import KVEventSubscriber
@@ -44,6 +41,10 @@ from guard.pool.telemetry import TelemetrySubscriber
 from guard.records.log import DecisionLog
 from guard.server.monitor import monitor
 from guard.state.shared import SharedState
+from guard.wire.connections import CONNECTIONS, ConnectionGuard
+from guard.wire.front import FrontConnection
+from guard.wire.relay import SHUTTING_DOWN, Relay
+from guard.wire.upstream import UpstreamClient
 
 log = logging.getLogger("guard")
 
@@ -75,12 +76,14 @@ def create_app(config: GuardConfig, *, console: bool = True, worker: int | None 
                         metrics.prefix_reported_queries):
             counter.labels(replica.name)
     # Body size is enforced by parse_request with a JSON 413; aiohttp's own cap is only a backstop.
-    # One middleware: identify also tells the connection's deadlines (http/connections.py) when a request
+    # One middleware: identify also tells the connection's deadlines (wire/connections.py) when a request
     # begins and ends.
     app = web.Application(middlewares=[identify], client_max_size=config.limits.max_body_bytes + 1024)
     app[STATE] = state
     app[CONNECTIONS] = connections = ConnectionGuard(config.connections, metrics)
-    connections.front = functools.partial(FrontConnection, app)  # the completion routes skip aiohttp's server
+    # The completion routes skip aiohttp's server: the front serves them with the same pipeline.
+    connections.front = functools.partial(FrontConnection, app, functools.partial(answered, handler=completion),
+                                          config.limits.max_body_bytes)
     app.router.add_post("/v1/completions", completion)
     app.router.add_post("/v1/chat/completions", completion)
     app.router.add_post("/v1/responses", completion)

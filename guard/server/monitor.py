@@ -12,7 +12,7 @@ import logging
 import aiohttp
 
 from guard.config import Backend
-from guard.http.context import GuardState
+from guard.instance import GuardState
 
 log = logging.getLogger("guard.server.monitor")
 

@@ -30,9 +30,9 @@ from pathlib import Path
 
 from aiohttp import web
 
+from guard.auth import KeyStore
 from guard.config import ConfigError, GuardConfig, config_hash, load_config
-from guard.http.auth import KeyStore
-from guard.http.context import STATE, GuardState
+from guard.instance import STATE, GuardState
 
 log = logging.getLogger("guard.server.reload")
 

@@ -14,7 +14,7 @@ from support.guard_server import guard_config, usable_guard
 from support.net import request
 from support.wait import until, wait_for
 
-from guard.http.context import GuardState
+from guard.instance import GuardState
 from guard.pool.gate import BORROWED_PRIORITY
 
 KEYS = {"acme": "sk-acme", "bulk": "sk-bulk", "globex": "sk-globex"}

@@ -21,8 +21,8 @@ from support.wait import until
 
 from guard.config import ConfigError, load_config
 from guard.console.app import CONSOLE
-from guard.http.context import STATE
 from guard.http.routes import request_id_of
+from guard.instance import STATE
 from guard.pool.scheduling.plugin import Candidate
 from guard.records.log import DecisionLog
 from guard.records.record import DecisionRecord, Shed

@@ -1,4 +1,4 @@
-"""The guard's front (guard/http/front.py), on raw sockets: what it serves itself and what it hands to aiohttp
+"""The guard's front (guard/wire/front.py), on raw sockets: what it serves itself and what it hands to aiohttp
 must read, to a client, like one HTTP/1.1 server.
 
 - keep-alive across the hand-over: a completion, then another route, then a completion, on one connection;

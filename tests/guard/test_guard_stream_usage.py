@@ -1,4 +1,4 @@
-"""Streamed usage through the guard (guard/http/relay.py ``StreamObserver``, guard/http/validate.py
+"""Streamed usage through the guard (guard/wire/relay.py ``StreamObserver``, guard/http/validate.py
 ``upstream_body``): the guard asks the engine for usage on every stream and charges what it says, and a
 client that did not ask for usage gets the stream less the usage event, as if there were no guard.
 
@@ -36,7 +36,7 @@ from engine.protocol import (
     sse_error,
 )
 from guard.admission.fairness import INPUT_COST, OUTPUT_COST
-from guard.http.relay import StreamObserver
+from guard.wire.relay import StreamObserver
 
 # -- the observer on byte chunks ----------------------------------------------------------------------------
 

@@ -16,10 +16,10 @@ from support.admission_parts import BASE, make_dispatcher, snapshot, ticket, wri
 
 from guard.admission.dispatch import Ticket, TicketState
 from guard.admission.fairness import FairQueue
+from guard.auth import KeyStore
 from guard.config import Admission, ConfigError, GuardConfig, load_config
 from guard.errors import GuardError
-from guard.http.auth import KeyStore
-from guard.http.context import STATE
+from guard.instance import STATE
 from guard.pool.gate import AdmissionGate, batch_blocks_for, blocks_for
 from guard.server.app import create_app
 

@@ -1,5 +1,5 @@
 """Hostile connections (issue 16): the guard's deadlines for a request's headers and body, its idle keep-alive
-timeout and its connection cap (guard/http/connections.py).
+timeout and its connection cap (guard/wire/connections.py).
 
 The acceptance case runs on the default settings: 1,500 slowloris connections that dribble header lines and
 one request whose ``Content-Length`` lies are all cut (the slowloris at the 10 s header deadline, the lie at
@@ -31,7 +31,7 @@ from support.processes import Processes
 from support.wait import until
 
 from guard.config import Connections
-from guard.http.connections import MAX_CONNECTIONS_CEILING, default_max_connections
+from guard.wire.connections import MAX_CONNECTIONS_CEILING, default_max_connections
 
 SLOWLORIS = 1500
 DRIBBLE_S = 2.0  # between two header lines of a slowloris connection

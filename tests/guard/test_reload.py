@@ -35,7 +35,7 @@ from support.wait import until
 from engine.protocol import TelemetrySnapshot
 from guard.admission.dispatch import Ticket, TicketState
 from guard.config import config_hash
-from guard.http.context import STATE
+from guard.instance import STATE
 from guard.server.app import create_app
 from guard.server.reload import apply, reload_file
 

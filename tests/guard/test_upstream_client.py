@@ -1,4 +1,4 @@
-"""The guard's upstream HTTP client (guard/http/upstream.py) against real servers on loopback: aiohttp's (what
+"""The guard's upstream HTTP client (guard/wire/upstream.py) against real servers on loopback: aiohttp's (what
 the engine runs) and, for the answers aiohttp never gives, a raw asyncio server that writes given bytes.
 The relay's behaviour on top of it (failures, revokes, shutdown) is tested through the guard in
 tests/e2e/test_reliability_upstream.py and test_reliability_lifecycle.py."""
@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 from aiohttp import web
 
-from guard.http.upstream import HIGH_WATER, BadResponse, ConnectFailed, Disconnected, UpstreamClient
+from guard.wire.upstream import HIGH_WATER, BadResponse, ConnectFailed, Disconnected, UpstreamClient
 from tests.support.net import free_port
 
 

@@ -14,9 +14,9 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from guard.config import GuardConfig
-from guard.http.connections import GuardRunner
-from guard.http.context import STATE, GuardState
+from guard.instance import STATE, GuardState
 from guard.server.app import create_app
+from guard.wire.connections import GuardRunner
 
 from .loop_thread import AppThread
 from .net import request

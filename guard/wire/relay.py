@@ -28,9 +28,9 @@ from aiohttp import web
 
 from guard.config import Upstream
 from guard.errors import GuardError
-from guard.http.errors import error_response, sse_error_event
-from guard.http.front_request import FrontRequest, FrontStream
-from guard.http.upstream import Answer, ConnectFailed, UpstreamClient, UpstreamError
+from guard.wire.errors import error_response, sse_error_event
+from guard.wire.front_request import FrontRequest, FrontStream
+from guard.wire.upstream import Answer, ConnectFailed, UpstreamClient, UpstreamError
 
 SHUTTING_DOWN = "the guard is shutting down; retry shortly"
 # A client transport pauses its writers once it buffers more than its high-water mark (64 KiB by default),
@@ -39,7 +39,7 @@ SHUTTING_DOWN = "the guard is shutting down; retry shortly"
 WRITE_NEVER_WAITS_BYTES = 16 * 1024
 
 
-Client = web.Request | FrontRequest  # aiohttp's request, or the front's (guard/http/front.py)
+Client = web.Request | FrontRequest  # aiohttp's request, or the front's (guard/wire/front.py)
 Stream = web.StreamResponse | FrontStream  # the stream written to either
 
 
@@ -349,7 +349,7 @@ class Relay:
 
 async def _start_stream(client: Client, headers: dict[str, str]) -> Stream:
     """A 200 event stream's head sent to the client; its events follow through what is returned."""
-    if isinstance(client, FrontRequest):  # guard/http/front.py's: written straight to its transport
+    if isinstance(client, FrontRequest):  # guard/wire/front.py's: written straight to its transport
         return client.start_stream(200, headers)
     response = web.StreamResponse(status=200, headers=headers)
     await response.prepare(client)

@@ -1,30 +1,26 @@
 """Everything one guard instance knows, shared by its handlers and background tasks (one event loop).
 
 ``GuardState`` is built whole from the configuration (guard/server/app.py ``create_app``); what needs the
-running loop (the HTTP client session and what uses it) is ``Clients``, built whole when the app starts.
-Neither has a field that is filled in later. A reload (guard/server/reload.py) replaces ``config`` and ``keys``
+running loop (the HTTP client session and what uses it) is guard/http/clients.py's ``Clients``, built whole
+when the app starts. Neither has a field that is filled in later. A reload (guard/server/reload.py) replaces ``config`` and ``keys``
 together, in one step on the loop.
 """
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass, field
 
-import aiohttp
 from aiohttp import web
 
 from guard.admission.dispatch import Dispatcher
 from guard.admission.limits import RateLimiter
 from guard.admission.predictor import OutputPredictor
 from guard.admission.shared_limits import SharedRateLimiter
+from guard.auth import KeyStore
 from guard.config import GuardConfig, Tenant
 from guard.detect.detector import Detector
 from guard.detect.escalation import Escalation
 from guard.events import EventLog
-from guard.http.auth import KeyStore
-from guard.http.relay import Relay
-from guard.http.tokens import TokenCounter
 from guard.metrics import MODES, GuardMetrics
 from guard.pool.pool import ReplicaPool
 from guard.pool.routing import CircuitBreaker, ModeMachine, Router
@@ -95,17 +91,4 @@ class GuardState:
             self.events.track("fallback", name, "closed" if breaker.closed else "open", initial="closed")
 
 
-@dataclass(slots=True)
-class Clients:
-    """The guard's side of its connections to the engines, alive from start-up to clean-up."""
-
-    session: aiohttp.ClientSession
-    relay: Relay
-    counter: TokenCounter
-    tasks: list[asyncio.Task] = field(default_factory=list)  # subscriptions and the health monitor
-
-
 STATE = web.AppKey("state", GuardState)
-CLIENTS = web.AppKey("clients", Clients)
-REQUEST_ID = web.RequestKey("request_id", str)
-TENANT = web.RequestKey("tenant", str)

@@ -45,9 +45,9 @@ from aiohttp import web
 
 from engine.protocol import ErrorResponse
 from guard.config import Connections
-from guard.http.context import REQUEST_ID, TENANT
-from guard.http.front_request import FrontRequest
 from guard.metrics import GuardMetrics
+from guard.wire.front_request import FrontRequest
+from guard.wire.stamp import REQUEST_ID, TENANT
 
 log = logging.getLogger("guard.connections")
 
@@ -125,7 +125,7 @@ class ConnectionGuard:
         self.tick = min(settings.header_timeout_s, settings.body_timeout_s, settings.keepalive_timeout_s)
         self.open = 0
         self.lingering = 0  # refusals still draining
-        # The client port's protocol, given aiohttp's handler factory (guard/http/front.py, set by the app);
+        # The client port's protocol, given aiohttp's handler factory (guard/wire/front.py, set by the app);
         # None: aiohttp's handler itself.
         self.front: Callable[[Callable[[], asyncio.Protocol]], asyncio.Protocol] | None = None
         self.connections: set[GuardedConnection] = set()  # open ones, for shutdown
@@ -369,7 +369,7 @@ class GuardRunner(web.AppRunner):
         busy ones after their answer; the app's shutdown (which lets running requests finish) runs; then
         what still runs on a front connection gets ``shutdown_timeout`` as aiohttp's handlers do."""
         handlers = [connection.handler for connection in self.app[CONNECTIONS].connections]
-        fronts = [handler for handler in handlers if hasattr(handler, "close_idle")]  # guard/http/front.py's
+        fronts = [handler for handler in handlers if hasattr(handler, "close_idle")]  # guard/wire/front.py's
         for front in fronts:
             front.close_idle()
         await super().shutdown()

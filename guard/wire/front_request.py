@@ -1,4 +1,4 @@
-"""A request the guard's front (guard/http/front.py) serves itself, and the answers it writes for it.
+"""A request the guard's front (guard/wire/front.py) serves itself, and the answers it writes for it.
 
 ``FrontRequest`` is the part of aiohttp's ``web.Request`` that the completion pipeline reads (headers, path,
 the app, the per-request keys, the body, the transport), so the pipeline runs unchanged on either. Its

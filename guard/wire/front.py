@@ -5,7 +5,7 @@ aiohttp's server turns each request into a ``web.Request``, a payload stream, a 
 middleware chain and a ``web.Response`` prepared through its writer: about a third of the guard's CPU per
 request. ``FrontConnection`` parses with httptools (llhttp, as aiohttp's own C parser) and serves
 ``POST /v1/completions``, ``/v1/chat/completions`` and ``/v1/responses`` over HTTP/1.1 by calling the same
-pipeline (guard/http/pipeline.py ``completion``) with a ``FrontRequest`` (guard/http/front_request.py), and
+pipeline (guard/http/pipeline.py ``completion``) with a ``FrontRequest`` (guard/wire/front_request.py), and
 writes its answer in one call. What ``identify`` (the app's middleware) does for aiohttp's requests it does
 here: the request id, the in-flight count, the stamped headers, the connection's phases.
 
@@ -31,19 +31,17 @@ import collections
 import datetime
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httptools
 from aiohttp import web
 from multidict import CIMultiDict
 
-from guard.http.connections import REFUSAL_LINGER_S, GuardedConnection, raw_response
-from guard.http.context import STATE
-from guard.http.errors import error_response
-from guard.http.front_request import CHUNKED_EOF, Flow, FrontRequest, FrontStream, head
-from guard.http.pipeline import completion
-from guard.http.routes import answered, stamp
+from guard.wire.connections import REFUSAL_LINGER_S, GuardedConnection, raw_response
+from guard.wire.errors import error_response
+from guard.wire.front_request import CHUNKED_EOF, Flow, FrontRequest, FrontStream, head
+from guard.wire.stamp import stamp
 
 ROUTES = frozenset(("/v1/completions", "/v1/chat/completions", "/v1/responses"))
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
@@ -53,17 +51,24 @@ BODY_SLACK = 1024  # past max_body_bytes, as the app's client_max_size
 log = logging.getLogger("guard.front")
 ACCESS = logging.getLogger("aiohttp.access")  # the front's requests are logged where aiohttp logs the others
 
+# A request's answer: called with the request and the guarded connection it came on (None: not guarded),
+# which it tells when the request ends.
+Handler = Callable[[FrontRequest, GuardedConnection | None], Awaitable[Any]]
+
 
 class FrontConnection(asyncio.Protocol):
-    """One client connection (see the module). ``server``: aiohttp's request-handler factory, called once
-    the connection is handed over."""
+    """One client connection (see the module). ``handler`` answers the front's requests; ``max_body_bytes``
+    is the app's body limit; ``server``: aiohttp's request-handler factory, called once the connection is
+    handed over."""
 
-    def __init__(self, app: web.Application, server: Callable[[], asyncio.Protocol]) -> None:
+    def __init__(self, app: web.Application, handler: Handler, max_body_bytes: int,
+                 server: Callable[[], asyncio.Protocol]) -> None:
         self.app = app
+        self.handler = handler
         self.server = server
-        # Body bytes kept at most, as aiohttp's client_max_size (guard/server/app.py): parse_request's 413
+        # Body bytes kept at most, as aiohttp's client_max_size (guard/server/app.py): the handler's 413
         # comes first, this only bounds what a connection can make the guard hold.
-        self.limit = app[STATE].config.limits.max_body_bytes + BODY_SLACK
+        self.limit = max_body_bytes + BODY_SLACK
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
         self.flow = Flow()
@@ -85,7 +90,7 @@ class FrontConnection(asyncio.Protocol):
     # -- the transport's calls ------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        guarded = transport.get_protocol()  # the deadlines' wrapper around this (guard/http/connections.py)
+        guarded = transport.get_protocol()  # the deadlines' wrapper around this (guard/wire/connections.py)
         self.guarded = guarded if isinstance(guarded, GuardedConnection) else None
 
     def data_received(self, data: bytes) -> None:
@@ -255,7 +260,7 @@ class FrontConnection(asyncio.Protocol):
         if guarded is not None:
             guarded.request_began(request)  # type: ignore[arg-type]
         try:
-            response: Any = await answered(request, completion, guarded)  # type: ignore[arg-type]
+            response: Any = await self.handler(request, guarded)
         except Exception:  # a bug: the client still gets an answer, as aiohttp would give it
             log.exception("error serving %s", request.path)
             response = error_response(500, "internal error in the guard")
@@ -315,7 +320,7 @@ class FrontConnection(asyncio.Protocol):
         transport.resume_reading()
         self._next()
 
-    # -- shutdown (guard/http/connections.py GuardRunner) ---------------------------------------------------
+    # -- shutdown (guard/wire/connections.py GuardRunner) ---------------------------------------------------
     def close_idle(self) -> None:
         """Shutdown begins: an idle connection closes now, a busy one after its answer."""
         if self.aiohttp is not None or self.transport is None:
