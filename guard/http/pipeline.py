@@ -25,6 +25,7 @@ from guard import tracing
 from guard.config import Tenant
 from guard.errors import GuardError, Outcome
 from guard.http import admit, objectives, responses
+from guard.http.ambiguity import refuse_ambiguous
 from guard.http.clients import CLIENTS
 from guard.http.decision import keep_record
 from guard.http.exchange import Exchange, stamp_headers
@@ -40,6 +41,9 @@ from guard.wire.stamp import REQUEST_ID, TENANT
 
 
 def authenticate(request: web.Request) -> Tenant:
+    """The request's tenant, from its one ``Authorization`` header (a request with two of it, or of another
+    header that must come once, is refused first: guard/http/ambiguity.py)."""
+    refuse_ambiguous(request.headers)
     tenant = request.app[STATE].keys.tenant_for(request.headers.get("Authorization"))
     if tenant is None:
         raise GuardError(401, "invalid or missing API key (Authorization: Bearer <key>)", code="invalid_api_key")

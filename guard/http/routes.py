@@ -70,7 +70,7 @@ async def models(request: web.Request) -> web.StreamResponse:
     try:
         tenant = authenticate(request)
     except GuardError as exc:
-        return error_response(exc.status, exc.message, code=exc.code)
+        return error_response(exc.status, exc.message, param=exc.param, code=exc.code)
     timeout = aiohttp.ClientTimeout(total=state.config.upstream.connect_timeout * 2)
     # The raw path, so that an id's escapes (a slash as %2F) reach the engine as the client sent them.
     url = state.pool.url() + request.raw_path.split("?", 1)[0]

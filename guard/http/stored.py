@@ -27,7 +27,7 @@ async def stored(request: web.Request) -> web.StreamResponse:
         tenant = authenticate(request)
         charge = await state.limiter.charge(tenant, 0)
     except GuardError as exc:
-        return error_response(exc.status, exc.message, code=exc.code, retry_after=exc.retry_after,
+        return error_response(exc.status, exc.message, param=exc.param, code=exc.code, retry_after=exc.retry_after,
                               headers=exc.headers)
     try:
         status, answer = await ask_replicas(state, request.app[CLIENTS], request.method, request.match_info["id"],

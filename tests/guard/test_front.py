@@ -5,7 +5,9 @@ must read, to a client, like one HTTP/1.1 server.
 - pipelining: three requests written at once are answered in order;
 - ``Expect: 100-continue`` with a chunked body: the 100 comes before the body is sent;
 - HTTP/1.0, bytes that do not parse and a header past aiohttp's limit: answered, and the connection closed;
-- a client that leaves mid-stream gives its reservation back.
+- a client that leaves mid-stream gives its reservation back;
+- a header that must come once, sent twice (two keys, two request ids, two classes, two SLO headers in
+  different cases): 400 naming it, on the front's routes and on aiohttp's, and the connection serves on.
 """
 
 from __future__ import annotations
@@ -148,3 +150,29 @@ async def test_a_client_that_leaves_mid_stream_gives_its_blocks_back(guard: Guar
     assert guard.call(lambda: guard.state.pool.reservations()), "the stream holds its reservation"
     writer.transport.abort()
     await until(lambda: guard_holds_nothing(guard), lambda held: held == ({}, 0), 5)
+
+
+@pytest.mark.parametrize(("twice", "named"), [
+    ("Authorization: Bearer sk-bulk\r\n", "Authorization"),  # the key the guard would not have read
+    ("Authorization: Bearer sk-acme\r\n", "Authorization"),  # even the same key: one header, one key
+    ("X-Request-Id: one\r\nx-request-id: two\r\n", "X-Request-Id"),
+    ("X-Priority-Class: critical\r\nX-Priority-Class: sheddable\r\n", "X-Priority-Class"),
+    ("X-SLO-TTFT-Ms: 900\r\nx-slo-ttft-ms: 90000\r\n", "X-SLO-TTFT-Ms"),
+])
+async def test_a_header_that_must_come_once_sent_twice_is_refused(guard: GuardThread, twice: str,
+                                                                   named: str) -> None:
+    reader, writer = await connect(guard)
+    writer.write(post("/v1/completions", COMPLETION, extra=twice))
+    status, headers, body = await answer(reader)
+    error = json.loads(body)["error"]
+    assert status == 400 and error["code"] == "ambiguous_header" and error["param"] == named, body
+    assert named in error["message"] and "x-guard-tenant" not in headers
+    # The same on a route aiohttp serves, on the same connection (handed over after the refusal).
+    writer.write(f"GET /v1/models HTTP/1.1\r\nHost: guard\r\nAuthorization: Bearer sk-acme\r\n{twice}\r\n"
+                 .encode())
+    status, _, body = await answer(reader)
+    assert status == 400 and json.loads(body)["error"]["param"] == named, body
+    writer.write(post("/v1/completions", COMPLETION))
+    status, headers, body = await answer(reader)
+    assert status == 200 and headers["x-guard-tenant"] == "acme", body
+    writer.close()
