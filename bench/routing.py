@@ -286,7 +286,7 @@ TABLE_HEADER = ("| policy | hit ratio | TTFT p50 ms | TTFT p99 ms | output tok/s
 
 
 def table(report: dict) -> str:
-    """The runs as the Markdown table docs/benchmarks.md quotes."""
+    """The runs as the Markdown table docs/benchmarks/routing.md quotes."""
     rows = [TABLE_HEADER]
     for policy, run in report["runs"].items():
         loads = "/".join(str(replica["requests"]) for replica in run["replicas"].values())

@@ -22,7 +22,7 @@ A replica's stream slots (queueing.py's servers) are its envelope over the mean 
 
 Figures are exact bytes; the GiB figures reported are those bytes / 2^30, except ``demand_gib``, which sums
 each class's per-sequence demand *as quoted* to 0.001 GiB, the convention of reference 000's worked example
-and of the contract's figures (DESIGN.md: 46.16 GiB; the exact sum is 46.17). The verdicts use exact bytes.
+and of the contract's figures (docs/contract.md: 46.16 GiB; the exact sum is 46.17). The verdicts use exact bytes.
 """
 
 from __future__ import annotations

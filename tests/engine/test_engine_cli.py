@@ -35,7 +35,7 @@ def test_help_explains_a_flag_for_every_engine_option(capsys: pytest.CaptureFixt
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
     for option in fields(EngineConfig):
-        # loras: one --lora NAME=PATH per adapter, as DESIGN.md names the flag
+        # loras: one --lora NAME=PATH per adapter, as docs/contract.md names the flag
         assert ("--lora" if option.name == "loras" else "--" + option.name.replace("_", "-")) in text
     assert "--host" in text and "127.0.0.1" in text and "--no-enable-prefix-caching" in text
 

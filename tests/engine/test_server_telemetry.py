@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from support.engine_server import ServerThread
 from support.wait import wait_for
 
-# Every engine metric of the contract (../shared/DESIGN.md, "Engine metrics"), as exposed.
+# Every engine metric of the contract (docs/contract.md, "Engine metrics"), as exposed.
 CONTRACT_METRICS = {
     "engine_kv_blocks", "engine_kv_blocks_capacity", "engine_kv_usage_ratio", "engine_swap_blocks",
     "engine_requests", "engine_preemptions", "engine_swap_bytes", "engine_prefix_cache_queries_tokens",
