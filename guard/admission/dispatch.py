@@ -46,7 +46,7 @@ from guard.pool.gate import engine_priority
 from guard.pool.latency import Sent
 from guard.pool.pool import ReplicaPool
 from guard.pool.replica import Replica
-from guard.pool.scheduling import Candidate, Profile
+from guard.pool.scheduling import Candidate, Profile, Request
 
 
 class TicketState(enum.Enum):
@@ -93,6 +93,16 @@ class Ticket:
     work: int = 0  # prefill tokens ahead of it on its replica when admitted, its own included
     priority: int = 0  # the engine priority it runs at, once admitted
     sent: Sent | None = None  # its load band and the requests running there when admitted (guard/pool/latency.py)
+
+
+def ranking_request(ticket: Ticket) -> Request:
+    """The ticket as the scheduling profile ranks for it now: what its TTFT objective leaves after its wait
+    so far, and the engine priority its borrowing gives it."""
+    objective = ticket.objective
+    ttft_left = None if objective is None or objective.ttft_s is None else \
+        objective.ttft_s - (time.monotonic() - ticket.arrived)
+    return Request(ticket.blocks, ticket.hashes, ticket.prompt_tokens, ttft_left,
+                   engine_priority(ticket.lane.priority, ticket.borrowed), ticket.lora, ticket.tenant.name)
 
 
 class Dispatcher:
@@ -243,11 +253,7 @@ class Dispatcher:
         ``ticket.borrowed`` says how many of them are (or would be) borrowed. ``budget``: the pool's, read in
         the same step (None: read it here)."""
         ticket.borrowed = self._lent(ticket, ticket.blocks, budget)
-        objective = ticket.objective
-        ttft_left = None if objective is None or objective.ttft_s is None else \
-            objective.ttft_s - (time.monotonic() - ticket.arrived)
-        ranked = self.profile.rank(self.pool.replicas, ticket.blocks, ticket.hashes, ticket.prompt_tokens, ttft_left,
-                                   engine_priority(ticket.lane.priority, ticket.borrowed), lora=ticket.lora)
+        ranked = self.profile.rank(self.pool.replicas, ranking_request(ticket))
         for candidate in ranked:
             replica = candidate.replica
             if replica.gate.try_reserve(ticket.request_id, queue.name, ticket.blocks, ticket.borrowed):

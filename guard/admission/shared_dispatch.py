@@ -37,7 +37,7 @@ import contextlib
 import functools
 from collections.abc import Sequence
 
-from guard.admission.dispatch import Dispatcher, Ticket, TicketState
+from guard.admission.dispatch import Dispatcher, Ticket, TicketState, ranking_request
 from guard.admission.fairness import INPUT_COST, OUTPUT_COST, TenantQueue
 from guard.config import GuardConfig
 from guard.pool.pool import ReplicaPool
@@ -87,7 +87,7 @@ class SharedDispatcher(Dispatcher):
         decided alone). Cancelled while the ledger decides (the client left), nothing stays reserved."""
         ticket.borrowed = borrowed = self._borrowed(ticket.tenant, ticket.blocks)
         charge = (INPUT_COST * ticket.prompt_tokens + OUTPUT_COST * ticket.max_tokens) / ticket.tenant.weight
-        ranked = self.profile.rank(self.pool.replicas, ticket.blocks, ticket.hashes, lora=ticket.lora)
+        ranked = self.profile.rank(self.pool.replicas, ranking_request(ticket))
         for candidate in ranked:
             replica = candidate.replica
             threshold_room, pool_room = replica.gate.rooms()

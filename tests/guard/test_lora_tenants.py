@@ -16,7 +16,7 @@ from support.net import request
 from engine.model.tiny import tiny_config
 from guard.config import Routing
 from guard.pool.prefix_index import prompt_block_hashes
-from guard.pool.scheduling import profile_for
+from guard.pool.scheduling import Request, profile_for
 
 KEYS = {"acme": "sk-acme", "globex": "sk-globex", "bulk": "sk-bulk"}
 
@@ -78,9 +78,9 @@ def test_the_adapter_scorer_prefers_where_the_adapter_is_resident() -> None:
         resident, available = served[replica.name]
         replica.gate.update(snapshot().model_copy(update={"loras": resident, "loras_available": available}))
     profile = profile_for(Routing.model_validate({"profile": {"scorers": [{"name": "adapter", "weight": 1}]}}))
-    ranked = profile.rank(pool.replicas, 4, [], lora="a")
+    ranked = profile.rank(pool.replicas, Request(4, [], lora="a"))
     assert [(c.replica.name, c.scores["adapter"]) for c in ranked] == [("e1", 1.0), ("e2", 0.5), ("e0", 0.0)]
-    assert {c.scores["adapter"] for c in profile.rank(pool.replicas, 4, [])} == {1.0}
+    assert {c.scores["adapter"] for c in profile.rank(pool.replicas, Request(4, []))} == {1.0}
 
 
 def test_prompt_hashes_are_keyed_by_the_adapter() -> None:

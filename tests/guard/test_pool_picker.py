@@ -13,7 +13,7 @@ from engine.kv.hashing import extend_block_hashes
 from guard.admission.dispatch import Dispatcher, Ticket, TicketState
 from guard.config import GuardConfig, Routing
 from guard.pool.pool import ReplicaPool
-from guard.pool.scheduling import Profile, profile_for
+from guard.pool.scheduling import Profile, Request, profile_for
 
 
 def preset(policy: str) -> Profile:
@@ -27,7 +27,7 @@ def hashes(tokens: int, salt: str = "acme") -> list[bytes]:
 
 
 def first(picker: Profile, pool: ReplicaPool, blocks: int = 4, prompt: list[bytes] | None = None) -> str:
-    return picker.rank(pool.replicas, blocks, [prompt] if prompt else [])[0].replica.name
+    return picker.rank(pool.replicas, Request(blocks, [prompt] if prompt else []))[0].replica.name
 
 
 def test_round_robin_takes_turns_and_skips_an_open_circuit() -> None:
@@ -35,7 +35,7 @@ def test_round_robin_takes_turns_and_skips_an_open_circuit() -> None:
     assert sorted(first(picker, pool) for _ in range(3)) == ["e0", "e1", "e2"]
     pool.by_name["e1"].breaker.trip()
     assert {first(picker, pool) for _ in range(6)} == {"e0", "e2"}
-    assert all(c.replica.name != "e1" for c in picker.rank(pool.replicas, 4, []))
+    assert all(c.replica.name != "e1" for c in picker.rank(pool.replicas, Request(4, [])))
 
 
 def test_least_loaded_prefers_fewest_in_flight() -> None:
@@ -51,7 +51,7 @@ def test_prefix_follows_the_cache_whatever_the_load() -> None:
     prompt = hashes(160)  # 10 full blocks
     pool.by_name["e1"].index.reset(prompt[:6], 16)
     pool.by_name["e1"].in_flight = 9
-    ranked = picker.rank(pool.replicas, 4, [prompt])
+    ranked = picker.rank(pool.replicas, Request(4, [prompt]))
     assert ranked[0].replica.name == "e1" and ranked[0].hit_blocks == 6
 
 
@@ -62,7 +62,7 @@ def test_kvguard_follows_the_cache_until_the_replica_is_saturated() -> None:
     pool.by_name["e2"].index.reset(prompt[:8], 16)
     assert first(picker, pool, prompt=prompt) == "e2", "8 of 10 blocks cached: prefill saved wins"
     another = hashes(160, salt="bulk")  # the same tokens under another tenant's salt: nothing cached
-    assert picker.rank(pool.replicas, 4, [another])[0].hit_blocks == 0
+    assert picker.rank(pool.replicas, Request(4, [another]))[0].hit_blocks == 0
     pool = pool_of([100, 100, 30])  # e2 would be past 80% of its budget after this request
     pool.by_name["e2"].index.reset(prompt[:8], 16)
     assert first(picker, pool, prompt=prompt) != "e2", "a saturated replica never wins on locality alone"
@@ -86,7 +86,7 @@ def test_kvguard_spreads_new_conversations() -> None:
     pool, picker = pool_of([100, 100, 100]), preset("kvguard")
     chosen = []
     for i in range(6):  # each new conversation goes somewhere and stays there (in flight)
-        replica = picker.rank(pool.replicas, 4, [hashes(64, salt=f"t{i}")])[0].replica
+        replica = picker.rank(pool.replicas, Request(4, [hashes(64, salt=f"t{i}")]))[0].replica
         replica.in_flight += 1
         chosen.append(replica.name)
     assert sorted(chosen) == ["e0", "e0", "e1", "e1", "e2", "e2"]
@@ -98,12 +98,12 @@ def test_kvguard_spreads_new_conversations_that_arrive_while_the_pool_is_idle() 
     pool, picker = pool_of([100, 100, 100]), preset("kvguard")
     chosen = []
     for tenant in range(3):
-        replica = picker.rank(pool.replicas, 4, [hashes(64, salt=f"t{tenant}")])[0].replica
+        replica = picker.rank(pool.replicas, Request(4, [hashes(64, salt=f"t{tenant}")]))[0].replica
         chosen.append(replica.name)
         for _ in range(tenant + 2):  # its conversation's turns before the next tenant arrives (the rotation
             replica.admitted()  # would have moved on as many places)
             replica.finished()
-            picker.rank(pool.replicas, 4, [hashes(64, salt=f"t{tenant}")])
+            picker.rank(pool.replicas, Request(4, [hashes(64, salt=f"t{tenant}")]))
     assert sorted(chosen) == ["e0", "e1", "e2"]
 
 

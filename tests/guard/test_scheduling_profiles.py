@@ -14,7 +14,7 @@ from support.admission_parts import pool_of
 from support.processes import run_command
 
 from guard.config import ConfigError, Routing, load_config
-from guard.pool.scheduling import Candidate, profile_for
+from guard.pool.scheduling import Candidate, Request, profile_for
 from guard.pool.scheduling.pickers import RandomWeighted
 from guard.pool.scheduling.plugin import Context
 
@@ -28,7 +28,7 @@ def test_a_custom_profile_scores_filters_and_records_each_candidate():
                                                                   {"name": "idle"}]))
     pool = pool_of([100, 60, 20])  # e2 would be past 80% of its budget: held back
     pool.by_name["e0"].in_flight = 2
-    ranked = profile.rank(pool.replicas, 4, [])
+    ranked = profile.rank(pool.replicas, Request(4, []))
     assert [c.replica.name for c in ranked] == ["e0", "e1", "e2"]
     e0, e1, e2 = ranked
     assert e2.filtered_by == "saturation" and e0.filtered_by is None and e1.filtered_by is None
@@ -42,17 +42,17 @@ def test_a_custom_profile_scores_filters_and_records_each_candidate():
 
 def test_filters_fail_open_and_a_pool_of_one_is_not_scored():
     profile = profile_for(custom(filters=["saturation"], scorers=[{"name": "free_blocks"}]))
-    ranked = profile.rank(pool_of([20, 10, 15]).replicas, 4, [])
+    ranked = profile.rank(pool_of([20, 10, 15]).replicas, Request(4, []))
     assert [c.filtered_by for c in ranked] == [None, None, None]  # all saturated: none held back
     assert ranked[0].replica.name == "e0"  # the only one with a block left after these 4
-    single = profile.rank(pool_of([100]).replicas, 4, [])
+    single = profile.rank(pool_of([100]).replicas, Request(4, []))
     assert [(c.replica.name, c.scores, c.total) for c in single] == [("e0", {}, 0.0)]
 
 
 def test_round_robin_picker_takes_turns_whatever_the_scores():
     profile = profile_for(custom(scorers=[{"name": "free_blocks"}], picker="round_robin"))
     pool = pool_of([100, 50, 10])
-    assert sorted(profile.rank(pool.replicas, 4, [])[0].replica.name for _ in range(3)) == ["e0", "e1", "e2"]
+    assert sorted(profile.rank(pool.replicas, Request(4, []))[0].replica.name for _ in range(3)) == ["e0", "e1", "e2"]
 
 
 def test_random_weighted_draws_in_proportion_to_the_totals():
@@ -60,7 +60,7 @@ def test_random_weighted_draws_in_proportion_to_the_totals():
     picker = RandomWeighted(random.Random(7))
     candidates = [Candidate(r, 0, total=t) for r, t in zip(pool.replicas, (3.0, 1.0, 0.0))]
     candidates.append(Candidate(pool.replicas[0], 0, filtered_by="overload", total=9.0))
-    ctx = Context(pool.replicas, 4, {}, 0, 1, 0)
+    ctx = Context(Request(4), pool.replicas, {}, 0, 1, 0)
     firsts = [picker.order(list(candidates), ctx)[0].replica.name for _ in range(2000)]
     assert firsts.count("e2") == 0 and 0.65 < firsts.count("e0") / 2000 < 0.85  # 3 : 1, held back last
     assert picker.order(list(candidates), ctx)[-1].filtered_by == "overload"
@@ -73,13 +73,13 @@ def test_lexicographic_ranks_scorer_by_scorer_and_keeps_the_rotation_on_ties():
     pool.by_name["e0"].last_admitted = -1.0  # max_score's tie-break would send every request to e0
     for policy in ("least_loaded", "prefix"):
         preset = profile_for(Routing(policy=policy))
-        assert sorted(preset.rank(pool.replicas, 4, [])[0].replica.name for _ in range(3)) == ["e0", "e1", "e2"]
-    assert profile_for(Routing(policy="kvguard")).rank(pool.replicas, 4, [])[0].replica.name == "e0"
+        assert sorted(preset.rank(pool.replicas, Request(4, []))[0].replica.name for _ in range(3)) == ["e0", "e1", "e2"]
+    assert profile_for(Routing(policy="kvguard")).rank(pool.replicas, Request(4, []))[0].replica.name == "e0"
     profile = profile_for(custom(scorers=[{"name": "idle", "weight": 0}, {"name": "free_blocks", "weight": 100}],
                                  picker="lexicographic"))
     pool = pool_of([100, 100, 30])
     pool.by_name["e0"].in_flight = 1
-    assert [c.replica.name for c in profile.rank(pool.replicas, 4, [])] == ["e1", "e2", "e0"]
+    assert [c.replica.name for c in profile.rank(pool.replicas, Request(4, []))] == ["e1", "e2", "e0"]
 
 
 @pytest.mark.parametrize(("policy", "hashes"), [("kvguard", True), ("prefix", True), ("least_loaded", False),

@@ -24,7 +24,7 @@ from guard.config import ConfigError, Lane, Routing, load_config
 from guard.console.app import CONSOLE
 from guard.errors import GuardError
 from guard.pool.latency import MIN_FIT, LatencyModel, Sent
-from guard.pool.scheduling import profile_for
+from guard.pool.scheduling import Request, profile_for
 
 SLO_LANES = """
 lanes:
@@ -239,10 +239,10 @@ def test_the_slo_filter_holds_back_a_replica_predicted_to_be_late() -> None:
     profile = profile_for(Routing())  # the kvguard preset
     pool = pool_of([100, 100, 100])
     pool.by_name["e1"].latency.admitted(0, 50_000, 0)  # 50k prefill tokens ahead there: seconds
-    ranked = profile.rank(pool.replicas, 4, [], prompt_tokens=100, ttft_left_s=1.0, priority=1)
+    ranked = profile.rank(pool.replicas, Request(4, [], prompt_tokens=100, ttft_left_s=1.0, priority=1))
     assert ranked[-1].replica.name == "e1" and ranked[-1].filtered_by == "slo"
     assert all(c.filtered_by is None for c in ranked[:-1])
-    unhurried = profile.rank(pool.replicas, 4, [], prompt_tokens=100)
+    unhurried = profile.rank(pool.replicas, Request(4, [], prompt_tokens=100))
     assert all(c.filtered_by is None for c in unhurried), "without an objective nothing is held back"
 
 

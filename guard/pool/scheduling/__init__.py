@@ -10,8 +10,8 @@ A profile only orders: the gates decide what fits, so no profile can overfill a 
 guard/pool/scheduling/plugin.py and the README ("Writing a scheduling plugin").
 """
 
-from guard.pool.scheduling.plugin import Candidate
+from guard.pool.scheduling.plugin import Candidate, Request
 from guard.pool.scheduling.presets import PRESETS, profile_for
 from guard.pool.scheduling.profile import Profile
 
-__all__ = ["PRESETS", "Candidate", "Profile", "profile_for"]
+__all__ = ["PRESETS", "Candidate", "Profile", "Request", "profile_for"]

@@ -1,7 +1,8 @@
 """What a scheduling plugin is, and the registries a profile's names are looked up in.
 
 A plugin is a small class registered by name with one of the decorators below. It sees one ``Context``
-per request: the candidates (usable replicas) and what was computed about them once for all plugins.
+per request: the ``Request`` being placed, the candidates (usable replicas) and what was computed about them
+once for all plugins.
 
 - a filter's ``holds_back(replica, ctx) -> bool``: True ranks the replica behind every one it does not hold
   back. When a profile's filters hold back every candidate, none is held (fail open).
@@ -40,19 +41,52 @@ class Candidate:
 
 
 @dataclass(slots=True)
-class Context:
-    """One request's ranking: its blocks, its prompts' cached leading blocks per replica, and the load."""
+class Request:
+    """What a profile ranks the replicas for: one request as admission is about to place it (built anew for
+    each placement: its TTFT budget shrinks as it waits, and its priority depends on what it borrows)."""
 
+    blocks: int  # its reservation
+    hashes: Sequence[Sequence[bytes]] = ()  # each prompt's full-block hashes (empty: not computed)
+    prompt_tokens: int = 0  # all prompts together
+    ttft_left_s: float | None = None  # what its TTFT objective leaves after its wait so far (None: none)
+    priority: int = 0  # the engine priority it would run at (guard/pool/gate.py engine_priority)
+    lora: str | None = None  # the LoRA adapter it names (None: the base model)
+    tenant: str = ""
+    model: str = ""  # the model id the client asked for
+    objective: str | None = None  # its named objective, if it chose one
+
+
+@dataclass(slots=True)
+class Context:
+    """One request's ranking: the request, its prompts' cached leading blocks per replica, and the load."""
+
+    request: Request
     candidates: Sequence[Replica]
-    blocks: int  # the request's reservation
     hits: dict[Replica, int]  # cached leading blocks of the request's prompts, per candidate (0: not read)
     prompt_blocks: int  # full blocks of the request's prompts
     busiest: int  # the most requests in flight on any candidate (at least 1)
     least: int  # the fewest
-    prompt_tokens: int = 0  # the request's prompt tokens, all prompts together
-    ttft_left_s: float | None = None  # what its TTFT objective leaves after its wait so far (None: none)
-    lora: str | None = None  # the LoRA adapter the request names (None: the base model)
-    priority: int = 0  # the engine priority it would run at (guard/pool/gate.py engine_priority)
+
+    # The request's own, for the plugins that read them (shorter to write in a plugin).
+    @property
+    def blocks(self) -> int:
+        return self.request.blocks
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.request.prompt_tokens
+
+    @property
+    def ttft_left_s(self) -> float | None:
+        return self.request.ttft_left_s
+
+    @property
+    def lora(self) -> str | None:
+        return self.request.lora
+
+    @property
+    def priority(self) -> int:
+        return self.request.priority
 
 
 class Filter(Protocol):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from guard.pool.scheduling.plugin import Candidate, Context, Filter, Picker, Scorer
+from guard.pool.scheduling.plugin import Candidate, Context, Filter, Picker, Request, Scorer
 
 if TYPE_CHECKING:
     from guard.pool.replica import Replica
@@ -24,13 +24,10 @@ class Profile:
         self.needs_hashes = any(scorer.reads_prefix for scorer, _ in self.scorers)
         self._turn = 0
 
-    def rank(self, replicas: Sequence[Replica], blocks: int, hashes: Sequence[Sequence[bytes]],
-             prompt_tokens: int = 0, ttft_left_s: float | None = None, priority: int = 0,
-             lora: str | None = None) -> list[Candidate]:
-        """The usable replicas in the order to try. ``hashes``: each prompt's full-block hashes, empty when
-        not computed; ``ttft_left_s``: what the request's TTFT objective leaves, if it has one; ``lora``: the
-        adapter the request names."""
+    def rank(self, replicas: Sequence[Replica], request: Request) -> list[Candidate]:
+        """The usable replicas in the order to try for ``request``."""
         usable = [r for r in replicas if r.usable()]
+        hashes = request.hashes
         if len(usable) < 2:  # nothing to choose between (and a pool of one follows no KV events)
             return [Candidate(r, sum(r.index.leading_cached(h) for h in hashes) if self.needs_hashes else 0)
                     for r in usable]
@@ -40,9 +37,7 @@ class Profile:
         hits = {r: sum(r.index.leading_cached(h) for h in hashes) if read else 0 for r in usable}
         candidates = [Candidate(r, hits[r]) for r in usable]
         loads = [r.in_flight for r in usable]
-        ctx = Context(usable, blocks, hits, sum(len(h) for h in hashes), max(loads) or 1, min(loads),
-                      prompt_tokens, ttft_left_s, priority)
-        ctx.lora = lora
+        ctx = Context(request, usable, hits, sum(len(h) for h in hashes), max(loads) or 1, min(loads))
         self._filter(candidates, ctx)
         for candidate in candidates:
             scores = candidate.scores
