@@ -241,6 +241,30 @@ class SharedState(Strict):
     timeout_s: PositiveSeconds = 0.25
 
 
+class Autoscaling(Strict):
+    """The autoscaling signals on /metrics, ``guard_desired_replicas{pool}`` and ``guard_saturation{pool}``
+    (guard/plan/live.py says how they are computed; docs/kubernetes.md how to read them). Read at start-up."""
+
+    pool: str = Field("default", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")  # the series' ``pool`` label
+    interval_s: PositiveSeconds = 1.0  # how often the pool is read and the signals updated
+    window_s: PositiveSeconds = 30.0  # arrival rate, service time and request size are measured over this
+    scale_down_delay_s: float = Field(300.0, ge=0)  # the desired count falls to the highest of this long
+    min_replicas: int = Field(1, ge=1)
+    max_replicas: int | None = Field(None, ge=1)
+    # The queueing wait the count is planned for: this share of the tightest TTFT objective of the lanes the
+    # tenants use (the rest is the engine's own prefill), or max_wait_s when none of them has one.
+    wait_share: float = Field(0.5, gt=0, le=1)
+    max_wait_s: PositiveSeconds = 1.0
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Autoscaling:
+        if self.max_replicas is not None and self.max_replicas < self.min_replicas:
+            raise ValueError("autoscaling.max_replicas must be at least min_replicas")
+        if self.window_s < self.interval_s:
+            raise ValueError("autoscaling.window_s must be at least interval_s")
+        return self
+
+
 class GuardConfig(Strict):
     listen: Listen = Listen()
     engine: Backend | None = None  # a pool of one, as before pools existed
@@ -253,6 +277,7 @@ class GuardConfig(Strict):
     connections: Connections = Connections()
     admin: Admin | None = None  # no admin listener unless configured
     shared_state: SharedState | None = None  # None: fairness, budget, limits and verdicts live in the process
+    autoscaling: Autoscaling = Autoscaling()
     lanes: dict[str, Lane] = Field(default_factory=lambda: dict(DEFAULT_LANES))
     tenants: list[Tenant] = Field(min_length=1)
     decision_log: Path | None = None  # each request's decision record as a JSON line (guard/records/log.py)

@@ -31,6 +31,7 @@ class GuardMetrics:
         self._backend_series(r)
         self._connection_series(r)
         self._slo_series(r)
+        self._autoscale_series(r)
         # (metric, label values) -> its child; label values come from the configuration and fixed sets only
         self._children: dict[tuple[MetricWrapperBase, tuple[str, ...]], MetricWrapperBase] = {}
         for mode in MODES:
@@ -71,6 +72,16 @@ class GuardMetrics:
         self.ttft_prediction_error = LoopHistogram("guard_ttft_prediction_error_seconds", "Absolute error of the "
                                                    "predicted TTFT of streams that got a first token.", ["lane"],
                                                    LATENCY_BUCKETS, r)
+
+    def _autoscale_series(self, r: CollectorRegistry) -> None:
+        """The autoscaling signals (guard/plan/live.py, published by guard/server/autoscale.py)."""
+        self.desired_replicas = Gauge("guard_desired_replicas", "Engine replicas the pool should have: the "
+                                      "planner's queueing model on the measured arrival rate, service time and "
+                                      "request size and the lanes' TTFT objectives; falls only after "
+                                      "autoscaling.scale_down_delay_s.", ["pool"], registry=r)
+        self.pool_saturation = Gauge("guard_saturation", "How full the pool is, 0..1: the fuller of its KV budget "
+                                     "(committed and queued blocks) and its stream slots (offered load).", ["pool"],
+                                     registry=r)
 
     def _admission_series(self, r: CollectorRegistry) -> None:
         """The KV budget, fairness, shared state."""

@@ -39,6 +39,7 @@ from guard.pool.routing import CircuitBreaker, ModeMachine, Router
 from guard.pool.scheduling import profile_for
 from guard.pool.telemetry import TelemetrySubscriber
 from guard.records.log import DecisionLog
+from guard.server.autoscale import publish as publish_autoscaling
 from guard.server.monitor import monitor
 from guard.state.shared import SharedState
 from guard.wire.connections import CONNECTIONS, ConnectionGuard
@@ -122,6 +123,7 @@ async def _start(app: web.Application) -> None:
             events = KVEventSubscriber(session, replica.url, replica.index, stale_s)
             clients.tasks.append(asyncio.create_task(events.run(), name=f"kv events {replica.name}"))
     clients.tasks.append(asyncio.create_task(monitor(state, session), name="monitor"))
+    clients.tasks.append(asyncio.create_task(publish_autoscaling(state), name="autoscaling signals"))
     if (shared := state.shared) is not None:
         await shared.resync()  # join the other guards before the first request (alone if Redis is down)
         assert isinstance(state.dispatcher, SharedDispatcher)

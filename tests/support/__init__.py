@@ -27,6 +27,8 @@ Integrity checks and purpose-built parts
   ``wait_for`` in the live page, ``screenshot``), for the operator console.
 - ``prometheus_tools``: the Prometheus/Alertmanager binaries (``binary(name)``) and ``ALERTS``.
 - ``grafana_queries``: the committed dashboards' queries with their template variables substituted.
+- ``kubernetes``: deploy/kubernetes/ offline: ``render`` (kustomize, by the wheel's kubectl) and ``problems``
+  (strict schema validation of one object, CRDs included).
 - ``triton_aot.py``: a script (run by path, in a subprocess) compiling every Triton kernel for a GPU target.
 - ``admission_parts``: the guard's admission without engines: ``snapshot`` (a telemetry snapshot),
   ``make_dispatcher``/``ticket`` (one replica), ``pool_of`` (three replicas on real gates, ``POOL_CONFIG``).
