@@ -11,23 +11,28 @@ Tokens arrive flattened: ``input_ids [T]`` holds every sequence's new tokens of 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Not `from engine.model import ...`: that imports engine/model/__init__ (the loader), a circle.
-import engine.model.cuda_fusion as cuda_fusion  # noqa: PLR0402
-import engine.model.native_decode as native_decode  # noqa: PLR0402
-import engine.model.q4_native as q4_native  # noqa: PLR0402
 from engine.kernels.backend import AttentionBackend
 from engine.kernels.metadata import AttentionMetadata
+from engine.kernels.native.ops import NativeKernels
+from engine.model import cuda_fusion
 from engine.model.config import LinearRopeScaling, Llama3RopeScaling, ModelConfig, RopeScaling
 from engine.model.lora_slots import NO_LORA
 from engine.model.weights import concatenated, project
 
+if TYPE_CHECKING:
+    from engine.model.native_decode import NativeDecoder
+
 
 class RMSNorm(nn.Module):
+    # The native kernels, where native_path.bind found them when the model loaded: the same maths in one call.
+    native: NativeKernels | None = None
+
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
@@ -38,9 +43,9 @@ class RMSNorm(nn.Module):
             from engine.kernels.triton_norm import rms_norm  # deferred: triton may be missing on a CPU host
 
             return rms_norm(x, self.weight, self.eps)[0]
-        if x.dtype == torch.float32:  # the same maths in one call: the native one on a CPU that has it
-            if x.device.type == "cpu" and x.is_contiguous() and q4_native.available():
-                return q4_native.rms_norm(x, self.weight, self.eps)
+        if x.dtype == torch.float32:
+            if self.native is not None and x.is_contiguous():
+                return self.native.rms_norm(x, self.weight, self.eps)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in fp32 and cast back before the weight, as HF does: bf16 models were trained that way.
         x32 = x.float()
@@ -256,6 +261,10 @@ class DecoderLayer(nn.Module):
 class DecoderStack(nn.Module):
     """HF's ``model.*`` namespace: embeddings, layers, final norm."""
 
+    # Every layer of a decode step in one native call (native_decode.py), where native_path.bind built one
+    # when the model loaded.
+    native: NativeDecoder | None = None
+
     def __init__(self, config: ModelConfig, attn_backend: AttentionBackend) -> None:
         super().__init__()
         # Always built on the meta device and then assigned the checkpoint's weights (loader._build). An empty
@@ -278,7 +287,7 @@ class DecoderStack(nn.Module):
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         self.rotary_emb.start_forward()
-        native = native_decode.decoder_for(self)  # every layer in one native call (native_decode.py)
+        native = self.native
         if native is not None and native.applies(hidden, positions, kv_caches, meta):
             return self.norm(native.run(hidden, positions, kv_caches, meta))
         for layer in self.layers:

@@ -17,10 +17,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from engine.kernels.backend import AttentionBackend
+from engine.kernels.native.library import NativeStatus
 from engine.model.config import ModelConfig
 from engine.model.errors import ModelLoadError
 from engine.model.gguf_loader import GGUFCheckpoint, gguf_name
 from engine.model.llama import LlamaForCausalLM
+from engine.model.native_path import bind as bind_native_path
 from engine.model.sources import resolve_model
 from engine.model.tiny import tiny_config, tiny_state_dict
 from engine.model.weights import apply_weight_formats, choose_format
@@ -35,6 +37,7 @@ class LoadedModel:
     tokenizer: Tokenizer | None  # None when the checkpoint has no tokenizer: token ids in and out only
     chat_template: ChatTemplate  # the checkpoint's own, else DEFAULT_TEMPLATE
     name: str  # the id served unless --served-model-name says otherwise: the alias or the path's stem
+    native: NativeStatus  # the CPU path the model took (native_path.bind): logged at start-up, in telemetry
 
 
 def load_model(
@@ -67,7 +70,8 @@ def load_model(
         tokenizer, template = _read_tokenizer(source.path, config), ChatTemplate.for_model(str(source.path))
     decoder = _build(config, weights, device, attn_backend)
     apply_weight_formats(decoder, _formats(decoder, weight_format, source_types))
-    return LoadedModel(decoder, config, tokenizer, template, source.name)
+    native = bind_native_path(decoder)
+    return LoadedModel(decoder, config, tokenizer, template, source.name, native)
 
 
 def _parameter_shapes(config: ModelConfig, attn_backend: AttentionBackend) -> dict[str, tuple[int, ...]]:

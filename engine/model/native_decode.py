@@ -1,4 +1,5 @@
-"""A decode step of every decoder layer in one native call (decode_step.c), where the model allows it.
+"""A decode step of every decoder layer in one native call (engine/kernels/native/decode_step.c), where the
+model allows it.
 
 At one decoding token a SmolLM2 layer was ~50 small torch ops (views, RoPE, the K/V store, the attention
 gather and softmax, residual adds, SiLU * up), each a few microseconds of dispatch: as long as the layer's
@@ -6,81 +7,65 @@ int4 matmuls, and no shorter with a second thread. ``NativeDecoder.run`` does wh
 does (llama.py, with the torch attention backend) for a step in which every sequence decodes one token, in
 one C call whose threads share each phase's work by claiming it (decode_step.c).
 
-It applies (``decoder_for``) when the native library is built (q4_native: ``KVGUARD_Q4_NATIVE=0`` turns
-both off; ``KVGUARD_NATIVE_DECODE=0`` this alone), every layer's projections are fused int4 ``Q4Linear``
-(weights.py; so a GGUF's 4-bit matrices under ``auto`` or ``int4``) without bias, the norms and activations
-are float32 on the CPU, the heads are a multiple of 16 wide, and the attention backend is the torch one (whose
-paged-cache semantics decode_step.c reproduces); and per step (``applies``) when every sequence has exactly
-one new token and no LoRA adapter is attached. Everything else takes the torch path, which stays the
-reference: tests/engine/test_native_decode.py holds the two together.
+``decoder_for`` is asked once, when the model loads (native_path.bind), and says why where it does not
+apply: the native library is off (engine/kernels/native/library.py), ``KVGUARD_NATIVE_DECODE=0``, a
+projection is not a fused int4 ``Q4Linear`` without bias (weights.py; so a GGUF's 4-bit matrices under
+``auto`` or ``int4``), the norms are not float32 on the CPU, a head is not a multiple of 16 wide, or the
+attention backend is not the torch one (whose paged-cache semantics decode_step.c reproduces). Per step,
+``applies`` asks that every sequence has exactly one new token and no LoRA adapter. Everything else takes
+the torch path, which stays the reference: tests/engine/test_native_decode.py holds the two together.
 
-The C side keeps raw pointers to the weights: a decoder is built on a model's first decode step (after the
-loader applied the weight formats) and kept beside the model, not in it (``copy.deepcopy`` of a model never
-copies pointers into the original); the KV caches' pointers are refreshed whenever the caches passed change.
+The C side keeps raw pointers to the weights, taken after the loader applied the weight formats; the KV
+caches' pointers are refreshed whenever the caches passed change. A deep copy of a model gets no decoder
+(``__deepcopy__``): its weights live elsewhere, so it takes the torch path until it is bound itself.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
-import weakref
 
 import torch
 from torch import nn
 
-# Not `from engine.model import ...`: that imports engine/model/__init__ (the loader), a circle.
-import engine.model.q4_native as q4_native  # noqa: PLR0402
 from engine.kernels.metadata import AttentionMetadata
+from engine.kernels.native.layout import DecodeLayer, DecodeModel, Q4Weight
+from engine.kernels.native.ops import NativeKernels
 from engine.kernels.torch_ref import TorchAttentionBackend
 from engine.model.lora_slots import NO_LORA
 from engine.model.weights import Q4Linear
 
-_P = ctypes.c_void_p
 
-
-class _Weight(ctypes.Structure):
-    _fields_ = [("q", _P), ("s", _P)]
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _Weight), ("o", _Weight), ("gate_up", _Weight),
-                ("down", _Weight), ("kv_cache", _P)]
-
-
-class _Model(ctypes.Structure):
-    _fields_ = [("layers", ctypes.c_int), ("hidden", ctypes.c_int), ("heads", ctypes.c_int),
-                ("kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int), ("intermediate", ctypes.c_int),
-                ("block_size", ctypes.c_int), ("cache_slots", ctypes.c_int64), ("eps", ctypes.c_float),
-                ("scale", ctypes.c_float), ("cos", _P), ("sin", _P), ("layer", ctypes.POINTER(_Layer))]
-
-
-def _weight(linear: nn.Module) -> _Weight:
-    return _Weight(linear.qpack.data_ptr(), linear.scales.data_ptr())
+def _weight(linear: nn.Module) -> Q4Weight:
+    return Q4Weight(linear.qpack.data_ptr(), linear.scales.data_ptr())
 
 
 class NativeDecoder:
     """The C view of one ``DecoderStack`` (llama.py): its weights' pointers, laid out as decode_step.c's
     ``decode_model``."""
 
-    def __init__(self, stack: nn.Module) -> None:
+    def __init__(self, stack: nn.Module, library: NativeKernels) -> None:
         first = stack.layers[0]
         attention, mlp = first.self_attn, first.mlp
-        # Not the stack itself: _decoders holds this weakly keyed by it, and the value must not keep it alive.
+        self.library = library
         self.first_attention = attention
-        self.layers = (_Layer * len(stack.layers))()
+        self.layers = (DecodeLayer * len(stack.layers))()
         for entry, layer in zip(self.layers, stack.layers, strict=True):
             entry.input_norm = layer.input_layernorm.weight.data_ptr()
             entry.post_norm = layer.post_attention_layernorm.weight.data_ptr()
             entry.qkv, entry.o = _weight(layer.self_attn.qkv_proj), _weight(layer.self_attn.o_proj)
             entry.gate_up, entry.down = _weight(layer.mlp.gate_up_proj), _weight(layer.mlp.down_proj)
         rotary = stack.rotary_emb
-        self.model = _Model(
+        self.model = DecodeModel(
             layers=len(stack.layers), hidden=attention.o_proj.out_features, heads=attention.num_heads,
             kv_heads=attention.num_kv_heads, head_dim=attention.head_dim, intermediate=mlp.intermediate_size,
             eps=first.input_layernorm.eps, scale=attention.head_dim**-0.5, cos=rotary.cos_cache.data_ptr(),
             sin=rotary.sin_cache.data_ptr(), layer=self.layers,
         )
         self._caches: tuple[int, ...] = ()
+
+    def __deepcopy__(self, memo: dict) -> None:
+        return None  # the module docstring: a copy's weights live elsewhere
 
     def applies(self, hidden: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> bool:
@@ -98,7 +83,7 @@ class NativeDecoder:
         tables = meta.block_tables.contiguous()
         seq_lens = meta.seq_lens.contiguous()
         positions, slots = positions.contiguous(), meta.slot_mapping.contiguous()
-        failed = q4_native._library().decode_step(
+        failed = self.library.c.decode_step(
             ctypes.byref(self.model), hidden.data_ptr(), hidden.shape[0], positions.data_ptr(), slots.data_ptr(),
             tables.data_ptr(), tables.shape[1], seq_lens.data_ptr())
         if failed:
@@ -117,31 +102,30 @@ class NativeDecoder:
             self._caches = pointers
 
 
-_decoders: weakref.WeakKeyDictionary[nn.Module, NativeDecoder | None] = weakref.WeakKeyDictionary()
+def decoder_for(stack: nn.Module, library: NativeKernels | None) -> tuple[NativeDecoder | None, str]:
+    """The native decoder of ``stack`` (a llama.py ``DecoderStack``) and why, or None and why not."""
+    if library is None:
+        return None, "off with the library"
+    if os.environ.get("KVGUARD_NATIVE_DECODE", "1") == "0":
+        return None, "off (KVGUARD_NATIVE_DECODE=0)"
+    why_not = _unsupported(stack)
+    return (None, f"off ({why_not})") if why_not else (NativeDecoder(stack, library), "on")
 
 
-def decoder_for(stack: nn.Module) -> NativeDecoder | None:
-    """The native decoder of ``stack`` (a llama.py ``DecoderStack``), built on first use; None where it does
-    not apply (the module docstring)."""
-    try:
-        return _decoders[stack]
-    except KeyError:
-        decoder = _decoders[stack] = NativeDecoder(stack) if _supported(stack) else None
-        return decoder
-
-
-def _supported(stack: nn.Module) -> bool:
-    if os.environ.get("KVGUARD_NATIVE_DECODE", "1") == "0" or not q4_native.available():
-        return False
+def _unsupported(stack: nn.Module) -> str | None:
     for layer in stack.layers:
         attention, mlp = layer.self_attn, layer.mlp
         projections = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if not all(type(p) is Q4Linear and p.bias is None for p in projections):
-            return False
+            return "the projections are not all fused int4 without bias"
         norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
         if any(w.dtype != torch.float32 or w.is_cuda or not w.is_contiguous() for w in norms):
-            return False
-        if not isinstance(attention.attn_backend, TorchAttentionBackend) or attention.head_dim % 16:
-            return False
+            return "the norms are not float32 on the CPU"
+        if not isinstance(attention.attn_backend, TorchAttentionBackend):
+            return "the attention backend is not the torch one"
+        if attention.head_dim % 16:
+            return "a head is not a multiple of 16 wide"
     norms = [n for layer in stack.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
-    return len({n.eps for n in norms}) == 1 and stack.rotary_emb.cos_cache.dtype == torch.float32
+    if len({n.eps for n in norms}) != 1 or stack.rotary_emb.cos_cache.dtype != torch.float32:
+        return "the norms' epsilons differ or the RoPE tables are not float32"
+    return None

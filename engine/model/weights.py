@@ -19,10 +19,10 @@ holds. int4 applies to projections whose output rows are a multiple of the kerne
 torch) and input a multiple of 32; other projections take int8 instead, and so does the token embedding
 (whose rows are gathered, and which is also the LM head when tied).
 
-int4 has two implementations (``int4_class``): ``Q4Linear``, the native kernel (q4_native.py, q4_kernel.c:
-C with AVX-512 VNNI, built on first use, cached), which keeps ``d`` and ``m`` in float16 as the file does and
-multiplies in integers like llama.cpp's Q4_1 x Q8_1 (activations quantized per group of 32, VNNI sums) at
-any row count; where it does not build or the CPU lacks VNNI, ``Int4Linear`` on torch's kernel below.
+int4 has two implementations (``int4_class``): ``Q4Linear``, the native kernel (engine/kernels/native:
+C built on first use for AVX-512 VNNI or AVX2, cached), which keeps ``d`` and ``m`` in float16 as the file
+does and multiplies in integers like llama.cpp's Q4_1 x Q8_1 (activations quantized per group of 32, exact
+integer sums) at any row count; where the native path is off, ``Int4Linear`` on torch's kernel below.
 
 Multiplying (``QuantizedLinear``): torch's int4 (``Int4Linear``) and bf16 use a weight-only kernel on
 bfloat16 activations (``_weight_int4pack_mm_for_cpu``) up to ``KERNEL_MAX_ROWS`` rows (decode), which reads
@@ -39,6 +39,7 @@ exact (tests/engine/test_gguf_smollm2.py).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 import torch
@@ -46,9 +47,11 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from torch import nn
 
-# Not `from engine.model import q4_native`: that imports engine/model/__init__ (the loader), a circle.
-import engine.model.cuda_fusion as cuda_fusion  # noqa: PLR0402
-import engine.model.q4_native as q4_native  # noqa: PLR0402
+from engine.kernels.native import library as native_library
+from engine.kernels.native import ops as native_ops
+from engine.kernels.native.ops import NativeKernels
+from engine.kernels.native import q4 as native_q4
+from engine.model import cuda_fusion
 
 Q = GGMLQuantizationType
 WEIGHT_FORMATS = ("auto", "fp32", "bf16", "int8", "int4")
@@ -58,7 +61,7 @@ _AUTO = {Q.Q4_0: "int4", Q.Q4_1: "int4", Q.Q4_K: "int4", Q.Q5_0: "int8", Q.Q5_1:
 KERNEL_MAX_ROWS = 64
 INT8_KERNEL_MAX_ROWS = 8  # int8: weight-only kernel up to here, integer GEMM above (Int8Linear)
 GROUP = 32  # int4 group along the input dimension (Q4_* blocks are 32 weights)
-_PACK_ROWS = 64  # int4 packing tile along the output dimension
+_PACK_ROWS = 64  # int4: output rows a multiple of this (torch's packing tiles them by 64 or 32)
 
 
 class QuantizedLinear(nn.Module):
@@ -117,7 +120,8 @@ class Int8Linear(QuantizedLinear):
     """Symmetric int8 per output row: ``W[n, k] = qweight[n, k] * scales[n]``.
 
     Up to ``INT8_KERNEL_MAX_ROWS`` rows (one stream's decode) use the weight-only kernel on bfloat16
-    activations; one float32 row takes the native int8_kernel.c where it builds (q4_native.int8_fits: as
+    activations; one float32 row takes the native int8_matmul.c where the model was bound to the native
+    library (``native``, set once at load by native_path.bind; ops.int8_fits: as
     fast, both read the weights at memory speed, and 2e-5 off the exact product where bfloat16 is 5e-3).
     More rows multiply in integers: each activation row is quantized to int8 with its own scale (absmax /
     127, so a row's result never depends on the other rows of the batch), ``torch._int_mm`` sums
@@ -130,6 +134,8 @@ class Int8Linear(QuantizedLinear):
 
     format = "int8"
 
+    native: NativeKernels | None = None  # native_path.bind sets it when the model loads
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__(*weight.shape, bias)
         qweight, scales = quantize_int8(weight)
@@ -139,8 +145,8 @@ class Int8Linear(QuantizedLinear):
 
     def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
         if rows.shape[0] <= INT8_KERNEL_MAX_ROWS:
-            if rows.dtype == torch.float32 and q4_native.available() and q4_native.int8_fits(*rows.shape):
-                return q4_native.int8_matmul(rows, self.qweight, self.scales)  # int8_kernel.c (docstring)
+            if self.native is not None and rows.dtype == torch.float32 and native_ops.int8_fits(*rows.shape):
+                return self.native.int8_matmul(rows, self.qweight, self.scales)  # int8_matmul.c (docstring)
             x = rows.to(torch.bfloat16)
             return torch._weight_int8pack_mm(x, self.qweight, self.scales_bf16).to(rows.dtype)
         x = rows.float()
@@ -160,11 +166,14 @@ class Int8Linear(QuantizedLinear):
 class Int4Linear(QuantizedLinear):
     """uint4 ``q`` in groups of 32 inputs: ``W[n, k] = (q[n, k] - 8) * scale[g, n] + zero[g, n]``, g = k // 32.
 
-    ``packed`` is torch's CPU int4 layout (``_convert_weight_to_int4pack_for_cpu``): output rows in tiles of
-    64; byte ``j`` of input ``k`` of tile ``t`` holds row ``64t + j`` in its low nibble and ``64t + 32 + j`` in
-    its high one::
+    ``packed`` is torch's CPU int4 layout (``_convert_weight_to_int4pack_for_cpu``), which depends on the
+    kernel ATen picked for this CPU (``torch_int4_tile``): with AVX-512 output rows in tiles of T = 64, with
+    AVX2 of T = 32; byte ``j`` of input ``k`` of tile ``t`` holds row ``Tt + j`` in its low nibble and
+    ``Tt + T/2 + j`` in its high one::
 
-        packed.view(out / 64, in, 32)[t, k, j] = q[64t + j, k] | q[64t + 32 + j, k] << 4
+        packed.view(out / T, in, T / 2)[t, k, j] = q[Tt + j, k] | q[Tt + T/2 + j, k] << 4
+
+    Without either, ATen packs otherwise: ``dequantize`` then asks the kernel itself (times the identity).
 
     ``scales_zeros [in / 32, out, 2]`` (bfloat16) holds each group's scale and zero.
     """
@@ -182,15 +191,37 @@ class Int4Linear(QuantizedLinear):
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         out, inp = self.out_features, self.in_features
-        tiles = self.packed.view(out // _PACK_ROWS, inp, _PACK_ROWS // 2)
-        q = torch.stack((tiles & 15, tiles >> 4), dim=2).view(out // _PACK_ROWS, inp, _PACK_ROWS)
-        q = q.transpose(1, 2).reshape(out, inp // GROUP, GROUP).to(dtype) - 8
+        tile = torch_int4_tile()
+        if tile is None:
+            return self._kernel(torch.eye(inp, dtype=torch.bfloat16)).t().to(dtype)
+        q = _unpack_torch_int4(self.packed, out, inp, tile)
+        q = q.reshape(out, inp // GROUP, GROUP).to(dtype) - 8
         scale, zero = self.scales_zeros.to(dtype).permute(2, 1, 0).unsqueeze(-1)  # each [out, groups, 1]
         return torch.addcmul(zero, q, scale).reshape(out, inp)
 
 
+def _unpack_torch_int4(packed: torch.Tensor, out: int, inp: int, tile: int) -> torch.Tensor:
+    """``q [out, inp]`` (0..15) from torch's packed layout with ``tile`` rows per tile (Int4Linear)."""
+    tiles = packed.view(out // tile, inp, tile // 2)
+    q = torch.stack((tiles & 15, tiles >> 4), dim=2).view(out // tile, inp, tile)
+    return q.transpose(1, 2).reshape(out, inp)
+
+
+@functools.cache
+def torch_int4_tile() -> int | None:
+    """Rows per tile of torch's CPU int4 layout on this CPU (64 with AVX-512, 32 with AVX2), or None where
+    it packs otherwise: found once by packing a matrix whose every nibble says where it came from."""
+    rows, cols = torch.arange(128)[:, None], torch.arange(64)[None, :]
+    q = ((7 * rows + 3 * cols) % 16).to(torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    for tile in (64, 32):
+        if torch.equal(_unpack_torch_int4(packed, 128, 64, tile).to(torch.int32), q):
+            return tile
+    return None
+
+
 class Q4Linear(QuantizedLinear):
-    """int4 on the native kernel (q4_native.py, q4_kernel.c): ``W[n, k] = d[n, g] * q[n, k] + m[n, g]``,
+    """int4 on the native kernel (engine/kernels/native): ``W[n, k] = d[n, g] * q[n, k] + m[n, g]``,
     ``q`` in 0..15, ``d`` and ``m`` float16 per group of 32 inputs: a Q4_1 block's own numbers, so its
     weights stay exact. float32 activations in and out, at every row count: the kernel writes each row as
     two int8 digits per input on a step per group of 32 (about 15 bits; one digit, as llama.cpp's Q8_1,
@@ -205,20 +236,21 @@ class Q4Linear(QuantizedLinear):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__(*weight.shape, bias)
-        qpack, scales = q4_native.pack(*quantize_q4(weight))
+        qpack, scales = native_q4.pack(*quantize_q4(weight))
         self.register_buffer("qpack", qpack)
         self.register_buffer("scales", scales)
+        self.native = _native_on()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and x.dim() == 2 and self.bias is None:  # the decoder's flat tokens
-            return q4_native.matmul(x, self.qpack, self.scales)  # (no reshape, view or cast to pay for)
+            return self.native.q4_matmul(x, self.qpack, self.scales)  # (no reshape, view or cast to pay for)
         return super().forward(x)
 
     def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        return q4_native.matmul(rows, self.qpack, self.scales).to(rows.dtype)
+        return self.native.q4_matmul(rows, self.qpack, self.scales).to(rows.dtype)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return q4_native.unpack(self.qpack, self.scales, dtype)
+        return native_q4.unpack(self.qpack, self.scales, dtype)
 
 
 def concatenated(modules: list[nn.Module]) -> nn.Module | None:
@@ -240,6 +272,7 @@ def concatenated(modules: list[nn.Module]) -> nn.Module | None:
     QuantizedLinear.__init__(fused, sum(m.out_features for m in modules), modules[0].in_features, None)
     fused.register_buffer("qpack", torch.cat([m.qpack for m in modules]))
     fused.register_buffer("scales", torch.cat([m.scales for m in modules]))
+    fused.native = modules[0].native
     return fused
 
 
@@ -254,10 +287,18 @@ def _dense_concatenated(modules: list[nn.Linear]) -> nn.Linear | None:
     return fused
 
 
+def _native_on() -> NativeKernels:
+    """The library a ``Q4Linear`` multiplies with: one exists only where the native path is on."""
+    chosen = native_library.library()
+    if chosen is None:
+        raise RuntimeError(f"Q4Linear needs the native library, which is off: {native_library.status().reason}")
+    return chosen
+
+
 def int4_class() -> type[QuantizedLinear]:
-    """What the int4 format is built of here: the native kernel where it builds and the CPU has AVX-512
-    VNNI, else torch's weight-only kernel."""
-    return Q4Linear if q4_native.available() else Int4Linear
+    """What the int4 format is built of here: the native kernel where the native path is on
+    (engine/kernels/native/library.py), else torch's weight-only kernel."""
+    return Q4Linear if native_library.library() is not None else Int4Linear
 
 
 _FORMATS: dict[str, type[QuantizedLinear]] = {"bf16": Bf16Linear, "int8": Int8Linear}  # int4: int4_class()
@@ -304,7 +345,7 @@ def quantize_q4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
 
 def int4_fits(out_features: int, in_features: int) -> bool:
     if int4_class() is Q4Linear:
-        return q4_native.fits(out_features, in_features)
+        return native_q4.fits(out_features, in_features)
     return out_features % _PACK_ROWS == 0 and in_features % GROUP == 0
 
 

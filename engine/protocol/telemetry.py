@@ -70,6 +70,10 @@ class TelemetrySnapshot(BaseModel):
     loras_available: list[str] = Field(default_factory=list,
                                        description="LoRA adapters served here (a request names one as model)")
     lora_requests_total: dict[str, int] = Field(default_factory=dict, description="requests admitted per adapter")
+    native_path: str = Field(default="off", description="the native CPU kernels in use: avx512, avx2, generic "
+                             "or off (engine/kernels/native/library.py)")
+    native_reason: str = Field(default="", description="why that path, and whether the decode step is native "
+                               "(a failed build names its first error line)")
 
     @property
     def used_blocks(self) -> int:

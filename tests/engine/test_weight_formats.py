@@ -28,13 +28,17 @@ import numpy as np
 import pytest
 import torch
 from gguf.quants import dequantize, quantize
+from support.activation_digits import product_bound
 from support.gguf_files import write_tiny_gguf
 from support.single_sequence import SingleSequence
 
 from engine import LLM, SamplingParams
 from engine.kernels import TorchAttentionBackend
-from engine.model import LoadedModel, load_model, native_decode, q4_native
+from engine.kernels.native import library as native_library
+from engine.kernels.native.ops import int8_fits
 from engine.model.gguf_loader import gguf_name
+from engine.model.loader import LoadedModel, load_model
+from engine.model.native_path import bind
 from engine.model.sources import smollm2_path
 from engine.model.weights import (
     Bf16Linear,
@@ -64,12 +68,12 @@ def test_int4_dequantize_reads_torchs_packed_layout() -> None:
     assert torch.equal(layer.dequantize(torch.bfloat16), through_kernel)
 
 
-NATIVE = pytest.mark.skipif(not q4_native.available(), reason="no C compiler or no AVX-512 VNNI here")
+NATIVE = pytest.mark.skipif(native_library.library() is None, reason=f"native path off: {native_library.status().reason}")
 
 
 @NATIVE
 def test_the_native_int4_kernel_reads_its_packed_layout() -> None:
-    """q4_kernel.c times the identity is W^T: a one-hot row quantizes exactly (127 times 1/127), so the
+    """The native int4 kernel times the identity is W^T: a one-hot row quantizes exactly (127 times 1/127), so the
     kernel returns each weight as ``d * q + m`` from the layout that ``unpack`` documents."""
     layer = Q4Linear(torch.randn(96, 64), None)
     through_kernel = layer(torch.eye(64)).t()
@@ -88,10 +92,13 @@ def test_a_quantized_projection_multiplies_by_its_own_weights(cls: type, rows: i
     got = layer(x)
     assert got.dtype == torch.float32 and got.shape == (rows, 128)
     assert (got - expected).abs().max() <= 0.02 * expected.abs().max()  # bf16 or int8 activations only
-    if cls is Q4Linear:  # two int8 digits per input: ~15 bits (one digit alone is off by ~0.5%)
-        assert (got - expected).abs().max() <= 2e-4 * expected.abs().max()
-    if cls is Int8Linear and q4_native.int8_fits(rows, 64) and q4_native.available():  # int8_kernel.c: the same
-        assert (got - expected).abs().max() <= 2e-4 * expected.abs().max()
+    # The native kernels' two int8 digits per input: within half a low step each (support.activation_digits).
+    if cls is Q4Linear:
+        assert ((got - expected).abs() <= product_bound(x, layer.dequantize(torch.float32))).all()
+    if cls is Int8Linear and native_library.library() is not None and int8_fits(rows, 64):
+        layer.native = native_library.library()  # as native_path.bind sets it at load: int8_matmul.c
+        got, exact = layer(x), x @ layer.dequantize(torch.float32).T  # (no bias: the kernel's own product)
+        assert ((got - bias - exact).abs() <= product_bound(x, layer.dequantize(torch.float32))).all()
     # ... and those weights are the original ones within the format's rounding.
     step = {Bf16Linear: 2**-8, Int8Linear: 1 / 127, Int4Linear: 1 / 15, Q4Linear: 1 / 15}[cls]
     assert (layer.dequantize(torch.float32) - weight).abs().max() <= step * weight.abs().max()
@@ -106,7 +113,7 @@ def test_q4_1_blocks_survive_int4_up_to_bf16_scales() -> None:
     # bf16 rounds d and the zero by at most 2^-9 of themselves: (q - 8) * d-error + zero-error stays within
     # 2^-9 * (8 d + |zero|) < 2^-7 * max|w|, while a different q would be off by a whole step d.
     assert (restored - q4_1).abs().max() <= 2**-7 * q4_1.abs().max()
-    if q4_native.available():  # the native layout keeps d and m in float16, as the file does: exact
+    if native_library.library() is not None:  # the native layout keeps d and m in float16, as the file does: exact
         assert torch.equal(Q4Linear(q4_1, None).dequantize(torch.float32), q4_1)
 
 
@@ -152,6 +159,7 @@ def smollm2_auto(smollm2: LoadedModel, smollm2_tensors: list[gguf.ReaderTensor])
     model = copy.deepcopy(smollm2.model)
     apply_weight_formats(model, {name: choose_format("auto", types[gguf_name(f"{name}.weight")])
                                  for name in matrices(model)})
+    bind(model)  # as the loader does after the formats: the native path, chosen once
     return model
 
 
@@ -185,8 +193,8 @@ def test_smollm2_auto_decodes_within_its_tolerance(
     a prompt's last-token logits within int4's tolerance of the fp32 path's prefill of the whole prompt.
     Measured: 2.3% and 2.5% of the largest logit on the two chat prompts, the same with the torch path
     (``KVGUARD_NATIVE_DECODE=0``)."""
-    if q4_native.available() and os.environ.get("KVGUARD_NATIVE_DECODE") != "0":
-        assert native_decode.decoder_for(smollm2_auto.model) is not None
+    if native_library.library() is not None and os.environ.get("KVGUARD_NATIVE_DECODE") != "0":
+        assert smollm2_auto.model.native is not None
     for prompt, exact in zip(chat_prompts[:2], exact_logits[:2], strict=True):
         sequence = SingleSequence(smollm2_auto, block_size=16, num_blocks=16)
         sequence.step(prompt[:-1])

@@ -1,20 +1,18 @@
-/* The native int4 matmul and RMSNorm, called one at a time from Python (q4_native.py); the maths and the
- * weight layout are in q4_kernel.h. Output tiles are shared among the OpenMP threads; the process's OpenMP
+/* The int4 matmul and RMSNorm, called one at a time from Python (q4.py, library.py); the maths and the
+ * weight layout are in kernels.h. Output tiles are shared among the OpenMP threads; the process's OpenMP
  * runtime is torch's own (the same libgomp.so.1), so torch.set_num_threads applies here too. */
-#include "q4_kernel.h"
+#include "kernels.h"
 
-int q4_supported(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vnni");
-}
-
-/* out [M, N] = x [M, K] W^T; float32, row-major, contiguous; N % 16 == 0, K % 32 == 0 (the caller checks). */
-TARGET void q4_matmul(const float *x, int M, int K, const uint8_t *qpack, const uint16_t *scales, int N,
-                      float *out) {
+/* out [M, N] = x [M, K] W^T; float32, row-major, contiguous; N % 16 == 0, K % 32 == 0 (the caller checks).
+ * Returns -1 (nothing computed) when its scratch cannot be allocated. */
+int q4_matmul(const float *x, int M, int K, const uint8_t *qpack, const uint16_t *scales, int N, float *out) {
     const int G = K / 32;
     int8_t *xq = malloc((size_t)M * 2 * K);
     float *dx = malloc(sizeof(float) * (size_t)M * G), *sx = malloc(sizeof(float) * (size_t)M * G);
+    if (!xq || !dx || !sx) {
+        free(xq), free(dx), free(sx);
+        return -1;
+    }
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
@@ -23,13 +21,12 @@ TARGET void q4_matmul(const float *x, int M, int K, const uint8_t *qpack, const 
 #pragma omp for schedule(static)
         for (int t = 0; t < N / 16; t++) q4_tile_range(xq, dx, sx, M, K, qpack, scales, N, out, NULL, t, t + 1);
     }
-    free(xq);
-    free(dx);
-    free(sx);
+    free(xq), free(dx), free(sx);
+    return 0;
 }
 
 /* out [M, K] = RMSNorm of each row of x: one call in place of torch's ~8 small ops a norm, which at one
  * decoding row cost more than the arithmetic. */
-TARGET void rms_norm(const float *x, const float *w, float eps, int M, int K, float *out) {
+void rms_norm(const float *x, const float *w, float eps, int M, int K, float *out) {
     for (int r = 0; r < M; r++) rms_norm_row(x + (size_t)r * K, w, eps, K, out + (size_t)r * K);
 }

@@ -3,7 +3,7 @@
  *   h += o_proj(attention(rope(qkv_proj(rms_norm(h)))))        (K/V stored into the paged cache first)
  *   h += down_proj(silu(gate) * up),  gate | up = gate_up_proj(rms_norm(h))
  *
- * the same maths as llama.py's torch path with the same int4 kernel (q4_kernel.h) and the same RMSNorm, so
+ * the same maths as llama.py's torch path with the same int4 kernel (kernels.h) and the same RMSNorm, so
  * the two differ only where torch's own ops are not reproduced bit for bit: the softmax and SiLU (exp) and
  * the attention's summation order. RoPE is ``x * cos + roll(x, D/2) * sin_signed`` with RotaryEmbedding's
  * tables, rounded as torch rounds it (no contraction into fma: built with -ffp-contract=off).
@@ -20,13 +20,21 @@
  */
 #include <omp.h>
 #include <sched.h>
+#include <stddef.h>
 #include <string.h>
 #include <time.h>
 
-#include "q4_kernel.h"
+#include "kernels.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define kvg_pause() _mm_pause() /* SSE2: every x86-64 has it */
+#else
+#define kvg_pause() ((void)0)
+#endif
 
 typedef struct {
-    const uint8_t *q;   /* q4_native.pack's qpack */
+    const uint8_t *q;   /* q4.py's pack: qpack */
     const uint16_t *s;  /* and its scales */
 } q4_weight;
 
@@ -47,42 +55,38 @@ typedef struct {
     const decode_layer *layer;
 } decode_model;
 
-/* e^x for 16 floats (Cephes' expf: x = n ln 2 + r, |r| <= ln 2 / 2, a degree-7 polynomial in r, scaled by
- * 2^n): within 2 ulp; very negative x gives 0, as the softmax's masked scores need. */
-TARGET static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.72f)), _mm512_set1_ps(-104.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
+/* The structs' layout as this compiler lays them out: sizes and field offsets, in the order layout.py's
+ * ctypes mirrors list them (tests/engine/test_native_kernels.py holds the two together). Returns how many
+ * numbers it wrote (at most ``room``). */
+int decode_layout(int64_t *out, int room) {
+    const int64_t numbers[] = {
+        sizeof(q4_weight), offsetof(q4_weight, q), offsetof(q4_weight, s),
+        sizeof(decode_layer), offsetof(decode_layer, input_norm), offsetof(decode_layer, post_norm),
+        offsetof(decode_layer, qkv), offsetof(decode_layer, o), offsetof(decode_layer, gate_up),
+        offsetof(decode_layer, down), offsetof(decode_layer, kv_cache),
+        sizeof(decode_model), offsetof(decode_model, layers), offsetof(decode_model, hidden),
+        offsetof(decode_model, heads), offsetof(decode_model, kv_heads), offsetof(decode_model, head_dim),
+        offsetof(decode_model, intermediate), offsetof(decode_model, block_size),
+        offsetof(decode_model, cache_slots), offsetof(decode_model, eps), offsetof(decode_model, scale),
+        offsetof(decode_model, cos), offsetof(decode_model, sin), offsetof(decode_model, layer),
+    };
+    const int count = (int)(sizeof numbers / sizeof numbers[0]);
+    for (int i = 0; i < count && i < room; i++) out[i] = numbers[i];
+    return count;
 }
 
 /* x[0..D) rotated in place by one position's tables (D even, D % 16 == 0). */
-TARGET static inline void rope(float *x, const float *cos, const float *sin, int D) {
+static inline void rope(float *x, const float *cos, const float *sin, int D) {
     float rotated[D];
     const int half = D / 2;
     for (int i = 0; i < D; i++) rotated[i] = x[i] * cos[i] + x[(i + half) % D] * sin[i];
     memcpy(x, rotated, sizeof(float) * D);
 }
 
-TARGET static inline float dot(const float *a, const float *b, int D) {
-    __m512 sum = _mm512_setzero_ps();
-    for (int i = 0; i < D; i += 16) sum = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), sum);
-    return _mm512_reduce_add_ps(sum);
-}
-
 /* Sequence s, kv head j: rotate its query heads and its key, store its key and value into the cache, and
  * attend each of those query heads over the sequence's context; out[s, query heads of j] = the results.
  * scores: room for seq_lens[s] floats. */
-TARGET static void attend(const decode_model *m, const decode_layer *L, float *qkv, float *out, int s, int j,
+static void attend(const decode_model *m, const decode_layer *L, float *qkv, float *out, int s, int j,
                           const int64_t *positions, const int64_t *slots, const int32_t *tables, int width,
                           const int32_t *seq_lens, float *scores) {
     const int D = m->head_dim, group = m->heads / m->kv_heads, kv_row = m->kv_heads * D;
@@ -105,29 +109,29 @@ TARGET static void attend(const decode_model *m, const decode_layer *L, float *q
             scores[p] = dot(query, keys + slot * kv_row + j * D, D) * m->scale;
             top = fmaxf(top, scores[p]);
         }
-        __m512 total = _mm512_setzero_ps();
+        f16 total = f_zero();
         int p = 0;
         for (; p + 16 <= n; p += 16) {
-            __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(scores + p), _mm512_set1_ps(top)));
-            _mm512_storeu_ps(scores + p, e);
-            total = _mm512_add_ps(total, e);
+            const f16 e = exp16(f_sub(f_load(scores + p), f_set1(top)));
+            f_store(scores + p, e);
+            total = f_add(total, e);
         }
-        if (p < n) {
-            const __mmask16 tail = (__mmask16)((1u << (n - p)) - 1);
-            __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, scores + p), _mm512_set1_ps(top)));
-            _mm512_mask_storeu_ps(scores + p, tail, e);
-            total = _mm512_add_ps(total, _mm512_maskz_mov_ps(tail, e));
+        if (p < n) { /* the tail's other lanes load as 0 and add their exp only as 0 */
+            const f16 e = exp16(f_sub(f_load_n(scores + p, n - p), f_set1(top)));
+            float lanes[16] = {0};
+            f_store_n(lanes, e, n - p);
+            f_store_n(scores + p, e, n - p);
+            total = f_add(total, f_load(lanes));
         }
-        const float inverse = 1.0f / _mm512_reduce_add_ps(total);
+        const float inverse = 1.0f / hsum(total);
         float *o = out + (size_t)s * m->heads * D + h * D;
         for (int i = 0; i < D; i += 16) {
-            __m512 acc = _mm512_setzero_ps();
+            f16 acc = f_zero();
             for (int q = 0; q < n; q++) {
                 const int64_t slot = (int64_t)table[q / bs] * bs + q % bs;
-                acc = _mm512_fmadd_ps(_mm512_set1_ps(scores[q]), _mm512_loadu_ps(values + slot * kv_row + j * D + i),
-                                      acc);
+                acc = f_fmadd(f_set1(scores[q]), f_load(values + slot * kv_row + j * D + i), acc);
             }
-            _mm512_storeu_ps(o + i, _mm512_mul_ps(acc, _mm512_set1_ps(inverse)));
+            f_store(o + i, f_mul(acc, f_set1(inverse)));
         }
     }
 }
@@ -139,7 +143,7 @@ typedef struct {
 } scratch;
 
 /* x = RMSNorm(h) of S rows, quantized into t (every thread, its own copy). */
-TARGET static inline void normed(const float *h, const float *w, float eps, int S, int K, scratch *t) {
+static inline void normed(const float *h, const float *w, float eps, int S, int K, scratch *t) {
     const int G = K / 32;
     for (int r = 0; r < S; r++) {
         rms_norm_row(h + (size_t)r * K, w, eps, K, t->x + (size_t)r * K);
@@ -148,15 +152,15 @@ TARGET static inline void normed(const float *h, const float *w, float eps, int 
 }
 
 /* silu(gate) * up of S rows of gate_up [S, 2I] (gate then up), quantized into t. */
-TARGET static inline void activated(const float *gate_up, int S, int I, scratch *t) {
+static inline void activated(const float *gate_up, int S, int I, scratch *t) {
     const int G = I / 32;
     for (int r = 0; r < S; r++) {
         const float *gate = gate_up + (size_t)r * 2 * I, *up = gate + I;
         float *x = t->x + (size_t)r * I;
         for (int i = 0; i < I; i += 16) {
-            __m512 g = _mm512_loadu_ps(gate + i);
-            __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-            _mm512_storeu_ps(x + i, _mm512_mul_ps(silu, _mm512_loadu_ps(up + i)));
+            const f16 g = f_load(gate + i);
+            const f16 silu = f_div(g, f_add(f_set1(1.0f), exp16(f_sub(f_zero(), g))));
+            f_store(x + i, f_mul(silu, f_load(up + i)));
         }
         quantize_row(x, I, t->xq + (size_t)r * 2 * I, t->dx + (size_t)r * G, t->sx + (size_t)r * G);
     }
@@ -194,11 +198,11 @@ static inline double now(void) {
 
 /* Spin a little (a running thread finishes a unit in microseconds), then yield the core: the thread waited
  * for may be the one the OS took off it, and may get it back. Returns the seconds spent yielding. */
-TARGET static inline double phase_wait(phase *p, int units) {
+static inline double phase_wait(phase *p, int units) {
     double since = 0;
     for (int spins = 0; __atomic_load_n(&p->done, __ATOMIC_ACQUIRE) < units; spins++) {
         if (spins < 2000) {
-            _mm_pause();
+            kvg_pause();
         } else {
             if (since == 0) since = now();
             sched_yield();
@@ -241,7 +245,7 @@ static inline int phase_units(const decode_model *m, int S, int kind) {
 }
 
 /* This thread's own copy of phase ``kind``'s quantized input, in t. */
-TARGET static void prepare(const decode_model *m, const decode_layer *L, int kind, const float *h,
+static void prepare(const decode_model *m, const decode_layer *L, int kind, const float *h,
                            const float *attn, const float *gate_up, int S, scratch *t) {
     const int A = m->heads * m->head_dim;
     if (kind == QKV || kind == GATE_UP) normed(h, kind == QKV ? L->input_norm : L->post_norm, m->eps, S, m->hidden, t);
@@ -256,7 +260,7 @@ TARGET static void prepare(const decode_model *m, const decode_layer *L, int kin
  * the last layer's output out, in place). positions, slots: [S] int64; tables [S, width] int32; seq_lens [S]
  * int32, each the context length with the new token. Returns 0, or -1 when scratch could not be allocated
  * (nothing computed then). */
-TARGET int decode_step(const decode_model *m, float *h, int S, const int64_t *positions, const int64_t *slots,
+int decode_step(const decode_model *m, float *h, int S, const int64_t *positions, const int64_t *slots,
                        const int32_t *tables, int width, const int32_t *seq_lens) {
     const int H = m->hidden, I = m->intermediate, A = m->heads * m->head_dim, last = m->layers * PHASES - 1;
     const int widest = I > H ? (I > A ? I : A) : (H > A ? H : A);
