@@ -21,14 +21,17 @@ from support.single_sequence import SingleSequence
 
 from engine import LLM, SamplingParams
 from engine.kernels import TorchAttentionBackend
-from engine.model import LoadedModel, ModelLoadError, load_model
 from engine.model.config import LinearRopeScaling
+from engine.model.errors import ModelLoadError
+from engine.model.loader import LoadedModel, load_model
 from engine.protocol import ChatMessage
 
 Q = gguf.GGMLQuantizationType
 QUESTIONS = ["the theme then", "Tell me the truth.", "hello there, how are you?"]
 NEW_TOKENS = 16
-LOGITS_TOLERANCE = 1e-4  # both sides dequantize the same bytes to fp32: only summation order differs
+# Both sides dequantize the same bytes to fp32: only summation orders differ (ATen's and MKL's by CPU), each
+# product of K <= 128 terms within K * 2^-24 of its absolute sum (~3e-5 for these 64-wide models' logits).
+LOGITS_TOLERANCE = 1e-4
 
 
 def load(path: Path, dtype: torch.dtype = torch.float32) -> LoadedModel:

@@ -29,12 +29,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from support.activation_digits import LOW_STEPS
-from support.native_model import decode_inputs, random_int4_model
+from support.native_model import decode_inputs, random_int4_model, torch_layer
 
 from engine.kernels import AttentionMetadata, TorchAttentionBackend
-from engine.kernels.native import library, q4
-from engine.model.llama import DecoderLayer, LlamaForCausalLM
+from engine.kernels.native import library
+from engine.model.llama import LlamaForCausalLM
 from engine.model.native_decode import NativeDecoder
 from engine.model.native_path import bind
 
@@ -44,23 +43,6 @@ pytestmark = pytest.mark.skipif(library.library() is None, reason=f"native path 
 @pytest.fixture(scope="module")
 def model() -> LlamaForCausalLM:
     return random_int4_model()
-
-
-def torch_layer(layer: DecoderLayer, hidden: torch.Tensor, positions: torch.Tensor, rotary, cache: torch.Tensor,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, float]:
-    """The layer's torch path on ``hidden`` (storing into ``cache``), and its ``flip_bound`` (module docstring)."""
-    largest: dict[str, float] = {}
-    projections = {"o": layer.self_attn.o_proj, "down": layer.mlp.down_proj}
-    hooks = [m.register_forward_pre_hook(lambda _, args, name=name: largest.__setitem__(name, args[0].abs().max()))
-             for name, m in projections.items()]
-    try:
-        out = layer(hidden, positions, rotary, [cache] * (layer.self_attn.layer_index + 1), meta)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    bound = sum(q4.unpack(m.qpack, m.scales, torch.float32).abs().sum(1).max().item() * largest[name].item() / LOW_STEPS
-                for name, m in projections.items())
-    return out, bound
 
 
 @pytest.mark.parametrize("seq_lens", [[1], [37], [5, 16, 40]])
