@@ -27,7 +27,7 @@ from engine.kernels import get_attention_backend
 from engine.kv.block_pool import BlockPool
 from engine.kv.manager import KVCacheManager
 from engine.kv.swap import SwapSpace
-from engine.model import load_model
+from engine.model.loader import load_model
 from engine.model.lora import LoraRegistry
 from engine.model.lora_slots import LoraSlots, attach
 from engine.output_processor import OutputProcessor
@@ -248,7 +248,7 @@ class EngineCore:
 
     def _execute(self, out: SchedulerOutput, previous: StepResult | None = None) -> StepResult:
         # The matchers have accepted every token committed so far; this step's commit advances them.
-        grammar = self._structured.bitmask(out) if self._structured is not None else None
+        grammar = self._structured.bitmask(*out.grammar_draws()) if self._structured is not None else None
         return self.runner.execute(out, grammar, previous)
 
     def telemetry(self, healthy: bool = True) -> TelemetrySnapshot:

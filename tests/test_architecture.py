@@ -1,7 +1,7 @@
-"""The layout's rules, checked on the source: no import circles between modules, the guard's folders in
-layers (no two of them, or of its top-level modules, import each other, however indirectly), no guard
-function past ``MAX_FUNCTION_LINES``, tests that share helpers only through ``tests/support/``, and a guard
-that never loads torch.
+"""The layout's rules, checked on the source: no import circles between modules, the engine's and the
+guard's folders in layers (in each package, no two of its folders or top-level modules import each other,
+however indirectly), no guard function past ``MAX_FUNCTION_LINES``, tests that share helpers only through
+``tests/support/``, and a guard that never loads torch.
 
 The import graph is read from the AST of every module of ``engine`` and ``guard``, with every import
 counted: those under ``if TYPE_CHECKING:`` and inside functions too, because a circle that only type
@@ -14,6 +14,7 @@ import ast
 import sys
 from pathlib import Path
 
+import pytest
 from support import ROOT
 from support.processes import run_command
 
@@ -121,23 +122,39 @@ def test_no_import_circles_in_engine_or_guard():
     assert _cycles(_graph()) == []
 
 
-def test_the_guards_folders_form_layers():
-    assert _cycles(_layers(_graph(), "guard")) == []
+@pytest.mark.parametrize("package", PACKAGES)
+def test_the_folders_form_layers(package: str):
+    assert _cycles(_layers(_graph(), package)) == []
 
 
-def test_a_planted_two_way_import_between_folders_is_found(tmp_path: Path):
-    """Two folders whose modules import each other, one of them only for type checking, and nothing else
-    circular at module level: the module rule passes it, the folder rule does not."""
-    for folder, text in (("a", "from guard.b.y import Y\n"),
-                         ("b", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from guard.a.z import Z\n")):
-        (tmp_path / "guard" / folder).mkdir(parents=True)
-        (tmp_path / "guard" / folder / "__init__.py").write_text("")
-        (tmp_path / "guard" / folder / ("x.py" if folder == "a" else "y.py")).write_text(text)
-    (tmp_path / "guard" / "a" / "z.py").write_text("Z = 1\n")
-    (tmp_path / "guard" / "__init__.py").write_text("")
-    graph = _graph(tmp_path, ("guard",))
+# Two units whose modules import each other, and nothing circular at module level: the module rule passes
+# them, the layer rule must not. Each package's files (path: text); every folder gets an empty __init__.py.
+PLANTED_TWO_WAY_IMPORTS = {
+    # Two folders, one way only for type checking.
+    "guard": {"a/x.py": "from guard.b.y import Y\n",
+              "a/z.py": "Z = 1\n",
+              "b/y.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from guard.a.z import Z\n"},
+    # A top-level module and a folder, one way only by a late import (how engine/async_engine.py and
+    # engine/server/ once stood).
+    "engine": {"loop.py": "def metrics():\n    from engine.server.metrics import Metrics\n    return Metrics\n",
+               "server/metrics.py": "class Metrics: ...\n",
+               "server/app.py": "from engine.loop import metrics\n"},
+}
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_a_planted_two_way_import_between_units_is_found(tmp_path: Path, package: str):
+    files = PLANTED_TWO_WAY_IMPORTS[package]
+    for relative, text in files.items():
+        path = tmp_path / package / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for folder in Path(package, relative).parents[:-1]:  # the package, and the folder the file is in
+            (tmp_path / folder / "__init__.py").touch()
+        path.write_text(text)
+    units = sorted({relative.split("/")[0].removesuffix(".py") for relative in files})
+    graph = _graph(tmp_path, (package,))
     assert _cycles(graph) == []
-    assert _cycles(_layers(graph, "guard")) == [["a", "b"]]
+    assert _cycles(_layers(graph, package)) == [units]
 
 
 def test_no_guard_function_is_longer_than_the_limit():

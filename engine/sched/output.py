@@ -17,6 +17,7 @@ from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import torch
+    import xgrammar
 
     from engine.model.lora import LoraAdapter
     from engine.sched.request import Sequence
@@ -81,3 +82,16 @@ class SchedulerOutput:
     def has_decode(self) -> bool:
         """Some sequence computes just its newest token and samples: the step yields an inter-token gap."""
         return any(s.num_new_tokens == 1 and s.num_samples for s in self.scheduled)
+
+    def grammar_draws(self) -> tuple[int, list[tuple[int, xgrammar.GrammarMatcher]]]:
+        """The step's draws in the order of ``sampling``: how many there are, and each one held to a grammar
+        with its completion's matcher (``Request.matchers``), as (draw, matcher). A sequence's draws are its
+        own token, then one per fork it spawns: completions ``seq.index`` onwards."""
+        constrained: list[tuple[int, xgrammar.GrammarMatcher]] = []
+        draw = 0
+        for item in self.scheduled:
+            seq = item.seq
+            if matchers := seq.request.matchers:
+                constrained += [(draw + k, matchers[seq.index + k]) for k in range(item.num_samples)]
+            draw += item.num_samples
+        return draw, constrained

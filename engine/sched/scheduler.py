@@ -81,12 +81,6 @@ class Scheduler:
                 self._admit_waiting(out, budget)
         return out
 
-    def update_from_output(self, out: SchedulerOutput, sampled: list[int]) -> list[Request]:
-        """Commit an executed step (``advance``, then ``settle`` with its tokens); return the requests that
-        received tokens, in order of first token."""
-        self.advance(out)
-        return self.settle(out, sampled)
-
     def advance(self, out: SchedulerOutput) -> None:
         """The part of a step's commit that needs none of its sampled tokens.
 

@@ -1,2 +1,3 @@
-"""The engine's HTTP side: the aiohttp app, OpenAI endpoints, SSE, errors, Prometheus metrics and tracing,
-over the ``AsyncEngine`` (engine/async_engine.py). Never waits on a step."""
+"""The engine's serving side: ``AsyncEngine`` (async_engine.py: the step loop on its own thread, driven from
+an event loop), and over it the aiohttp app, OpenAI endpoints, SSE, errors, Prometheus metrics, tracing and
+the KV-event feed. The HTTP side never waits on a step."""

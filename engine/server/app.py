@@ -40,11 +40,11 @@ import time
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.protocol import ModelCard, ModelList, StepProgress
 from engine.request_stream import EngineUnavailable
 from engine.server import tracing
+from engine.server.async_engine import AsyncEngine
 from engine.server.errors import ApiError, openai_errors
 from engine.server.kv_events import KVEventsHandler
 from engine.server.lora_api import LoraHandlers

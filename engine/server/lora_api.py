@@ -16,8 +16,8 @@ from typing import TypeVar
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from engine.async_engine import AsyncEngine
 from engine.model.lora import LoraError, LoraRegistry
+from engine.server.async_engine import AsyncEngine
 from engine.server.errors import ApiError
 
 Body = TypeVar("Body", bound=BaseModel)

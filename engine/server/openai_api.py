@@ -39,7 +39,6 @@ from typing import Protocol, TypeVar, cast
 from aiohttp import web
 from pydantic import ValidationError
 
-from engine.async_engine import AsyncEngine
 from engine.core import EngineCore
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.prompting.prompts import PromptCounter, check_context
@@ -67,6 +66,7 @@ from engine.request_stream import EngineUnavailable, RequestFailed, RequestStrea
 from engine.sampling_params import SamplingParams
 from engine.sched.request import Request
 from engine.server import tracing
+from engine.server.async_engine import AsyncEngine
 from engine.server.errors import ApiError
 from engine.server.sse import open_stream, send_data, send_done, send_error
 from engine.structured.call_stream import CallScanner

@@ -1,8 +1,8 @@
 """One step's grammar bitmask: which tokens each constrained draw may take, filled before the step and
 applied by the sampler.
 
-Rows follow the step's draws (``SamplingBatch``'s order: each sampling sequence's own token, then one per
-fork it spawns). Only the constrained rows are filled and applied; the others cost nothing.
+Rows follow the step's draws (``SchedulerOutput.grammar_draws`` numbers them in the sampler's order). Only
+the constrained rows are filled and applied; the others cost nothing.
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ from dataclasses import dataclass
 import torch
 import xgrammar as xgr
 
-from engine.sched.output import SchedulerOutput
-
 
 @dataclass(slots=True)
 class GrammarBitmask:
@@ -21,21 +19,14 @@ class GrammarBitmask:
     rows: list[int]  # the constrained draws: the rows that are filled
 
     @classmethod
-    def for_step(cls, out: SchedulerOutput, vocab_size: int) -> GrammarBitmask | None:
-        """The bitmask of ``out``'s draws from their completions' matchers (which have accepted every token
-        committed so far); None when no draw is constrained."""
-        constrained: list[tuple[int, xgr.GrammarMatcher]] = []
-        row = 0
-        for item in out.scheduled:
-            seq = item.seq
-            matchers = seq.request.matchers
-            for index in range(seq.index, seq.index + item.num_samples):
-                if matchers:
-                    constrained.append((row, matchers[index]))
-                row += 1
+    def for_draws(cls, num_draws: int, constrained: list[tuple[int, xgr.GrammarMatcher]],
+                  vocab_size: int) -> GrammarBitmask | None:
+        """The bitmask of a step's ``num_draws`` draws, a row per draw, filled for each ``(draw, matcher)`` of
+        ``constrained`` by its matcher (which has accepted every token committed so far); None when no draw is
+        constrained."""
         if not constrained:
             return None
-        bitmask = xgr.allocate_token_bitmask(row, vocab_size)
+        bitmask = xgr.allocate_token_bitmask(num_draws, vocab_size)
         for row, matcher in constrained:
             matcher.fill_next_token_bitmask(bitmask, row)
         return cls(bitmask, [row for row, _ in constrained])

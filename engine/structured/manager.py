@@ -17,7 +17,6 @@ import re
 import xgrammar as xgr
 
 from engine.prompting.tokenizer import Tokenizer
-from engine.sched.output import SchedulerOutput
 from engine.structured.bitmask import GrammarBitmask
 from engine.structured.spec import Grammar, GrammarSpec
 from engine.structured.vocab import tokenizer_info
@@ -47,5 +46,6 @@ class StructuredOutputManager:
         """One matcher per completion, each at the grammar's start."""
         return [xgr.GrammarMatcher(grammar.compiled) for _ in range(n)]
 
-    def bitmask(self, out: SchedulerOutput) -> GrammarBitmask | None:
-        return GrammarBitmask.for_step(out, self.vocab_size)
+    def bitmask(self, num_draws: int, constrained: list[tuple[int, xgr.GrammarMatcher]]) -> GrammarBitmask | None:
+        """A step's bitmask from its draws (``SchedulerOutput.grammar_draws``); None when none is constrained."""
+        return GrammarBitmask.for_draws(num_draws, constrained, self.vocab_size)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.kv.copies import BlockCopies
-from engine.model import LoadedModel
+from engine.model.loader import LoadedModel
 from engine.model.lora_slots import LoraSlots
 from engine.model.weights import weight_bytes
 from engine.sched.output import SchedulerOutput

@@ -19,7 +19,7 @@ pytest.importorskip("triton")  # before the imports below: the Triton backend im
 
 from engine.kernels import AttentionMetadata, TorchAttentionBackend
 from engine.kernels.triton_backend import TritonAttentionBackend
-from engine.model import load_model
+from engine.model.loader import load_model
 from engine.sched.output import ScheduledChunk
 from engine.worker.batch import HostBatch
 from engine.worker.cuda_graphs import CAPTURE_SIZES, DecodeGraphs

@@ -13,8 +13,9 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from engine.kernels import TorchAttentionBackend
-from engine.model import LoadedModel, ModelConfig, ModelLoadError, load_model
-from engine.model.config import LinearRopeScaling, Llama3RopeScaling
+from engine.model.config import LinearRopeScaling, Llama3RopeScaling, ModelConfig
+from engine.model.errors import ModelLoadError
+from engine.model.loader import LoadedModel, load_model
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from support.invariants import assert_all_blocks_back
 from support.net import request
 from support.wait import wait_for
 
-from engine.async_engine import MAX_CONSECUTIVE_STEP_FAILURES
+from engine.server.async_engine import MAX_CONSECUTIVE_STEP_FAILURES
 
 LONG = {"model": "tiny", "prompt": "a long generation", "max_tokens": 1500, "ignore_eos": True}
 

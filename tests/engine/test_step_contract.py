@@ -1,5 +1,6 @@
-"""The step contract: the scheduler's output alone tells the worker what to compute, and
-``update_from_output`` commits the step (computed tokens, forks, appended tokens)."""
+"""The step contract: the scheduler's output alone tells the worker what to compute, and the scheduler's
+``advance`` then ``settle`` commit the step (computed tokens, forks, appended tokens), as ``EngineCore.step``
+does."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def test_a_chunked_prefill_then_a_fork_through_the_step_contract() -> None:
     assert out.sampling.rows == []
     result = core.runner.execute(out)
     assert result.sampled() == [] and result.num_tokens == 8
-    assert core.scheduler.update_from_output(out, result.sampled()) == []
+    core.scheduler.advance(out)
+    assert core.scheduler.settle(out, result.sampled()) == []
     assert seq.num_computed_tokens == 8 and len(seq.token_ids) == 10
     check_block_accounting(core)
 
@@ -34,7 +36,8 @@ def test_a_chunked_prefill_then_a_fork_through_the_step_contract() -> None:
     assert chunk.block_table == core.kv.block_ids(seq) and len(chunk.block_table) == 3
     assert out.sampling.rows == [0, 0], "the prompt's last logits give both completions their first token"
     result = core.runner.execute(out)
-    (request,) = core.scheduler.update_from_output(out, result.sampled())
+    core.scheduler.advance(out)
+    (request,) = core.scheduler.settle(out, result.sampled())
     parent, child = request.seqs
     assert (parent.index, child.index) == (0, 1) and child.num_computed_tokens == parent.num_computed_tokens == 10
     assert core.kv.tables[child.seq_id] == core.kv.tables[parent.seq_id], "a fork shares its parent's blocks"

@@ -13,7 +13,7 @@ from support.single_sequence import SingleSequence
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from engine.kernels import TorchAttentionBackend
-from engine.model import load_model
+from engine.model.loader import load_model
 from engine.model.tiny import tiny_state_dict
 from engine.prompting.detokenizer import IncrementalDetokenizer
 from engine.prompting.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
