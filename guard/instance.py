@@ -15,7 +15,6 @@ from aiohttp import web
 from guard.admission.dispatch import Dispatcher
 from guard.admission.limits import RateLimiter
 from guard.admission.predictor import OutputPredictor
-from guard.admission.shared_limits import SharedRateLimiter
 from guard.auth import KeyStore
 from guard.config import GuardConfig, Tenant
 from guard.detect.detector import Detector
@@ -27,6 +26,7 @@ from guard.pool.routing import CircuitBreaker, ModeMachine, Router
 from guard.pool.scheduling import Profile
 from guard.records.log import DecisionLog
 from guard.records.store import RecordStore
+from guard.state.limits import SharedRateLimiter
 from guard.state.shared import SharedState
 
 

@@ -223,3 +223,32 @@ def test_the_instance_state_lives_outside_the_http_folder():
     graph = _graph()
     assert "guard.instance" in graph and not [m for m in graph if m.startswith("guard.http.context")]
     assert not [target for target in graph["guard.instance"] if target.startswith("guard.http")]
+
+
+def test_no_shared_twin_modules():
+    """One admission core over two state backends (DESIGN.md, "Wave 4"): dispatch, limits and verdicts are
+    written once; Redis is a backend in guard/state/, not a ``shared_*`` copy beside each of them."""
+    assert sorted(str(p.relative_to(ROOT)) for p in (ROOT / "guard").rglob("shared_*.py")) == []
+
+
+# The test modules of admission, rate limits and verdicts, each run on both state backends.
+BACKEND_TESTS = ("tests/guard/test_admission_backends.py", "tests/guard/test_borrowing.py",
+                 "tests/guard/test_rate_limits.py", "tests/guard/test_verdicts.py")
+
+
+def _parametrizes_backends(node: ast.AST) -> bool:
+    """``pytest.mark.parametrize(..., BACKENDS)`` or ``pytest.fixture(params=BACKENDS)``."""
+    if not isinstance(node, ast.Call):
+        return False
+    name = ast.unparse(node.func)
+    given = node.args if name.endswith("parametrize") else [k.value for k in node.keywords if k.arg == "params"] \
+        if name.endswith("fixture") else []
+    return any(isinstance(arg, ast.Name) and arg.id == "BACKENDS" for arg in given)
+
+
+def test_admission_limits_and_verdict_tests_run_on_both_backends():
+    """Each names ``BACKENDS`` (tests/support/admission_backends.py: local and Redis) in a parametrization."""
+    missing = [name for name in BACKEND_TESTS
+               if not any(_parametrizes_backends(node)
+                          for node in ast.walk(ast.parse((ROOT / name).read_text(encoding="utf-8"))))]
+    assert missing == []

@@ -23,6 +23,12 @@ they end, as any other's.
 Invariant: a ticket is in exactly one state: queued (in the fair queue, no reservation), admitted (a
 reservation on exactly one replica, ``ticket.replica``, not queued) or done (neither).
 
+With shared state the same dispatcher decides: the ranking, the lending and the queue's order are this
+module's; the ledger (guard/admission/backend.py ``Ledger``, in Redis: guard/state/ledger.py) only says
+whether a reservation fits among every guard's and whose VTC turn it is across guards. Its answers take a
+round trip, so the one admission round (``_admission``) is then driven by a task (``run``) instead of within
+``pump``; while Redis is down the gates decide, as for a guard alone.
+
 A reload (``reconfigure``) changes what later requests get; a ticket keeps the ``Tenant`` and ``Lane`` it
 was made with. A tenant the reload removed is *retired*: its queued tickets are still admitted in VTC order,
 its admitted ones run on, and its queue is dropped once it has nothing queued or reserved. The gates count
@@ -33,66 +39,20 @@ requests run, their engine blocks are covered by its reservations, not traffic f
 from __future__ import annotations
 
 import asyncio
-import enum
+import contextlib
+import functools
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Generator, Sequence
 
 from guard.admission import slo
+from guard.admission.backend import Ledger
 from guard.admission.fairness import FairQueue, TenantQueue
-from guard.config import GuardConfig, Lane, Tenant
+from guard.admission.ticket import Ticket, TicketState
+from guard.config import GuardConfig, Tenant
 from guard.errors import GuardError
 from guard.pool.gate import engine_priority
-from guard.pool.latency import Sent
 from guard.pool.pool import ReplicaPool
-from guard.pool.replica import Replica
 from guard.pool.scheduling import Candidate, Profile, Request
-
-
-class TicketState(enum.Enum):
-    NEW = "new"
-    QUEUED = "queued"
-    ADMITTED = "admitted"
-    DONE = "done"
-
-
-@dataclass(slots=True, eq=False)
-class Ticket:
-    request_id: str
-    tenant: Tenant
-    lane: Lane
-    prompt_tokens: int
-    max_tokens: int
-    blocks: int
-    # Each prompt's full-block hashes under the tenant's salt, when the profile reads prefix hits.
-    hashes: list[list[bytes]] = field(default_factory=list)
-    enqueued_at: float = 0.0
-    state: TicketState = TicketState.NEW
-    # Created only for a ticket that has to wait: most are admitted within submit and never need one.
-    admitted: asyncio.Future[None] | None = None
-    replica: Replica | None = None  # where the reservation is (was, once done)
-    hit_blocks: int = 0  # leading prompt blocks the replica it went to caches, as its index predicted
-    borrowed: int = 0  # of ``blocks``, those beyond the tenant's guaranteed share (see the module docstring)
-    # Set by whoever runs the admitted request: ends it, with the reason its client is to be told.
-    on_revoke: Callable[[GuardError], None] | None = None
-    revoked: GuardError | None = None  # why the guard took its blocks back, once it did
-    output_tokens: int = 0  # what it generated, once it ended
-    candidates: Sequence[Candidate] = ()  # the ranking that admitted it, for its decision record
-    arrived: float = 0.0  # time.monotonic() of the request's arrival at the guard
-    objective: slo.Objective | None = None  # its latency objective (guard/admission/slo.py), if it has one
-    lora: str | None = None  # the LoRA adapter it names (None: the base model); its hashes include it
-    predicted_ttft: float | None = None  # seconds from arrival, predicted when it reached the dispatcher
-    predicted_tpot: float | None = None  # seconds per output token on the best replica, predicted then too
-    predicted_wait: float | None = None  # of predicted_ttft, the queue wait before its correction
-    predicted_queue: float | None = None  # of predicted_ttft, arrival to admission (corrected)
-    predicted_engine: float | None = None  # of predicted_ttft, admission to the first token
-    wait_key: tuple[str, bool] | None = None  # the correction that applied to it (guard/admission/slo.py)
-    verdicts: dict[str, bool] | None = None  # objective ("ttft", "tpot") -> met, once it ended
-    admitted_at: float = 0.0  # time.monotonic() of its admission
-    uncached: int = 0  # its prompt tokens the replica has to prefill, until its first token (latency model)
-    work: int = 0  # prefill tokens ahead of it on its replica when admitted, its own included
-    priority: int = 0  # the engine priority it runs at, once admitted
-    sent: Sent | None = None  # its load band and the requests running there when admitted (guard/pool/latency.py)
 
 
 def ranking_request(ticket: Ticket) -> Request:
@@ -105,8 +65,16 @@ def ranking_request(ticket: Ticket) -> Request:
                    engine_priority(ticket.lane.priority, ticket.borrowed), ticket.lora, ticket.tenant.name)
 
 
+RETRY_S = 0.02  # with a ledger: how soon a blocked head is tried again (other guards' releases send no word)
+
+# What the admission round does with the queue head it offers (``Dispatcher._admission``): admitted on a
+# replica; "fair": another tenant's turn (the ledger's VTC order across guards); "full": no room; "gone": it
+# left while the ledger was asked.
+Placed = str
+
+
 class Dispatcher:
-    def __init__(self, config: GuardConfig, pool: ReplicaPool, profile: Profile) -> None:
+    def __init__(self, config: GuardConfig, pool: ReplicaPool, profile: Profile, ledger: Ledger | None = None) -> None:
         self.config = config
         self.pool = pool
         self.profile = profile
@@ -120,6 +88,15 @@ class Dispatcher:
         self.total_weight = sum(tenant.weight for tenant in config.tenants)  # of the running config's tenants
         for tenant in config.tenants:
             self.fair.tenant(tenant.name, tenant.weight)
+        # Where reservations are decided: the replicas' gates in this process, or, with shared state, a
+        # ledger every guard shares (guard/state/ledger.py), the gates deciding while it is down.
+        self.ledger = ledger
+        self._wake = asyncio.Event()  # with a ledger: the admission task has something to try
+        # True while the admission task asks the ledger about a queued head: that head is still in the
+        # queue, so a local pump now (the link went down meanwhile) could reserve it a second time.
+        self._in_round = False
+        if ledger is not None:
+            ledger.attach(self)
 
     def reconfigure(self, config: GuardConfig) -> None:
         """Take a reloaded configuration: a new tenant gets a queue, a kept one its new weight (for service
@@ -210,29 +187,86 @@ class Dispatcher:
             raise
 
     def pump(self) -> None:
-        """Admit as many queued tickets as the pool and the VTC order allow."""
+        """Admit as many queued tickets as the pool and the VTC order allow (with a ledger up, the admission
+        task does: a pump cannot wait for Redis)."""
         if not self.fair.queued:
             return  # the usual case after a release
+        if self.ledger is not None and (self.ledger.up or self._in_round):
+            self._wake.set()
+            return
         self._admit_queued()
 
-    def _admit_queued(self) -> None:
-        capped: set[str] = set()
-        while (queue := self._next_tenant(capped)) is not None:
+    def _admission(self) -> Generator[tuple[TenantQueue[Ticket], Ticket, int], Placed, None]:
+        """The one admission round, whoever decides the reservations: offers each queue head in turn (the
+        priority band, then VTC; a tenant at its cap passed over) with the pool's budget read for it, and is
+        sent what became of it. A borrowing head that found no room passes to the next tenant, never holding
+        up one within its guarantee; any other stops the round, so big requests are not starved by small ones."""
+        passed: set[str] = set()
+        while (queue := self._next_tenant(passed)) is not None:
             ticket = queue.head()
             assert ticket is not None
             budget = self.pool.budget()  # summed once per placement for the cap and the guarantee
             if not self._within_cap(queue, ticket, budget):
-                capped.add(queue.name)
+                passed.add(queue.name)
                 continue
-            if not self._place(queue, ticket, budget):
-                if ticket.borrowed:  # idle capacity it would borrow is not there: others' turn
-                    capped.add(queue.name)
-                    continue
+            placed = yield queue, ticket, budget
+            if placed == "admitted":
+                self.fair.remove(queue, ticket.lane.priority, ticket)
+                self.departures.add(ticket.blocks)
+                self.correction.observe(ticket.wait_key, ticket.predicted_wait, time.monotonic() - ticket.enqueued_at)
+                self._admitted(queue, ticket)
+            elif placed == "fair" or (placed == "full" and ticket.borrowed):
+                passed.add(queue.name)
+            elif placed == "full":
                 return
-            self.fair.pop(queue)
-            self.departures.add(ticket.blocks)
-            self.correction.observe(ticket.wait_key, ticket.predicted_wait, time.monotonic() - ticket.enqueued_at)
-            self._admitted(queue, ticket)
+
+    def _admit_queued(self) -> None:
+        """The admission round on the gates of this process."""
+        round_ = self._admission()
+        step = next(round_, None)
+        while step is not None:
+            queue, ticket, budget = step
+            try:
+                step = round_.send("admitted" if self._place(queue, ticket, budget) else "full")
+            except StopIteration:
+                break
+
+    async def run(self) -> None:
+        """With a ledger, the admission task (for the guard's lifetime): admit queued tickets through the
+        ledger whenever anything may have changed, and retry a blocked head every ``RETRY_S``."""
+        ledger = self.ledger
+        assert ledger is not None
+        while not ledger.stopping:
+            await self._wake.wait()
+            self._wake.clear()
+            while self.fair.queued and ledger.up and not await self._shared_round():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), RETRY_S)
+                self._wake.clear()
+            if not ledger.up:
+                self._admit_queued()  # the link went down during a round: the gates decide alone from here
+
+    async def _shared_round(self) -> bool:
+        """The admission round through the ledger; True when the queue emptied."""
+        assert self.ledger is not None
+        self._in_round = True
+        try:
+            round_ = self._admission()
+            step = next(round_, None)
+            while step is not None:
+                queue, ticket, budget = step
+                placed = await self._place_shared(queue, ticket, budget)
+                if ticket.state is not TicketState.QUEUED:  # it left (or timed out) while the ledger was asked
+                    if placed == "admitted":
+                        self.ledger.release(ticket)
+                    placed = "gone"
+                try:
+                    step = round_.send(placed)
+                except StopIteration:
+                    break
+            return not self.fair.queued
+        finally:
+            self._in_round = False
 
     def _next_tenant(self, skip: set[str]) -> TenantQueue[Ticket] | None:
         """The priority band before fairness: the tenants whose next ticket is critical, by VTC among them,
@@ -244,23 +278,45 @@ class Dispatcher:
         return min(critical, key=lambda q: q.counter)
 
     async def _place_now(self, queue: TenantQueue[Ticket], ticket: Ticket, budget: int | None = None) -> bool:
-        """``_place`` for a ticket that nobody queues before (a dispatcher whose placement asks elsewhere
-        overrides this); ``budget`` is the pool's, just read."""
-        return self._place(queue, ticket, budget)
+        """``_place`` for a ticket that nobody queues before, through the ledger while it is up; ``budget``
+        is the pool's, just read."""
+        if self.ledger is None or not self.ledger.up:
+            return self._place(queue, ticket, budget)
+        return await self._place_shared(queue, ticket, budget) == "admitted"
+
+    def _ranked(self, ticket: Ticket, budget: int | None) -> list[Candidate]:
+        """The replicas in the profile's order for the ticket; ``ticket.borrowed`` says how many of its blocks
+        are (or would be) borrowed. ``budget``: the pool's, read in the same step (None: read it here)."""
+        ticket.borrowed = self._lent(ticket, ticket.blocks, budget)
+        return self.profile.rank(self.pool.replicas, ranking_request(ticket))
 
     def _place(self, queue: TenantQueue[Ticket], ticket: Ticket, budget: int | None = None) -> bool:
-        """Reserve the ticket's blocks on the first replica, in the profile's order, whose gate admits them;
-        ``ticket.borrowed`` says how many of them are (or would be) borrowed. ``budget``: the pool's, read in
-        the same step (None: read it here)."""
-        ticket.borrowed = self._lent(ticket, ticket.blocks, budget)
-        ranked = self.profile.rank(self.pool.replicas, ranking_request(ticket))
+        """Reserve the ticket's blocks on the first replica, in the profile's order, whose gate admits them."""
+        ranked = self._ranked(ticket, budget)
         for candidate in ranked:
-            replica = candidate.replica
-            if replica.gate.try_reserve(ticket.request_id, queue.name, ticket.blocks, ticket.borrowed):
-                ticket.replica, ticket.hit_blocks, ticket.candidates = replica, candidate.hit_blocks, ranked
-                replica.admitted()
+            if candidate.replica.gate.try_reserve(ticket.request_id, queue.name, ticket.blocks, ticket.borrowed):
+                self._placed(ticket, candidate, ranked)
                 return True
         return False
+
+    async def _place_shared(self, queue: TenantQueue[Ticket], ticket: Ticket, budget: int | None = None) -> Placed:
+        """``_place`` through the ledger: the same ranking and lending, the ledger deciding room and the VTC
+        turn across guards. Redis down: the gates decide alone."""
+        assert self.ledger is not None
+        ranked = self._ranked(ticket, budget)
+        placed = await self.ledger.reserve(queue.name, ticket, ranked,
+                                           functools.partial(self._placed, ticket, ranked=ranked))
+        if placed == "down":
+            return "admitted" if self._place(queue, ticket) else "full"
+        return placed
+
+    @staticmethod
+    def _placed(ticket: Ticket, candidate: Candidate, ranked: Sequence[Candidate]) -> None:
+        """The reservation is on ``candidate``'s replica (its gate holds it): the ticket keeps the ranking
+        that admitted it."""
+        replica = candidate.replica
+        ticket.replica, ticket.hit_blocks, ticket.candidates = replica, candidate.hit_blocks, ranked
+        replica.admitted()
 
     def guarantee(self, tenant: Tenant, budget: int | None = None) -> int:
         """Blocks the tenant is guaranteed: its weighted share of the pool's budget (0 once a reload removed
@@ -314,6 +370,8 @@ class Dispatcher:
         replica, if that replica has room; False leaves the ticket as it was."""
         if ticket.state is not TicketState.ADMITTED or ticket.replica is None:
             return False
+        if self.ledger is not None and self.ledger.up:
+            return False  # growing would cost a round trip on every token past the prediction (ledger.py)
         more = blocks - ticket.blocks
         borrowed = self._lent(ticket, more)
         if not ticket.replica.gate.try_grow(ticket.request_id, more, borrowed):
@@ -343,6 +401,8 @@ class Dispatcher:
             self._dequeue(ticket)
         elif ticket.state is TicketState.ADMITTED:
             assert ticket.replica is not None  # set with the reservation
+            if self.ledger is not None:
+                self.ledger.release(ticket)
             self.started(ticket)  # ended without a first token: its prefill is ahead of nobody now
             ticket.replica.gate.release(ticket.request_id)
             ticket.replica.finished()
@@ -368,6 +428,10 @@ class Dispatcher:
         ours = set(self.fair.tenants)
         for replica in self.pool:
             replica.gate.guard_tenants = ours
+
+    def stop(self) -> None:
+        """End the admission task (shutdown; the ledger's link is stopped first)."""
+        self._wake.set()
 
     def reject_all(self, reason: GuardError) -> None:
         """Fail every queued ticket with ``reason``, and every later one (shutdown); admitted ones run on."""

@@ -48,7 +48,7 @@ class FairQueue(Generic[Item]):
         self.tenants: dict[str, TenantQueue[Item]] = {}
         self.queued = 0  # items queued over all tenants
         # Told (tenant, +1 or -1) of every item queued and unqueued: guards that share state keep a global
-        # backlog with it (guard/admission/shared_dispatch.py).
+        # backlog with it (guard/state/ledger.py).
         self.on_backlog: Callable[[str, int], None] | None = None
         # Weighted service per whole second of the clock, (second, {tenant: service / weight}), over the last
         # JAIN_WINDOW_S: one entry per second, not per charge, so a busy guard's window stays small.

@@ -30,7 +30,7 @@ retrying will not help. Every answer to a limited tenant, 429s and successes, ca
 ``x-ratelimit-{limit,remaining,reset}-{requests,tokens}`` headers for the limits it has; a reset is the time
 until the window is empty (the limit whole again), in OpenAI's duration format ("120ms", "6.5s", "1m0s").
 
-``RateLimiter.charge`` is a coroutine so that the limiter of guards sharing state (guard/admission/shared_limits.py,
+``RateLimiter.charge`` is a coroutine so that the limiter of guards sharing state (guard/state/limits.py,
 ``SharedRateLimiter``: the same windows in Redis) has the same interface; this one never suspends. The
 shared limiter falls back on these windows while Redis is down, each limit divided among the guards
 (``charge_here`` with ``guards``), so the pieces it needs are methods here.

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from guard.admission.dispatch import Dispatcher, Ticket
+from guard.admission.dispatch import Dispatcher
+from guard.admission.ticket import Ticket
 from guard.errors import GuardError
 from guard.pool.gate import batch_blocks_for
 

@@ -78,7 +78,7 @@ class TenantSignals:
     score: float = 0.0
     low_since: float | None = None  # when the score last dropped below the current state's clear level
     onsets: Onsets = field(default_factory=Onsets)  # when its probing and its fill began, for coordination
-    adopted: bool = False  # confirmed on another guard's verdict (guard/detect/shared_verdicts.py), not this one's
+    adopted: bool = False  # confirmed on another guard's verdict (guard/state/verdicts.py), not this one's
     evidence: dict[str, float] = field(default_factory=dict)
 
 

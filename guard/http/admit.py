@@ -12,8 +12,8 @@ from __future__ import annotations
 import sys
 import time
 
-from guard.admission.dispatch import Ticket, TicketState
 from guard.admission.sizing import Growth, size_reservation
+from guard.admission.ticket import Ticket, TicketState
 from guard.errors import GuardError, Outcome
 from guard.http import objectives, responses
 from guard.http.exchange import Exchange

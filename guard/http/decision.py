@@ -11,7 +11,7 @@ import time
 
 from aiohttp import web
 
-from guard.admission.dispatch import Ticket
+from guard.admission.ticket import Ticket
 from guard.errors import GuardError
 from guard.http.exchange import Exchange
 from guard.records.record import DecisionRecord, Shed

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from guard import tracing
-from guard.admission.dispatch import Ticket
 from guard.admission.limits import Charge
 from guard.admission.sizing import Growth, Sizing
+from guard.admission.ticket import Ticket
 from guard.config import Lane, Tenant
 from guard.errors import GuardError, Outcome
 from guard.http.clients import Clients

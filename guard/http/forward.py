@@ -14,7 +14,7 @@ import time
 
 from aiohttp import web
 
-from guard.admission.dispatch import TicketState
+from guard.admission.ticket import TicketState
 from guard.errors import Outcome
 from guard.http.exchange import Exchange, stamp_headers
 from guard.pool.gate import BORROWED_PRIORITY

@@ -15,13 +15,11 @@ from aiohttp import web
 from engine.protocol import StepProgress, TelemetrySnapshot
 from guard import tracing
 from guard.admission.dispatch import Dispatcher
-from guard.admission.shared_dispatch import SharedDispatcher
 from guard.auth import KeyStore
 from guard.config import Backend, GuardConfig, config_hash
 from guard.console.app import install as install_console
 from guard.detect.detector import Detector
 from guard.detect.escalation import Escalation
-from guard.detect.shared_verdicts import share_verdicts
 from guard.errors import GuardError
 from guard.http.clients import CLIENTS, Clients
 from guard.http.models import learn_adapters
@@ -41,7 +39,9 @@ from guard.pool.telemetry import TelemetrySubscriber
 from guard.records.log import DecisionLog
 from guard.server.autoscale import publish as publish_autoscaling
 from guard.server.monitor import monitor
+from guard.state.ledger import RedisLedger
 from guard.state.shared import SharedState
+from guard.state.verdicts import share_verdicts
 from guard.wire.connections import CONNECTIONS, ConnectionGuard
 from guard.wire.front import FrontConnection
 from guard.wire.relay import SHUTTING_DOWN, Relay
@@ -65,7 +65,7 @@ def create_app(config: GuardConfig, *, console: bool = True, worker: int | None 
     metrics.show_config(config_hash(config))
     profile = profile_for(routing)
     shared = SharedState(config.shared_state, metrics) if config.shared_state is not None else None
-    dispatcher = Dispatcher(config, pool, profile) if shared is None else SharedDispatcher(config, pool, profile, shared)
+    dispatcher = Dispatcher(config, pool, profile, None if shared is None else RedisLedger(shared, pool))
     metrics.service_tokens.read = lambda: {name: queue.service for name, queue in dispatcher.fair.tenants.items()}
     detector = Detector({t.name: t.weight for t in config.tenants})
     state = GuardState(config, KeyStore(config.tenants, config.secret), pool, profile, dispatcher, metrics,
@@ -126,7 +126,6 @@ async def _start(app: web.Application) -> None:
     clients.tasks.append(asyncio.create_task(publish_autoscaling(state), name="autoscaling signals"))
     if (shared := state.shared) is not None:
         await shared.resync()  # join the other guards before the first request (alone if Redis is down)
-        assert isinstance(state.dispatcher, SharedDispatcher)
         for work, name in ((shared.run(), "shared state lease"), (shared.deliver(), "shared state wire"),
                            (state.dispatcher.run(), "shared admission"),
                            (share_verdicts(shared, state.escalation), "shared verdicts")):
@@ -178,8 +177,9 @@ async def _shutdown(app: web.Application) -> None:
 
 async def _cleanup(app: web.Application) -> None:
     clients, dispatcher = app[CLIENTS], app[STATE].dispatcher
-    if isinstance(dispatcher, SharedDispatcher):
-        dispatcher.stop()  # its loops end on their own, whatever a Redis call does with a cancellation
+    if (shared := app[STATE].shared) is not None:
+        shared.stop()  # its loops end on their own, whatever a Redis call does with a cancellation
+        dispatcher.stop()
     for task in clients.tasks:
         task.cancel()
     await asyncio.gather(*clients.tasks, return_exceptions=True)

@@ -254,7 +254,7 @@ end
 return standing
 """
 
-# -- rate limits (guard/admission/shared_limits.py) ---------------------------------------------------------------------
+# -- rate limits (guard/state/limits.py) ---------------------------------------------------------------------
 # One hash per tenant and limit, ``kvguard:ratelimit:{kind}:{tenant}``: Redis server second -> what was charged
 # in it (never negative): the sliding minute of guard/admission/limits.py, on the server's clock for every
 # guard. An entry counts through the ``window`` whole seconds after its own (limits.WINDOW_S); every write

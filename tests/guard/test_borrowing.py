@@ -1,23 +1,46 @@
 """Attack-safe defaults without any ``max_blocks_share``: guaranteed weighted shares, borrowing of idle
-capacity that a tenant within its guarantee reclaims, revocation of a confirmed attacker's running work, and
-the detector's cross-key coordination and persistent confirmation."""
+capacity that a tenant within its guarantee reclaims, revocation of a confirmed attacker's running work (on
+both state backends: the guard alone, and the ledger in a real Redis), and the detector's cross-key
+coordination and persistent confirmation."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
-from support.admission_parts import make_dispatcher, ticket
+import pytest
+from support.admission_backends import BACKENDS, one_replica
+from support.admission_parts import ticket
 from support.detector_script import run, squeeze
+from support.redis_server import RedisServer
 
-from guard.admission.dispatch import TicketState
+from guard.admission.dispatch import Dispatcher
+from guard.admission.ticket import TicketState
+from guard.config import GuardConfig
 from guard.detect.coordination import SYNC_S
 from guard.detect.detector import CLEAR_CONFIRMED_AFTER_S, Detector
 from guard.errors import GuardError
 
 
-async def test_a_tenant_alone_borrows_the_whole_budget(tmp_path: Path) -> None:
-    dispatcher, config = make_dispatcher(tmp_path)  # budget 85 blocks; bulk (weight 1 of 3) guaranteed 28
+@pytest.fixture(scope="module")
+def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    with RedisServer(tmp_path_factory.mktemp("redis")) as server:
+        yield server
+
+
+Admitted = tuple[Dispatcher, GuardConfig]
+
+
+@pytest.fixture(params=BACKENDS)
+async def admission(request: pytest.FixtureRequest, tmp_path: Path, redis: RedisServer) -> AsyncIterator[Admitted]:
+    """A dispatcher in front of one replica of 100 blocks (budget 85), on each state backend."""
+    async with one_replica(request.param, tmp_path, redis) as pair:
+        yield pair
+
+
+async def test_a_tenant_alone_borrows_the_whole_budget(admission: Admitted) -> None:
+    dispatcher, config = admission  # budget 85 blocks; bulk (weight 1 of 3) guaranteed 28
     bulk = config.tenants[1]
     assert dispatcher.guarantee(bulk) == 28
     tickets = [ticket(config, 1, 5, f"r{i}") for i in range(17)]
@@ -31,8 +54,8 @@ async def test_a_tenant_alone_borrows_the_whole_budget(tmp_path: Path) -> None:
     assert not dispatcher.pool.reservations() and not dispatcher.pool.replicas[0].gate.borrowed
 
 
-async def test_a_tenant_within_its_guarantee_reclaims_borrowed_blocks(tmp_path: Path) -> None:
-    dispatcher, config = make_dispatcher(tmp_path)
+async def test_a_tenant_within_its_guarantee_reclaims_borrowed_blocks(admission: Admitted) -> None:
+    dispatcher, config = admission
     hog = ticket(config, 1, 80, "hog")
     await dispatcher.submit(hog)
     assert hog.borrowed == 80 - 28
@@ -53,8 +76,8 @@ async def test_a_tenant_within_its_guarantee_reclaims_borrowed_blocks(tmp_path: 
     assert not dispatcher.pool.reservations()
 
 
-async def test_a_borrower_that_does_not_fit_does_not_hold_up_a_guaranteed_tenant(tmp_path: Path) -> None:
-    dispatcher, config = make_dispatcher(tmp_path)
+async def test_a_borrower_that_does_not_fit_does_not_hold_up_a_guaranteed_tenant(admission: Admitted) -> None:
+    dispatcher, config = admission
     hog = ticket(config, 1, 80, "hog")  # bulk borrows 52 past its 28
     await dispatcher.submit(hog)
     blocked = ticket(config, 1, 20, "blocked")  # all borrowed, and 5 blocks of idle room: it waits
@@ -73,8 +96,8 @@ async def test_a_borrower_that_does_not_fit_does_not_hold_up_a_guaranteed_tenant
     assert not dispatcher.pool.reservations()
 
 
-async def test_revoke_tells_every_running_ticket_of_the_tenant_why(tmp_path: Path) -> None:
-    dispatcher, config = make_dispatcher(tmp_path)
+async def test_revoke_tells_every_running_ticket_of_the_tenant_why(admission: Admitted) -> None:
+    dispatcher, config = admission
     told: list[tuple[str, GuardError]] = []
     tickets = [ticket(config, 1, 10, f"a{i}") for i in range(2)] + [ticket(config, 0, 10, "bystander")]
     for t in tickets:

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from support import ROOT
 from support.admission_parts import BASE, make_dispatcher, snapshot, ticket, write
 
-from guard.admission.dispatch import Ticket, TicketState
 from guard.admission.fairness import FairQueue
+from guard.admission.ticket import Ticket, TicketState
 from guard.auth import KeyStore
 from guard.config import Admission, ConfigError, GuardConfig, load_config
 from guard.errors import GuardError

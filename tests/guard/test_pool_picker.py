@@ -10,7 +10,8 @@ import pytest
 from support.admission_parts import POOL_CONFIG, pool_of
 
 from engine.kv.hashing import extend_block_hashes
-from guard.admission.dispatch import Dispatcher, Ticket, TicketState
+from guard.admission.dispatch import Dispatcher
+from guard.admission.ticket import Ticket, TicketState
 from guard.config import GuardConfig, Routing
 from guard.pool.pool import ReplicaPool
 from guard.pool.scheduling import Profile, Request, profile_for

@@ -1,5 +1,6 @@
 """Per-tenant rate limits (guard/admission/limits.py): the windows on a fake clock, then the real guard in front
-of the real tiny engine: rpm, tpm charged at admission, settlement, the 429 and the x-ratelimit-* headers."""
+of the real tiny engine, on both state backends (its own windows, and the windows in a real Redis,
+guard/state/limits.py): rpm, tpm charged at admission, settlement, the 429 and the x-ratelimit-* headers."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import asyncio
 import json
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from types import SimpleNamespace
 
 import aiohttp
@@ -14,9 +16,11 @@ import openai
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.admission_backends import BACKENDS
 from support.engine_server import ServerThread
 from support.guard_server import GuardThread, guard_config, usable_guard
 from support.net import request
+from support.redis_server import RedisServer
 from support.wait import wait_for
 
 from guard.admission.limits import WINDOW_S, Charge, RateLimiter, duration
@@ -122,7 +126,7 @@ def test_the_limit_that_holds_the_request_longest_refuses_it(clock: list[float])
 
 
 def test_a_guard_deciding_alone_keeps_to_its_share(clock: list[float]) -> None:
-    """``charge_here`` with ``guards``: the shared limiter's fallback while Redis is down (guard/admission/shared_limits.py)."""
+    """``charge_here`` with ``guards``: the shared limiter's fallback while Redis is down (guard/state/limits.py)."""
     acme = tenant(rpm=5, tpm=1000)
     limiter = RateLimiter([acme], GuardMetrics())
     assert [limiter.charge_here(acme, 100, guards=2) is not None for _ in range(2)] == [True, True]
@@ -200,12 +204,21 @@ def engine():
 
 
 @pytest.fixture(scope="module")
-def guard(engine):
+def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    with RedisServer(tmp_path_factory.mktemp("redis")) as server:
+        yield server
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def guard(request: pytest.FixtureRequest, engine, redis: RedisServer):
     tenants = [{"name": "acme", "api_keys": ["sk-acme"], "rpm": 20},
                {"name": "globex", "api_keys": ["sk-globex"]},
                {"name": "burst", "api_keys": ["sk-burst"], "tpm": 2000},
                {"name": "settle", "api_keys": ["sk-settle"], "tpm": 10000}]
-    with usable_guard(guard_config(engine.url, tenants=tenants)) as g:
+    shared = {"shared_state": {"redis_url": redis.url}} if request.param == "redis" else {}
+    with usable_guard(guard_config(engine.url, tenants=tenants, **shared)) as g:
+        if shared:
+            wait_for(lambda: g.call(lambda: g.state.shared.up), bool, 10)
         yield g
 
 

@@ -33,7 +33,7 @@ from support.processes import GuardProcess, Processes, run_command
 from support.wait import until
 
 from engine.protocol import TelemetrySnapshot
-from guard.admission.dispatch import Ticket, TicketState
+from guard.admission.ticket import Ticket, TicketState
 from guard.config import config_hash
 from guard.instance import STATE
 from guard.server.app import create_app

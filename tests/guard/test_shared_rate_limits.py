@@ -1,4 +1,4 @@
-"""Rate limits shared through a real Redis (guard/admission/shared_limits.py): two guards' limiters in one process, each
+"""Rate limits shared through a real Redis (guard/state/limits.py): two guards' limiters in one process, each
 with its own link (``SharedState``), charging one tenant's windows together: rpm and tpm held across both,
 settles that free room for the other guard, the 429s and headers, and each guard on half the limit while
 Redis is down, shared again once it is back."""
@@ -16,11 +16,11 @@ import redis.asyncio as aioredis
 from support.redis_server import RedisServer
 
 from guard.admission.limits import Charge
-from guard.admission.shared_limits import SharedCharge, SharedRateLimiter
 from guard.config import SharedState as SharedStateConfig
 from guard.config import Tenant
 from guard.errors import GuardError
 from guard.metrics import GuardMetrics
+from guard.state.limits import SharedCharge, SharedRateLimiter
 from guard.state.scripts import rate_key
 from guard.state.shared import SharedState
 

@@ -1,5 +1,6 @@
 """Guards that share state through a real Redis, in front of one real engine: one VTC order and one KV
-budget across guards, leases that a dead guard loses, and a conservative local mode while Redis is down."""
+budget across guards, leases that a dead guard loses, and a conservative local mode while Redis is down.
+(Verdicts shared across guards: tests/guard/test_verdicts.py.)"""
 
 from __future__ import annotations
 
@@ -12,15 +13,12 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from support.detector_script import squeeze
 from support.engine_server import ServerThread
 from support.guard_server import GuardThread, guard_config
 from support.net import free_port, request
 from support.processes import GuardProcess
 from support.redis_server import RedisServer
 from support.wait import wait_for
-
-from guard.detect.detector import Detector
 
 TENANTS = [{"name": "a", "api_keys": ["sk-a"], "weight": 1}, {"name": "b", "api_keys": ["sk-b"], "weight": 2}]
 
@@ -80,29 +78,6 @@ def test_two_guards_share_one_fair_order_and_one_budget(redis: RedisServer) -> N
         assert engine.telemetry()["preemptions_total"] == 0
         for guard in (g1, g2):
             wait_for(lambda g=guard: g.call(lambda: g.state.pool.reservations()), lambda held: not held, 5)
-
-
-def test_a_tenant_confirmed_on_one_guard_is_refused_on_the_other(redis: RedisServer) -> None:
-    with ServerThread(num_blocks=64) as engine, shared_guard(engine.url, redis.url) as g1, \
-            shared_guard(engine.url, redis.url) as g2:
-        joined(g1, g2)
-        g1.call(lambda: confirm(g1.state.detector, "a"))
-        assert g1.call(lambda: g1.state.detector.state("a")) == "confirmed"
-        wait_for(lambda: g2.call(lambda: g2.state.detector.state("a")), lambda s: s == "confirmed", 5)
-        status, body = complete(g2.url, "sk-a")
-        assert status == 429 and json.loads(body)["error"]["code"] == "abuse_suspected"
-        assert complete(g2.url, "sk-b")[0] == 200, "only the attacker"
-
-
-def confirm(detector: Detector, tenant: str) -> None:
-    """The detector's verdict on 8 s of Fill-and-Squeeze by ``tenant``, holding 40 of 54 blocks with more
-    of its requests queued: confirmed, on this guard's own evidence."""
-    start = time.monotonic() - 8.0
-    act = squeeze(detector, tenant)
-    for tick in range(160):
-        act(start + tick * 0.05)
-    for _ in range(2):
-        detector.evaluate({tenant: 40}, 54, {tenant}, 0.1)
 
 
 def complete(url: str, key: str, max_tokens: int = 4) -> tuple[int, bytes]:

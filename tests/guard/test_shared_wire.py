@@ -17,7 +17,7 @@ from support.guard_server import GuardThread, guard_config
 from support.redis_server import RedisServer
 from support.wait import wait_for
 
-from guard.admission.dispatch import Ticket
+from guard.admission.ticket import Ticket
 from guard.config import SharedState as SharedStateConfig
 from guard.metrics import GuardMetrics
 from guard.state import scripts

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from support.admission_parts import make_dispatcher, ticket
 
-from guard.admission.dispatch import TicketState
 from guard.admission.sizing import Growth, size_reservation
+from guard.admission.ticket import TicketState
 from guard.errors import GuardError
 from guard.pool.gate import batch_blocks_for
 

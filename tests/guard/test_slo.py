@@ -18,8 +18,8 @@ from support.processes import EngineProcess, Processes
 from support.wait import until
 
 from guard.admission import slo
-from guard.admission.dispatch import Ticket, TicketState
 from guard.admission.slo import BacklogPace, Departures, objective_for
+from guard.admission.ticket import Ticket, TicketState
 from guard.config import ConfigError, Lane, Routing, load_config
 from guard.console.app import CONSOLE
 from guard.errors import GuardError

@@ -32,6 +32,9 @@ Integrity checks and purpose-built parts
 - ``triton_aot.py``: a script (run by path, in a subprocess) compiling every Triton kernel for a GPU target.
 - ``admission_parts``: the guard's admission without engines: ``snapshot`` (a telemetry snapshot),
   ``make_dispatcher``/``ticket`` (one replica), ``pool_of`` (three replicas on real gates, ``POOL_CONFIG``).
+- ``admission_backends``: the one admission core on each state backend (``BACKENDS``: local, a real Redis):
+  ``admission``/``one_replica`` build dispatchers on either, ``Script`` drives arrivals and ends through one
+  on a ``FakeClock`` and writes down every decision, so that two backends' decisions compare whole.
 - ``detector_script``: the Fill-and-Squeeze detector on a synthetic clock (``run``, ``squeeze``).
 - ``hf_reference`` also holds ``SMALL`` and ``save_hf_model`` (a small random checkpoint saved by HF).
 - ``invariants``: the engine's block accounting after any operation (``check_block_accounting``, built on

@@ -8,7 +8,8 @@ import textwrap
 from pathlib import Path
 
 from engine.protocol import TelemetrySnapshot, TenantUsage
-from guard.admission.dispatch import Dispatcher, Ticket
+from guard.admission.dispatch import Dispatcher
+from guard.admission.ticket import Ticket
 from guard.config import Admission, GuardConfig, load_config
 from guard.pool.gate import AdmissionGate
 from guard.pool.pool import ReplicaPool

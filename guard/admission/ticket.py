@@ -1,0 +1,65 @@
+"""A request as admission knows it, from the fair queue to the end of its reservation.
+
+Invariant: a ticket is in exactly one state: queued (in the fair queue, no reservation), admitted (a
+reservation on exactly one replica, ``ticket.replica``, not queued) or done (neither).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from guard.admission import slo
+from guard.config import Lane, Tenant
+from guard.errors import GuardError
+from guard.pool.latency import Sent
+from guard.pool.replica import Replica
+from guard.pool.scheduling import Candidate
+
+
+class TicketState(enum.Enum):
+    NEW = "new"
+    QUEUED = "queued"
+    ADMITTED = "admitted"
+    DONE = "done"
+
+
+@dataclass(slots=True, eq=False)
+class Ticket:
+    request_id: str
+    tenant: Tenant
+    lane: Lane
+    prompt_tokens: int
+    max_tokens: int
+    blocks: int
+    # Each prompt's full-block hashes under the tenant's salt, when the profile reads prefix hits.
+    hashes: list[list[bytes]] = field(default_factory=list)
+    enqueued_at: float = 0.0
+    state: TicketState = TicketState.NEW
+    # Created only for a ticket that has to wait: most are admitted within submit and never need one.
+    admitted: asyncio.Future[None] | None = None
+    replica: Replica | None = None  # where the reservation is (was, once done)
+    hit_blocks: int = 0  # leading prompt blocks the replica it went to caches, as its index predicted
+    borrowed: int = 0  # of ``blocks``, those beyond the tenant's guaranteed share (see the module docstring)
+    # Set by whoever runs the admitted request: ends it, with the reason its client is to be told.
+    on_revoke: Callable[[GuardError], None] | None = None
+    revoked: GuardError | None = None  # why the guard took its blocks back, once it did
+    output_tokens: int = 0  # what it generated, once it ended
+    candidates: Sequence[Candidate] = ()  # the ranking that admitted it, for its decision record
+    arrived: float = 0.0  # time.monotonic() of the request's arrival at the guard
+    objective: slo.Objective | None = None  # its latency objective (guard/admission/slo.py), if it has one
+    lora: str | None = None  # the LoRA adapter it names (None: the base model); its hashes include it
+    predicted_ttft: float | None = None  # seconds from arrival, predicted when it reached the dispatcher
+    predicted_tpot: float | None = None  # seconds per output token on the best replica, predicted then too
+    predicted_wait: float | None = None  # of predicted_ttft, the queue wait before its correction
+    predicted_queue: float | None = None  # of predicted_ttft, arrival to admission (corrected)
+    predicted_engine: float | None = None  # of predicted_ttft, admission to the first token
+    wait_key: tuple[str, bool] | None = None  # the correction that applied to it (guard/admission/slo.py)
+    verdicts: dict[str, bool] | None = None  # objective ("ttft", "tpot") -> met, once it ended
+    admitted_at: float = 0.0  # time.monotonic() of its admission
+    uncached: int = 0  # its prompt tokens the replica has to prefill, until its first token (latency model)
+    work: int = 0  # prefill tokens ahead of it on its replica when admitted, its own included
+    priority: int = 0  # the engine priority it runs at, once admitted
+    sent: Sent | None = None  # its load band and the requests running there when admitted (guard/pool/latency.py)
