@@ -14,6 +14,7 @@ bitmask of its constrained draws from their matchers, and the sampler masks thei
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections import Counter
@@ -47,6 +48,8 @@ from engine.worker.runner import ModelRunner, StepResult
 if TYPE_CHECKING:
     from engine.structured.manager import StructuredOutputManager
 
+log = logging.getLogger("engine.core")
+
 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
@@ -58,6 +61,9 @@ class EngineCore:
         backend = get_attention_backend(config.attention_backend, self.device)
         weight_format = config.weight_format if self.device.type == "cpu" else "fp32"
         self.loaded = load_model(config.model, self.device, self.dtype, backend, weight_format)
+        native = self.loaded.native  # a failed build is never silent: its first error line is the reason
+        level = logging.INFO if native.on or self.device.type != "cpu" else logging.WARNING
+        log.log(level, "native CPU kernels: %s (%s)", native.path, native.reason)
         self.tokenizer = self.loaded.tokenizer
         model_len = self.loaded.config.max_position_embeddings
         require(config.max_model_len is None or config.max_model_len <= model_len, "max_model_len",
@@ -253,6 +259,7 @@ class EngineCore:
 
     def telemetry(self, healthy: bool = True) -> TelemetrySnapshot:
         snapshot = self.stats.snapshot(self.model_name, self.kv, self.scheduler.load(), healthy)
+        snapshot.native_path, snapshot.native_reason = self.loaded.native.path, self.loaded.native.reason
         if self.loras is not None and self.lora_slots is not None:
             available = self.loras.names()  # an unloaded adapter may stay in a slot until evicted: not listed
             snapshot.loras = [name for name in self.lora_slots.names() if name in available]
