@@ -11,7 +11,7 @@ import hashlib
 import ipaddress
 import os
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -167,13 +167,47 @@ class PluginRef(Strict):
     weight: float = Field(1.0, ge=0, allow_inf_nan=False)
 
 
+class PluginSpec(Strict):
+    """A named instance of a scheduling plugin, as llm-d's EndpointPickerConfig declares them: ``type`` is the
+    registered plugin, ``parameters`` its settings (a filter's threshold...), ``name`` what profiles and
+    decision records call it (default: the type). One type may run as several named instances."""
+
+    type: str
+    name: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]+$")
+    parameters: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def instance(self) -> str:
+        return self.name or self.type
+
+
 class SchedulingProfile(Strict):
-    """Replica choice as plugins (guard/pool/scheduling/): their names are checked where they are registered
-    (guard/pool/scheduling/presets.py ``profile_for``), when the guard starts."""
+    """Replica choice as plugins (guard/pool/scheduling/): each name is a plugin instance of
+    ``routing.plugins``, or a registered plugin type with its default parameters; checked where they are
+    registered (guard/pool/scheduling/presets.py ``profile_for``), when the guard starts."""
 
     filters: list[str] = []
     scorers: list[PluginRef] = []
     picker: str = "max_score"
+
+
+class NamedProfile(SchedulingProfile):
+    name: str = Field(min_length=1)
+
+
+class ProfileRule(Strict):
+    """Which profile ranks a request: the first rule whose ``model`` (the model id it asks for) and
+    ``objective`` (the named objective it chose) both match, of those it gives."""
+
+    profile: str
+    model: str | None = None
+    objective: str | None = None
+
+    @model_validator(mode="after")
+    def _matches_something(self) -> ProfileRule:
+        if self.model is None and self.objective is None:
+            raise ValueError("a routing.select rule needs a model or an objective to match")
+        return self
 
 
 class Routing(Strict):
@@ -183,7 +217,10 @@ class Routing(Strict):
     (guard/pool/routing.py)."""
 
     policy: Literal["kvguard", "round_robin", "least_loaded", "prefix"] = "kvguard"
-    profile: SchedulingProfile | None = None
+    profile: SchedulingProfile | None = None  # the default profile (absent: the policy's preset)
+    plugins: list[PluginSpec] = []  # named plugin instances with parameters, for the profiles to name
+    profiles: list[NamedProfile] = []  # more profiles, chosen per request by ``select``
+    select: list[ProfileRule] = []  # first match wins; no match: the default profile
     pressure_enter: float = Field(0.9, gt=0)
     pressure_exit: float = Field(0.7, gt=0)
     degraded_enter: float = Field(1.5, gt=0)
@@ -198,6 +235,14 @@ class Routing(Strict):
         if self.profile is not None and self.policy != "kvguard":
             raise ValueError(f"routing.policy {self.policy!r} (a preset) and routing.profile: give one of them "
                              "(a profile replaces the default preset, kvguard, alone)")
+        for what, names in (("routing.plugins", [p.instance for p in self.plugins]),
+                            ("routing.profiles", [p.name for p in self.profiles])):
+            if len(set(names)) < len(names):
+                raise ValueError(f"{what}: a name is given twice ({', '.join(sorted(names))})")
+        known = {p.name for p in self.profiles}
+        for i, rule in enumerate(self.select):
+            if rule.profile not in known:
+                raise ValueError(f"routing.select[{i}].profile: no profile named {rule.profile!r} in routing.profiles")
         if not self.pressure_exit < self.pressure_enter <= self.degraded_exit < self.degraded_enter:
             raise ValueError("need pressure_exit < pressure_enter <= degraded_exit < degraded_enter")
         return self

@@ -23,7 +23,7 @@ from guard.events import EventLog
 from guard.metrics import MODES, GuardMetrics
 from guard.pool.pool import ReplicaPool
 from guard.pool.routing import CircuitBreaker, ModeMachine, Router
-from guard.pool.scheduling import Profile
+from guard.pool.scheduling import Profiles
 from guard.records.log import DecisionLog
 from guard.records.store import RecordStore
 from guard.state.limits import SharedRateLimiter
@@ -35,7 +35,7 @@ class GuardState:
     config: GuardConfig
     keys: KeyStore
     pool: ReplicaPool
-    profile: Profile
+    profile: Profiles  # the scheduling profiles, one chosen per request
     dispatcher: Dispatcher
     metrics: GuardMetrics
     modes: ModeMachine

@@ -52,7 +52,7 @@ from guard.config import GuardConfig, Tenant
 from guard.errors import GuardError
 from guard.pool.gate import engine_priority
 from guard.pool.pool import ReplicaPool
-from guard.pool.scheduling import Candidate, Profile, Request
+from guard.pool.scheduling import Candidate, Profiles, Request
 
 
 def ranking_request(ticket: Ticket) -> Request:
@@ -62,7 +62,8 @@ def ranking_request(ticket: Ticket) -> Request:
     ttft_left = None if objective is None or objective.ttft_s is None else \
         objective.ttft_s - (time.monotonic() - ticket.arrived)
     return Request(ticket.blocks, ticket.hashes, ticket.prompt_tokens, ttft_left,
-                   engine_priority(ticket.lane.priority, ticket.borrowed), ticket.lora, ticket.tenant.name)
+                   engine_priority(ticket.lane.priority, ticket.borrowed), ticket.lora, ticket.tenant.name,
+                   ticket.model)
 
 
 RETRY_S = 0.02  # with a ledger: how soon a blocked head is tried again (other guards' releases send no word)
@@ -74,7 +75,7 @@ Placed = str
 
 
 class Dispatcher:
-    def __init__(self, config: GuardConfig, pool: ReplicaPool, profile: Profile, ledger: Ledger | None = None) -> None:
+    def __init__(self, config: GuardConfig, pool: ReplicaPool, profile: Profiles, ledger: Ledger | None = None) -> None:
         self.config = config
         self.pool = pool
         self.profile = profile

@@ -51,6 +51,7 @@ class Ticket:
     arrived: float = 0.0  # time.monotonic() of the request's arrival at the guard
     objective: slo.Objective | None = None  # its latency objective (guard/admission/slo.py), if it has one
     lora: str | None = None  # the LoRA adapter it names (None: the base model); its hashes include it
+    model: str = ""  # the model id its client asked for (a profile may be chosen by it)
     predicted_ttft: float | None = None  # seconds from arrival, predicted when it reached the dispatcher
     predicted_tpot: float | None = None  # seconds per output token on the best replica, predicted then too
     predicted_wait: float | None = None  # of predicted_ttft, the queue wait before its correction

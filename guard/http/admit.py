@@ -79,7 +79,8 @@ def make_ticket(ex: Exchange) -> Ticket:
     hashes = ([prompt_block_hashes(ids, sizing.block_size, salt, lora) for ids in limits.ids]
               if state.profile.needs_hashes and len(state.pool) > 1 and limits.ids is not None else [])
     ex.ticket = Ticket(ex.request_id, tenant, ex.lane, limits.prompt_tokens, sizing.reserve, sizing.blocks,
-                       hashes, on_revoke=ex.revoke, arrived=ex.arrived, objective=objectives.resolve(ex), lora=lora)
+                       hashes, on_revoke=ex.revoke, arrived=ex.arrived, objective=objectives.resolve(ex), lora=lora,
+                       model=ex.parsed.model.model)
     return ex.ticket
 
 

@@ -182,7 +182,7 @@ async def test_a_custom_profile_from_yaml_routes_the_live_pool(engines: list[Eng
     headers = {"Authorization": "Bearer sk-yaml"}
     with GuardThread(config) as guard:
         await until_pool_ready(guard)
-        assert [scorer.name for scorer, _ in guard.state.profile.scorers] == ["prefix"]
+        assert [scorer.name for scorer, _ in guard.state.profile.default.scorers] == ["prefix"]
         async with aiohttp.ClientSession() as session:
             async with session.post(guard.url + "/v1/completions", json=body, headers=headers) as response:
                 assert response.status == 200

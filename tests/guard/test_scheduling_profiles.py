@@ -1,5 +1,6 @@
 """Scheduling profiles (guard/pool/scheduling/): a custom profile's choices and what each candidate records,
-the pickers, and the config errors of a bad profile, on real gates fed with snapshots (no engines). The
+the pickers, named plugin instances with parameters and several profiles chosen per request (by model or
+objective), and the config errors of a bad profile, on real gates fed with snapshots (no engines). The
 presets' choices are tests/guard/test_pool_picker.py; a profile from YAML routing a live pool is in
 tests/guard/test_pool_routing.py."""
 
@@ -128,5 +129,53 @@ def test_a_profile_replaces_the_default_preset_even_when_it_is_named(tmp_path: P
     path = tmp_path / "guard.yaml"
     path.write_text('secret: s\nengine: {url: "http://127.0.0.1:9"}\ntenants: [{name: a, api_keys: [k]}]\n'
                     "routing: {policy: kvguard, profile: {filters: [overload], scorers: [{name: idle}]}}\n")
-    profile = profile_for(load_config(path).routing)
+    profile = profile_for(load_config(path).routing).default
     assert [f.name for f in profile.filters] == ["overload"] and [s.name for s, _ in profile.scorers] == ["idle"]
+
+
+ROUTING = {
+    "plugins": [{"type": "saturation", "name": "tight", "parameters": {"threshold": 0.5}},
+                {"type": "saturation", "name": "loose", "parameters": {"threshold": 0.95}}],
+    "profile": {"filters": ["tight"], "scorers": [{"name": "free_blocks"}]},
+    "profiles": [{"name": "lenient", "filters": ["loose"], "scorers": [{"name": "free_blocks"}]}],
+    "select": [{"model": "bulk-model", "profile": "lenient"}, {"objective": "batch", "profile": "lenient"}],
+}
+
+
+def test_one_plugin_type_runs_as_named_instances_with_parameters_in_profiles_chosen_per_request():
+    """e1 would hold 48% of its budget free after the reservation, e2 1%: the tight instance (past 50%)
+    holds back both, the loose one (past 95%) e2 alone; a request for bulk-model, or with the batch
+    objective, is ranked by the lenient profile, any other by the default."""
+    profiles = profile_for(Routing.model_validate(ROUTING))
+    pool = pool_of([100, 60, 20])
+
+    def held(request: Request) -> dict[str, str | None]:
+        return {c.replica.name: c.filtered_by for c in profiles.rank(pool.replicas, request)}
+
+    assert held(Request(4, model="tiny")) == {"e0": None, "e1": "tight", "e2": "tight"}
+    assert held(Request(4, model="bulk-model")) == {"e0": None, "e1": None, "e2": "loose"}
+    assert held(Request(4, model="tiny", objective="batch")) == {"e0": None, "e1": None, "e2": "loose"}
+    assert profiles.default.filters[0].threshold == 0.5 and profiles.named["lenient"].filters[0].threshold == 0.95
+
+
+@pytest.mark.parametrize(("plugins", "message"), [
+    ([{"type": "saturation", "parameters": {"treshold": 0.5}}], "routing.plugins[0].parameters: "),
+    ([{"type": "saturation", "parameters": {"threshold": 2}}],
+     "routing.plugins[0].parameters: threshold must be in (0, 1], got 2"),
+    ([{"type": "saturaton"}], "routing.plugins[0]: unknown plugin 'saturaton'"),
+])
+def test_a_bad_plugin_instance_is_a_config_error_naming_it(plugins: list, message: str):
+    with pytest.raises(ConfigError) as info:
+        profile_for(Routing.model_validate({"plugins": plugins}))
+    assert str(info.value).startswith(message)
+    assert "treshold" in str(info.value) or "treshold" not in str(plugins)
+
+
+@pytest.mark.parametrize(("routing", "problem"), [
+    ({"select": [{"model": "m", "profile": "nowhere"}]}, "no profile named 'nowhere'"),
+    ({"profiles": [{"name": "p"}], "select": [{"profile": "p"}]}, "needs a model or an objective"),
+    ({"plugins": [{"type": "idle"}, {"type": "idle"}]}, "routing.plugins: a name is given twice"),
+])
+def test_profiles_and_rules_that_do_not_hold_together_are_refused(routing: dict, problem: str):
+    with pytest.raises(ValueError, match=problem):
+        Routing.model_validate(routing)

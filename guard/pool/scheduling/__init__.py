@@ -13,5 +13,6 @@ guard/pool/scheduling/plugin.py and the README ("Writing a scheduling plugin").
 from guard.pool.scheduling.plugin import Candidate, Request
 from guard.pool.scheduling.presets import PRESETS, profile_for
 from guard.pool.scheduling.profile import Profile
+from guard.pool.scheduling.profiles import Profiles
 
-__all__ = ["PRESETS", "Candidate", "Profile", "Request", "profile_for"]
+__all__ = ["PRESETS", "Candidate", "Profile", "Profiles", "Request", "profile_for"]

@@ -15,22 +15,32 @@ OVERLOAD_ABS, OVERLOAD_REL = 3, 1.5  # in flight beyond the least loaded's: past
 
 @register_filter("saturation")
 class Saturation:
-    """A replica that would be past ``SATURATED`` of its budget after this reservation: a nearly full
-    replica never wins on locality alone (the "death spiral" of cache affinity)."""
+    """A replica that would be past ``threshold`` (default ``SATURATED``) of its budget after this
+    reservation: a nearly full replica never wins on locality alone (the "death spiral" of cache affinity)."""
+
+    def __init__(self, threshold: float = SATURATED) -> None:
+        if not 0 < threshold <= 1:
+            raise ValueError(f"threshold must be in (0, 1], got {threshold!r}")
+        self.threshold = threshold
 
     def holds_back(self, replica: Replica, ctx: Context) -> bool:
-        return free_share(replica, ctx.blocks) < 1 - SATURATED
+        return free_share(replica, ctx.blocks) < 1 - self.threshold
 
 
 @register_filter("overload")
 class Overload:
-    """A replica with ``OVERLOAD_ABS`` more requests in flight than the least loaded candidate and
-    ``OVERLOAD_REL`` times as many (SGLang's cache-aware router balances the same way): cached system
-    prompts would otherwise pull every conversation of the tenants that started on one replica there, long
-    before its blocks run short."""
+    """A replica with ``absolute`` more requests in flight than the least loaded candidate and ``relative``
+    times as many (SGLang's cache-aware router balances the same way): cached system prompts would otherwise
+    pull every conversation of the tenants that started on one replica there, long before its blocks run
+    short."""
+
+    def __init__(self, absolute: int = OVERLOAD_ABS, relative: float = OVERLOAD_REL) -> None:
+        if absolute < 0 or relative < 1:
+            raise ValueError(f"need absolute >= 0 and relative >= 1, got {absolute!r} and {relative!r}")
+        self.absolute, self.relative = absolute, relative
 
     def holds_back(self, replica: Replica, ctx: Context) -> bool:
-        return replica.in_flight >= ctx.least + OVERLOAD_ABS and replica.in_flight >= OVERLOAD_REL * ctx.least
+        return replica.in_flight >= ctx.least + self.absolute and replica.in_flight >= self.relative * ctx.least
 
 
 @register_filter("slo")

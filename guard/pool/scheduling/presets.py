@@ -17,9 +17,10 @@ from __future__ import annotations
 import guard.pool.scheduling.filters
 import guard.pool.scheduling.pickers
 import guard.pool.scheduling.scorers  # noqa: F401
-from guard.config import ConfigError, PluginRef, Routing, SchedulingProfile
+from guard.config import ConfigError, PluginRef, PluginSpec, Routing, SchedulingProfile
 from guard.pool.scheduling.plugin import FILTERS, PICKERS, SCORERS
 from guard.pool.scheduling.profile import Profile
+from guard.pool.scheduling.profiles import Profiles
 
 PRESETS: dict[str, SchedulingProfile] = {
     "kvguard": SchedulingProfile(
@@ -34,19 +35,43 @@ PRESETS: dict[str, SchedulingProfile] = {
 }
 
 
-def profile_for(routing: Routing) -> Profile:
-    """The profile ``routing`` asks for: its own ``profile``, else its ``policy``'s preset."""
+def profile_for(routing: Routing) -> Profiles:
+    """The profiles ``routing`` asks for: the default (its own ``profile``, else its ``policy``'s preset) and
+    its named ``profiles``, their plugins looked up among ``plugins`` (named instances with parameters) and
+    then the registered types (with their default parameters)."""
+    instances = {spec.instance: (i, spec) for i, spec in enumerate(routing.plugins)}
+    for name, (i, spec) in instances.items():  # every declared instance is checked, used or not
+        _build(instances, {**FILTERS, **SCORERS, **PICKERS}, name, "plugin", f"routing.plugins[{i}]")
     given = routing.profile is not None
     spec = routing.profile if routing.profile is not None else PRESETS[routing.policy]
-    where = "routing.profile" if given else f"routing.policy ({routing.policy})"
+    default = _profile(spec, instances, "routing.profile" if given else f"routing.policy ({routing.policy})")
+    named = {p.name: _profile(p, instances, f"routing.profiles[{i}] ({p.name})")
+             for i, p in enumerate(routing.profiles)}
+    return Profiles(default, named, routing.select)
+
+
+def _profile(spec: SchedulingProfile, instances: dict[str, tuple[int, PluginSpec]], where: str) -> Profile:
     return Profile(
-        [_lookup(FILTERS, name, "filter", f"{where}.filters[{i}]")() for i, name in enumerate(spec.filters)],
-        [(_lookup(SCORERS, ref.name, "scorer", f"{where}.scorers[{i}].name")(), ref.weight)
+        [_build(instances, FILTERS, name, "filter", f"{where}.filters[{i}]") for i, name in enumerate(spec.filters)],
+        [(_build(instances, SCORERS, ref.name, "scorer", f"{where}.scorers[{i}].name"), ref.weight)
          for i, ref in enumerate(spec.scorers)],
-        _lookup(PICKERS, spec.picker, "picker", f"{where}.picker")())
+        _build(instances, PICKERS, spec.picker, "picker", f"{where}.picker"))
 
 
-def _lookup(registry: dict[str, type], name: str, kind: str, where: str) -> type:
-    if name not in registry:
-        raise ConfigError(f"{where}: unknown {kind} {name!r} (known: {', '.join(sorted(registry))})")
-    return registry[name]
+def _build(instances: dict[str, tuple[int, PluginSpec]], registry: dict[str, type], name: str, kind: str,
+           where: str):
+    """A new instance of plugin ``name`` of ``kind``: a declared instance (its type and parameters), or a
+    registered type with its defaults. A ``ConfigError`` names what is wrong and where."""
+    declared = instances.get(name)
+    type_name, parameters = (declared[1].type, declared[1].parameters) if declared else (name, {})
+    if declared is not None:
+        where = f"routing.plugins[{declared[0]}]"
+    if type_name not in registry:
+        known = ", ".join(sorted(registry))
+        raise ConfigError(f"{where}: unknown {kind} {type_name!r} (known: {known})")
+    try:
+        plugin = registry[type_name](**parameters)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}.parameters: {exc}") from None
+    plugin.name = name  # what the decision record calls it (an instance's own name)
+    return plugin

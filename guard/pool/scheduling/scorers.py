@@ -34,11 +34,16 @@ class FreeBlocks:
 @register_scorer("adapter")
 class Adapter:
     """Where the request's LoRA adapter is: 1 on a replica that has it resident on the device, ``LOAD_COST``
-    less on one that serves it but must first load it into a slot (evicting another), 0 on one that does
+    (``load_cost``) less on one that serves it but must first load it into a slot (evicting another), 0 on one that does
     not serve it (the engine there would answer 404). Every replica scores 1 for the base model."""
 
     reads_prefix = False
     LOAD_COST = 0.5
+
+    def __init__(self, load_cost: float = LOAD_COST) -> None:
+        if not 0 <= load_cost <= 1:
+            raise ValueError(f"load_cost must be in [0, 1], got {load_cost!r}")
+        self.load_cost = load_cost
 
     def score(self, replica: Replica, ctx: Context) -> float:
         snapshot = replica.gate.snapshot
@@ -46,7 +51,7 @@ class Adapter:
             return 1.0
         if snapshot is None or ctx.lora not in snapshot.loras_available:
             return 0.0
-        return 1.0 if ctx.lora in snapshot.loras else 1.0 - self.LOAD_COST
+        return 1.0 if ctx.lora in snapshot.loras else 1.0 - self.load_cost
 
 
 @register_scorer("idle")
