@@ -286,6 +286,20 @@ class SharedState(Strict):
     timeout_s: PositiveSeconds = 0.25
 
 
+class Batch(Strict):
+    """The Batch API (guard/batch/): ``/v1/files`` and ``/v1/batches``, served only when configured. Batches,
+    files and results live under ``store`` (SQLite in WAL mode and files), or in Redis with ``shared_state``.
+    The limits are OpenAI's by default."""
+
+    store: Path
+    max_file_bytes: int = Field(200 * 1024 * 1024, gt=0)
+    max_lines: int = Field(50_000, gt=0)
+    max_in_flight: int = Field(64, gt=0)  # a guard's batch lines running at once, at most (all batches)
+    # A guard holds each batch it runs under a lease it renews every lease_ttl_s / 3; once it lapses (the
+    # guard died) another guard, or this one restarted, takes the batch over.
+    lease_ttl_s: PositiveSeconds = 10.0
+
+
 class Autoscaling(Strict):
     """The autoscaling signals on /metrics, ``guard_desired_replicas{pool}`` and ``guard_saturation{pool}``
     (guard/plan/live.py says how they are computed; docs/kubernetes.md how to read them). Read at start-up."""
@@ -323,6 +337,7 @@ class GuardConfig(Strict):
     admin: Admin | None = None  # no admin listener unless configured
     shared_state: SharedState | None = None  # None: fairness, budget, limits and verdicts live in the process
     autoscaling: Autoscaling = Autoscaling()
+    batch: Batch | None = None  # None: no Batch API (guard/batch/)
     lanes: dict[str, Lane] = Field(default_factory=lambda: dict(DEFAULT_LANES))
     tenants: list[Tenant] = Field(min_length=1)
     decision_log: Path | None = None  # each request's decision record as a JSON line (guard/records/log.py)

@@ -39,12 +39,18 @@ from guard.wire.errors import error_response
 from guard.wire.relay import UpstreamUnavailable
 from guard.wire.stamp import REQUEST_ID, TENANT
 
+# A request the guard makes itself (a batch line, guard/batch/line.py) carries its tenant and lane here, in
+# place of an API key.
+INTERNAL = web.RequestKey("internal", tuple)
+
 
 def authenticate(request: web.Request) -> Tenant:
     """The request's tenant, from its one ``Authorization`` header (a request with two of it, or of another
     header that must come once, is refused first: guard/http/ambiguity.py)."""
     refuse_ambiguous(request.headers)
-    tenant = request.app[STATE].keys.tenant_for(request.headers.get("Authorization"))
+    internal = request.get(INTERNAL)
+    tenant = internal[0] if internal is not None else request.app[STATE].keys.tenant_for(
+        request.headers.get("Authorization"))
     if tenant is None:
         raise GuardError(401, "invalid or missing API key (Authorization: Bearer <key>)", code="invalid_api_key")
     request[TENANT] = tenant.name
@@ -90,7 +96,7 @@ def end_trace(ex: Exchange, response: web.StreamResponse | None) -> None:
 async def serve(ex: Exchange) -> web.StreamResponse:
     state, request = ex.state, ex.request
     ex.tenant = tenant = authenticate(request)
-    ex.lane = state.config.lanes[tenant.lane]
+    ex.lane = state.config.lanes[tenant.lane] if INTERNAL not in request else request[INTERNAL][1]
     if request.headers.get("X-Stainless-Retry-Count", "0") not in ("", "0"):
         state.metrics.child(state.metrics.client_retries, tenant.name).inc()
     ex.enter("validate", time.monotonic())

@@ -16,6 +16,7 @@ from engine.protocol import StepProgress, TelemetrySnapshot
 from guard import tracing
 from guard.admission.dispatch import Dispatcher
 from guard.auth import KeyStore
+from guard.batch.install import install as install_batch
 from guard.config import Backend, GuardConfig, config_hash
 from guard.console.app import install as install_console
 from guard.detect.detector import Detector
@@ -97,6 +98,8 @@ def create_app(config: GuardConfig, *, console: bool = True, worker: int | None 
     app.on_startup.append(_start)
     app.on_shutdown.append(_shutdown)
     app.on_cleanup.append(_cleanup)
+    if config.batch is not None:
+        install_batch(app)  # /v1/files and /v1/batches, and the runner (after the app's own hooks)
     if config.admin is not None and console:
         install_console(app, config.admin)  # the admin listener starts and stops with the guard
     return app
