@@ -95,10 +95,16 @@ def test_forty_lines_through_the_sdk_match_direct_requests(guard: GuardThread, e
         assert o["response"]["request_id"] == f"{batch.id}:{i + 1}", "the decision record names batch and line"
         got, want = o["response"]["body"], direct(engine, chat_body(i))
         assert (got["choices"], got["usage"], got["model"]) == (want["choices"], want["usage"], want["model"])
-    lines_total = sum(s.value for f in [guard.call(lambda: guard.state.metrics.registry.collect())]
-                      for fam in f if fam.name == "guard_batch_requests" for s in fam.samples
-                      if s.name.endswith("_total") and s.labels == {"tenant": "acme", "status": "completed"})
-    assert lines_total >= LINES
+    assert metric(guard, "guard_batch_requests_total", tenant="acme", status="completed") >= LINES
+    wait_for(lambda: metric(guard, "guard_batches", status="completed"), lambda n: n >= 1, 5)
+    assert metric(guard, "guard_batch_lines_pending") == 0
+
+
+def metric(guard: GuardThread, name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples on the guard's /metrics with ``labels``."""
+    text = request(guard.url + "/metrics")[1].decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith((name + "{", name + " ")) and all(f'{k}="{v}"' in line for k, v in labels.items()))
 
 
 def test_another_tenants_file_and_batch_are_404(guard: GuardThread) -> None:
@@ -208,3 +214,18 @@ def test_a_restart_with_the_embedded_store_resumes(engine: ServerThread, tmp_pat
         assert done.status == "completed" and done.request_counts.completed == 30
         out = output_of(sdk, done.output_file_id)
         assert sorted(o["custom_id"] for o in out) == sorted(f"req-{i}" for i in range(30))
+
+
+def test_a_batch_past_its_window_expires_with_partial_output(engine: ServerThread, tmp_path: Path) -> None:
+    config = guard_config(engine.url, batch={"store": str(tmp_path), "max_in_flight": 1})
+    with usable_guard(config) as guard:
+        sdk = client(guard)
+        batch = sdk.batches.create(input_file_id=upload(sdk, jsonl(chat_lines(200, max_tokens=32))).id,
+                                   endpoint="/v1/chat/completions", completion_window="2s")
+        done = finished(sdk, batch.id)
+        assert done.status == "expired" and done.expired_at is not None
+        ran = done.request_counts.completed
+        out, errors = output_of(sdk, done.output_file_id), output_of(sdk, done.error_file_id)
+        assert 1 <= ran < 200 and len(out) == ran and len(errors) == 200 - ran
+        assert {e["error"]["code"] for e in errors} == {"batch_expired"} and all(e["response"] is None for e in errors)
+        assert sorted(o["custom_id"] for o in out + errors) == sorted(f"req-{i}" for i in range(200))
