@@ -36,7 +36,7 @@ from engine.outputs import RequestOutput
 from engine.protocol import TelemetrySnapshot
 from engine.sampling_params import SamplingParams
 from engine.sched.output import SchedulerOutput
-from engine.sched.request import Request
+from engine.sched.request import Request, Sequence
 from engine.sched.scheduler import Scheduler
 from engine.structured.spec import Grammar, GrammarSpec
 from engine.telemetry import EngineStats
@@ -121,12 +121,16 @@ class EngineCore:
         stream: bool = False,
         grammar: Grammar | None = None,
         lora: str | None = None,
+        resume: list[int] | None = None,
     ) -> Request:
         """Validate one prompt and build its request; nothing is queued yet (see ``add``).
 
         ``stream=True`` keeps every completion's ``text`` current token by token, for a server that sends
         text deltas; otherwise text is decoded once, when the completion finishes. ``grammar`` (from
         ``compile_grammar``) holds every completion to it. ``lora`` names a served adapter (None: the base).
+        ``resume``: output tokens an earlier replica generated (n == 1); the request continues after them
+        (engine/output_processor.py), and they are replayed here once, on a scratch sequence, so that a
+        grammar that refuses one, or one that already ends the completion, is refused before anything runs.
         """
         require(isinstance(params, SamplingParams), "sampling_params", "a SamplingParams", params)
         text, ids = self._tokenize(prompt)
@@ -142,6 +146,14 @@ class EngineCore:
                 f"at most {room} for a prompt of {len(ids)} tokens (context window {limit} tokens, "
                 f"KV pool {capacity} token slots)", params.max_tokens)
         max_tokens = params.max_tokens or room
+        resume = list(resume or [])
+        if resume:
+            vocab = self.loaded.config.vocab_size
+            require(all(is_int(t) and 0 <= t < vocab for t in resume), "resume_token_ids",
+                    f"token ids in [0, {vocab})", resume)
+            require(params.n == 1, "resume_token_ids", "used with n == 1: the tokens are one choice's", params.n)
+            require(len(resume) < max_tokens, "resume_token_ids", f"fewer than max_tokens ({max_tokens}): "
+                    "the resumed tokens count towards it", f"{len(resume)} tokens")
         require(params.stop is None or self.tokenizer is not None, "stop",
                 "unset for a model without a tokenizer", params.stop)
         require(params.n <= self.config.max_num_seqs, "n", f"at most max_num_seqs ({self.config.max_num_seqs})",
@@ -157,8 +169,24 @@ class EngineCore:
                 f"one of the adapters served here {self.loras.names() if self.loras else []}", lora)
         request_id = request_id if request_id is not None else f"req-{next(self._request_ids)}"
         require(request_id not in self.requests, "request_id", "unique among running requests", request_id)
-        return Request(request_id, text, ids, params, max_tokens, tenant, cache_salt, priority, stream, grammar,
-                       adapter)
+        request = Request(request_id, text, ids, params, max_tokens, tenant, cache_salt, priority, stream, grammar,
+                          adapter, resume_token_ids=resume)
+        if resume:
+            request.resume_text = self._dry_replay(request)
+        return request
+
+    def _dry_replay(self, request: Request) -> str:
+        """Replay a resumed request's tokens on a scratch sequence with scratch matchers (``ValueError`` when
+        they cannot be resumed); the text its stream had sent. ``add`` replays them for real."""
+        if request.grammar is not None:
+            assert self._structured is not None  # it compiled the grammar
+            request.matchers = self._structured.matchers(request.grammar, 1)
+        scratch = Sequence(-1, request, 0, list(request.prompt_token_ids), len(request.prompt_token_ids))
+        try:
+            self.output_processor.replay(scratch, request.resume_token_ids)
+        finally:
+            request.matchers = []
+        return self.output_processor.sent_text(request, scratch)
 
     def compile_grammar(self, spec: GrammarSpec) -> Grammar:
         """Compile ``spec`` for this model's vocabulary (cached per distinct schema); ``ValueError`` naming
@@ -184,6 +212,8 @@ class EngineCore:
         # Created here, in the thread that steps the engine, like every other device object.
         request.generators = [torch.Generator(self.device).manual_seed(params.seed + index) if seeded else None
                               for index in range(params.n)]
+        if seeded and request.resume_token_ids:
+            self._skip_draws(request.generators[0], len(request.resume_token_ids))
         if request.grammar is not None:
             assert self._structured is not None  # it compiled the grammar
             request.matchers = self._structured.matchers(request.grammar, params.n)
@@ -191,6 +221,17 @@ class EngineCore:
         if request.lora is not None:
             self.lora_requests[request.lora.name] += 1
         self.scheduler.add_request(request)
+        if request.resume_token_ids:  # make_request's dry replay accepted them: this one cannot fail
+            self.output_processor.replay(request.seqs[0], request.resume_token_ids)
+
+    def _skip_draws(self, generator: torch.Generator | None, tokens: int) -> None:
+        """Advance a seeded completion's generator past the draws of ``tokens`` sampled tokens, so that a
+        resumed request draws what the uninterrupted one would have: the sampler draws one row of the
+        vocabulary's width per token (engine/worker/sampler.py)."""
+        assert generator is not None
+        row = torch.empty(self.loaded.config.vocab_size, device=self.device, dtype=torch.float32)
+        for _ in range(tokens):
+            row.exponential_(generator=generator)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request wherever it is and release its blocks. Unknown or finished ids are ignored."""

@@ -23,6 +23,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     num_cached_tokens: int
     finished: bool
+    num_resumed_tokens: int = 0  # output tokens of a resumed request that came before ``token_ids``
 
     @property
     def text(self) -> str:

@@ -70,6 +70,9 @@ class StreamOptions(OpenAIRequest):
     include_usage: bool = False
 
 
+# An answer's id without its prefix (``chatcmpl-``, ``cmpl-``, ``resp_``), as vLLM's ``request_id``.
+RequestId = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+
 # A name OpenAI accepts for a response schema or a function.
 Name = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
 JsonSchema = dict[str, Any]
@@ -124,6 +127,19 @@ class SamplingRequest(OpenAIRequest):
     frequency_penalty: Unsupported = None
     logit_bias: Unsupported = None
     logprobs: Unsupported = None
+    # Resuming (engine/resume.py): the tokens an earlier replica already generated for this answer, the id
+    # that answer had (every id in it derives from this one), and whether stream events carry their token
+    # ids (as ``: token_ids`` comments), which is what a guard needs to resume a stream it relays.
+    resume_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    request_id: RequestId | None = None
+    return_token_ids: bool = False
+
+    @field_validator("resume_token_ids")
+    @classmethod
+    def _one_choice(cls, tokens: list[int] | None, info: ValidationInfo) -> list[int] | None:
+        if tokens is not None and info.data.get("n", 1) != 1:
+            raise ValueError("needs n == 1: the tokens are one choice's")
+        return tokens
 
     @property
     def include_usage(self) -> bool:

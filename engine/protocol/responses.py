@@ -34,6 +34,7 @@ from engine.protocol.openai import (
     Name,
     NonEmptyStr,
     OpenAIRequest,
+    RequestId,
     TextFormat,
     Unsupported,
 )
@@ -152,6 +153,12 @@ class ResponsesRequest(OpenAIRequest):
     # (``GET /v1/responses/{id}/conversation``), so that any replica can continue it. (OpenAI's own
     # ``conversation``, its Conversations API, is not supported.)
     history: list[ChatMessage] | None = None
+    # Resuming, as on chat (engine/resume.py), and the ``sequence_number`` of the resumed stream's first event:
+    # the events already sent count on, so that the client sees one stream.
+    resume_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    request_id: RequestId | None = None
+    return_token_ids: bool = False
+    resume_sequence_number: int = Field(0, ge=0)
     background: Unsupported = None
     include: Unsupported = None
     top_logprobs: Unsupported = None
@@ -194,7 +201,8 @@ class ResponsesRequest(OpenAIRequest):
             "max_completion_tokens": self.max_output_tokens, "temperature": self.temperature, "top_p": self.top_p,
             "top_k": self.top_k, "stream": self.stream, "parallel_tool_calls": self.parallel_tool_calls,
             "ignore_eos": self.ignore_eos, "cache_salt": self.cache_salt, "priority": self.priority,
-            "user": self.user}
+            "user": self.user, "resume_token_ids": self.resume_token_ids, "request_id": self.request_id,
+            "return_token_ids": self.return_token_ids}
         if self.tools:
             fields["tools"] = [{"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
                                for tool in self.tools]

@@ -52,6 +52,11 @@ class Request:
     stream: bool = False  # detokenize as tokens arrive, so a server can send text deltas
     grammar: Grammar | None = None  # what every completion must match (engine/structured); None: anything
     lora: LoraAdapter | None = None  # the adapter it runs with (held, so an unload cannot pull it); None: base
+    # Resumed (engine/output_processor.py, ``replay``): output tokens an earlier replica generated, which the
+    # first sequence starts with, and the part of their text that replica's stream had sent; outputs carry
+    # only what comes after both.
+    resume_token_ids: list[int] = field(default_factory=list)
+    resume_text: str = ""
     arrival_time: float = field(default_factory=time.monotonic)
     # Completion index -> its own random stream (seeded ``seed + index``, None when greedy or unseeded), so
     # that a seeded completion draws the same tokens whatever else is in the batch. Set by ``EngineCore.add``.

@@ -243,7 +243,8 @@ class Scheduler:
             self.stats.prefix_queries_tokens += seq.num_tokens
             self.stats.prefix_hits_tokens += num_cached
             if seq.num_preemptions == 0 and seq.index == 0:
-                seq.request.num_cached_tokens = num_cached
+                # A resumed request's sequence starts with output tokens: only its prompt counts here.
+                seq.request.num_cached_tokens = min(num_cached, len(seq.request.prompt_token_ids))
             self._start(seq, num_new, out)
             budget -= num_new
             admitted += 1

@@ -25,6 +25,15 @@ carrying the role at its first token, then each call's arguments as deltas as th
 call's first delta names it), as OpenAI streams calls (engine/structured/call_stream.py). A choice cut by
 ``max_tokens`` ends with finish_reason ``length`` and the calls as far as written; one in which no call had
 begun comes back as text.
+
+Resuming (``resume_token_ids``, engine/output_processor.py): the answer continues an interrupted one, whose
+id ``request_id`` names (every id in the answer derives from it: tool call ids too), and carries only what
+comes after what that answer had sent; its ``usage`` is the whole completion's, as if uninterrupted. A
+stream with ``return_token_ids`` has each event carry the token ids its choice gained since the previous
+one, as a comment line before it (``: token_ids <choice index> <id>,<id>...``), also where the event itself
+is withheld (a tool-call choice whose text opened nothing yet); a client that resumes such a stream after
+its last complete event sends the concatenated ids. A resumed stream does not repeat a chat choice's
+``role``. A non-streamed resumed tool call is refused: its calls are only whole with what was sent before.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, aclosing, asynccontextmanager
+from dataclasses import dataclass
 from typing import Protocol, TypeVar, cast
 
 from aiohttp import web
@@ -61,6 +71,7 @@ from engine.protocol import (
     TokenizeResponse,
     ToolCallDelta,
     Usage,
+    sse_data,
 )
 from engine.request_stream import EngineUnavailable, RequestFailed, RequestStream
 from engine.sampling_params import SamplingParams
@@ -101,7 +112,10 @@ class OpenAIHandlers:
         batch = counter.batch_ids(body)
         for prompt_ids in batch:
             check_context(body, len(prompt_ids), counter.max_model_len)
-        tenant, completion_id = tenant_of(http), f"cmpl-{uuid.uuid4().hex}"
+        if body.resume_token_ids is not None and len(batch) > 1:
+            raise ApiError(400, f"resume_token_ids: resumes one prompt, not a batch of {len(batch)}",
+                           param="resume_token_ids")
+        tenant, completion_id = tenant_of(http), f"cmpl-{_answer_key(body)}"
         # A batch's engine requests are told apart by a suffix; the answer carries the one id.
         ids = [completion_id] if len(batch) == 1 else [f"{completion_id}-{p}" for p in range(len(batch))]
         grammar = await _compile(core, response_format_grammar(body.response_format))
@@ -111,8 +125,9 @@ class OpenAIHandlers:
 
     async def chat_completions(self, http: web.Request) -> web.StreamResponse:
         body = await parse_body(http, ChatCompletionRequest)
-        request, tools = await self.chat_request(body, tenant_of(http), f"chatcmpl-{uuid.uuid4().hex}")
-        return await self._respond(http, [request], body, _ChatFormat(request.request_id, body.model, tools))
+        request, tools = await self.chat_request(body, tenant_of(http), f"chatcmpl-{_answer_key(body)}")
+        return await self._respond(http, [request], body,
+                                   _ChatFormat(request.request_id, body.model, tools, request.resume_text))
 
     async def chat_request(self, body: ChatCompletionRequest, tenant: str | None, request_id: str
                            ) -> tuple[Request, ToolCalling | None]:
@@ -123,6 +138,9 @@ class OpenAIHandlers:
         check_context(body, len(prompt_ids), counter.max_model_len)
         rename = {"prompt": "messages", "max_tokens": body.max_output_tokens_field}
         tools = ToolCalling.of(body)
+        if tools is not None and body.resume_token_ids and not body.stream:
+            raise ApiError(400, "resume_token_ids: a tool call resumes as a stream only (its calls are whole "
+                           "only with what the interrupted answer sent)", param="resume_token_ids")
         grammar = await _compile(core, tools.grammar() if tools is not None else
                                  response_format_grammar(body.response_format))
         return _make_request(core, request_id, prompt_ids, body, body.max_output_tokens, tenant, rename,
@@ -155,7 +173,7 @@ class OpenAIHandlers:
                        fmt: _Format) -> web.StreamResponse:
         timelines = tracing.timelines_for(http, requests)
         if body.stream:
-            return await self._stream(http, requests, timelines, body.include_usage, fmt)
+            return await self._stream(http, requests, timelines, body, fmt)
         async with self.generate(requests, timelines) as streams:
             outputs = list(await asyncio.gather(*(stream.final() for stream in streams)))
         return web.Response(text=fmt.whole(outputs, _usage(outputs)), content_type="application/json")
@@ -170,12 +188,12 @@ class OpenAIHandlers:
                    for request, timeline in zip(requests, timelines, strict=True)]
 
     async def _stream(self, http: web.Request, requests: list[Request], timelines: list[tracing.Timeline | None],
-                      include_usage: bool, fmt: _Format) -> web.StreamResponse:
+                      body: SamplingRequest, fmt: _Format) -> web.StreamResponse:
         response = await open_stream(http)
         stops = requests[0].params.stop or []
         holdback = max((len(s) for s in stops), default=1) - 1
         n = requests[0].params.n
-        sent: dict[int, int] = {}  # the answer's choice index -> characters of its text already sent
+        sent = _Sent({}, {} if body.return_token_ids else None)
         ended: set[int] = set()
         finals: dict[int, RequestOutput] = {}  # prompt index -> its request's final output
         try:
@@ -184,7 +202,7 @@ class OpenAIHandlers:
                     for completion in output.outputs:
                         index = prompt * n + completion.index
                         if index not in ended:
-                            await self._send_delta(response, fmt, index, completion, sent, holdback)
+                            await _send_delta(response, fmt, index, completion, sent, holdback)
                             if completion.finish_reason is not None:
                                 ended.add(index)
                     if output.finished:
@@ -195,22 +213,38 @@ class OpenAIHandlers:
         except ConnectionResetError:
             return response  # the client left; leaving ``generate`` has aborted the requests
         assert len(finals) == len(requests)
-        if include_usage:
+        if body.include_usage:
             await send_data(response, fmt.usage_chunk(_usage(list(finals.values()))))
         await send_done(response)
         return response
 
-    @staticmethod
-    async def _send_delta(response: web.StreamResponse, fmt: _Format, index: int, completion: CompletionOutput,
-                          sent: dict[int, int], holdback: int) -> None:
-        """Send what choice ``index`` gained, but its last ``holdback`` characters (all of it once it ends)."""
-        start = sent.get(index, 0)
-        final = completion.finish_reason is not None
-        end = len(completion.text) if final else max(start, len(completion.text) - holdback)
-        if end > start or final:
-            sent[index] = end
-            if (chunk := fmt.chunk(index, completion.text[start:end], _finish_reason(completion))) is not None:
-                await send_data(response, chunk)
+
+
+@dataclass(slots=True)
+class _Sent:
+    """How far a stream has sent each choice (its index -> characters of text; with ``return_token_ids``,
+    token ids too: None without)."""
+
+    chars: dict[int, int]
+    tokens: dict[int, int] | None
+
+
+async def _send_delta(response: web.StreamResponse, fmt: _Format, index: int, completion: CompletionOutput,
+                      sent: _Sent, holdback: int) -> None:
+    """Send what choice ``index`` gained, but its last ``holdback`` characters (all of it once it ends); its
+    token ids go with what it sends (see the module docstring)."""
+    start = sent.chars.get(index, 0)
+    final = completion.finish_reason is not None
+    end = len(completion.text) if final else max(start, len(completion.text) - holdback)
+    if end > start or final:
+        sent.chars[index] = end
+        chunk = fmt.chunk(index, completion.text[start:end], _finish_reason(completion))
+        data = sse_data(chunk) if chunk is not None else b""
+        if sent.tokens is not None and len(token_ids := completion.token_ids) > (first := sent.tokens.get(index, 0)):
+            sent.tokens[index] = len(token_ids)
+            data = b": token_ids %d %s\n" % (index, ",".join(map(str, token_ids[first:])).encode()) + data
+        if data:
+            await response.write(data)
 
 
 async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -271,15 +305,22 @@ def _make_request(core: EngineCore, request_id: str, prompt: list[int], body: Sa
                                 stop=body.stop, ignore_eos=body.ignore_eos)
         return core.make_request(prompt, params, request_id=request_id, tenant=tenant, cache_salt=body.cache_salt,
                                  priority=body.priority, stream=body.stream, grammar=grammar,
-                                 lora=None if body.model == core.model_name else body.model)  # checked: served
+                                 lora=None if body.model == core.model_name else body.model,  # checked: served
+                                 resume=body.resume_token_ids)
     except ValueError as exc:
         raise ApiError.invalid(exc, rename) from None
 
 
+def _answer_key(body: SamplingRequest) -> str:
+    """The id an answer's ids derive from: the request's ``request_id``, else a fresh one."""
+    return body.request_id or uuid.uuid4().hex
+
+
 def _usage(outputs: list[RequestOutput]) -> Usage:
-    """The usage of a whole answer: summed over its requests (a batch's prompts) and their choices."""
+    """The usage of a whole answer: summed over its requests (a batch's prompts) and their choices, a resumed
+    completion's resumed tokens included."""
     prompt = sum(len(output.prompt_token_ids) for output in outputs)
-    completion = sum(len(c.token_ids) for output in outputs for c in output.outputs)
+    completion = sum(len(c.token_ids) + output.num_resumed_tokens for output in outputs for c in output.outputs)
     cached = sum(output.num_cached_tokens for output in outputs)
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
@@ -318,13 +359,18 @@ class _ChatFormat:
     first event a client sees is its first token). With ``tools``, the choices are tool calls, their
     arguments streamed as deltas."""
 
-    def __init__(self, request_id: str, model: str, tools: ToolCalling | None) -> None:
+    def __init__(self, request_id: str, model: str, tools: ToolCalling | None, resumed_text: str = "") -> None:
         self.request_id = request_id
         self.model = model
         self.created = int(time.time())
         self.tools = tools
         self._started: set[int] = set()
         self._scanners: dict[int, CallScanner] = {}  # with tools: each choice's calls as far as written
+        if resumed_text:  # the interrupted stream sent the role, and the calls as far as that text goes
+            self._started.add(0)
+            if tools is not None:
+                self._scanners[0] = tools.scanner(request_id)
+                self._scanners[0].feed(resumed_text)
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
         return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=choices,
@@ -346,7 +392,7 @@ class _ChatFormat:
         """What choice ``index``'s calls gained from ``text``; as it ends, its finish reason, or its whole
         text as content if not one call had begun."""
         assert self.tools is not None
-        scanner = self._scanners.get(index) or self._scanners.setdefault(index, self.tools.scanner())
+        scanner = self._scanners.get(index) or self._scanners.setdefault(index, self.tools.scanner(self.request_id))
         calls = [ToolCallDelta(index=d.index, id=d.call.id if d.opened else None,
                                type="function" if d.opened else None,
                                function=FunctionCallDelta(name=d.call.name if d.opened else None,
@@ -368,7 +414,7 @@ class _ChatFormat:
             if self.tools is None:
                 message, finish_reason = AssistantMessage(content=c.text), _finish_reason(c)
             else:
-                scanner = self.tools.scanner()
+                scanner = self.tools.scanner(self.request_id)
                 scanner.feed(c.text)
                 message, finish_reason = _chat_message(scanner, _finish_reason(c))
             choices.append(ChatChoice(index=c.index, message=message, finish_reason=finish_reason))

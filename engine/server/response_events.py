@@ -14,13 +14,16 @@ A forced tool call's completion is read by engine/structured/call_stream.py, so 
 out as the model writes them; one in which no call had begun by its end (cut short) is answered as text.
 The final object's items are exactly what the events built: the arguments are the characters the deltas
 carried, and a cut item is ``incomplete``.
+
+Item ids derive from the response's id, so that a resumed response (``resume``: the text an interrupted
+stream of it had sent, and the sequence number its events had reached) continues the same items; the
+final object and the usage are the whole response's.
 """
 
 from __future__ import annotations
 
 import json
 import time
-import uuid
 from typing import Any
 
 from engine.outputs import RequestOutput
@@ -47,7 +50,9 @@ class ResponseBuilder:
     def __init__(self, base: ResponseObject, tools: ToolCalling | None, streamed: bool) -> None:
         self.base = base
         self.streamed = streamed
-        self._scanner: CallScanner | None = tools.scanner() if tools is not None else None
+        self._scanner: CallScanner | None = tools.scanner(base.id) if tools is not None else None
+        self._key = base.id.removeprefix("resp_")
+        self._prefix = ""  # resumed: the text before the completion's own (see ``resume``)
         self._seen = 0  # characters of the completion's text taken so far
         self._message: OutputMessage | None = None  # the text answer's item, once opened
         self._calls: list[FunctionToolCall] = []  # the call items, as their names came
@@ -58,8 +63,17 @@ class ResponseBuilder:
         return self._event("response.created", response=response) + self._event("response.in_progress",
                                                                                response=response)
 
+    def resume(self, sent: str, sequence_number: int) -> None:
+        """Continue an interrupted stream that had sent ``sent`` in events up to ``sequence_number``: its
+        items are rebuilt without events, and the next event takes that number."""
+        streamed, self.streamed = self.streamed, False
+        self.grow(sent)
+        self.streamed, self._prefix, self._sequence = streamed, sent, sequence_number
+
     def grow(self, text: str) -> bytes:
         """The events for what ``text`` (the completion's whole text so far) adds."""
+        if self._prefix:
+            text = self._prefix + text
         delta, self._seen = text[self._seen:], len(text)
         if not delta:
             return b""
@@ -68,8 +82,8 @@ class ResponseBuilder:
         events = b""
         for call in self._scanner.feed(delta):
             if call.opened:
-                item = FunctionToolCall(id=f"fc_{uuid.uuid4().hex}", call_id=call.call.id, name=call.call.name or "",
-                                        arguments="", status="in_progress")
+                item = FunctionToolCall(id=f"fc_{self._key}_{call.index}", call_id=call.call.id,
+                                        name=call.call.name or "", arguments="", status="in_progress")
                 self._calls.append(item)
                 events += self._event("response.output_item.added", output_index=call.index, item=self._dump(item))
             if call.arguments:
@@ -96,7 +110,7 @@ class ResponseBuilder:
                                   arguments=call.arguments)
             events += self._event("response.output_item.done", output_index=index, item=self._dump(call))
             items.append(call)
-        prompt, generated = len(output.prompt_token_ids), len(completion.token_ids)
+        prompt, generated = len(output.prompt_token_ids), len(completion.token_ids) + output.num_resumed_tokens
         usage = ResponseUsage(input_tokens=prompt, output_tokens=generated, total_tokens=prompt + generated,
                               input_tokens_details=InputTokensDetails(cached_tokens=output.num_cached_tokens))
         response = self.base.model_copy(update={
@@ -108,7 +122,7 @@ class ResponseBuilder:
     def _open_message(self) -> bytes:
         if self._message is not None:
             return b""
-        self._message = OutputMessage(id=f"msg_{uuid.uuid4().hex}", status="in_progress", content=[])
+        self._message = OutputMessage(id=f"msg_{self._key}", status="in_progress", content=[])
         return (self._event("response.output_item.added", output_index=0, item=self._dump(self._message))
                 + self._event("response.content_part.added", item_id=self._message.id, output_index=0,
                               content_index=0, part=self._dump(OutputText(text=""))))

@@ -46,7 +46,7 @@ class ResponsesHandlers:
 
     async def create(self, http: web.Request) -> web.StreamResponse:
         body = await parse_body(http, ResponsesRequest)
-        tenant, response_id = tenant_of(http), f"resp_{uuid.uuid4().hex}"
+        tenant, response_id = tenant_of(http), f"resp_{body.request_id or uuid.uuid4().hex}"
         history = body.history or []
         if body.previous_response_id is not None and body.history is None:
             entry = self.store.get(body.previous_response_id, tenant)
@@ -59,10 +59,12 @@ class ResponsesHandlers:
         builder = ResponseBuilder(base_response(response_id, body.model, body,
                                                 [tool.model_dump(exclude_none=True) for tool in body.tools or []]),
                                   tools, streamed=body.stream)
+        if request.resume_token_ids:
+            builder.resume(request.resume_text, body.resume_sequence_number)
         conversation = [*history, *body.input_messages()]
         timelines = tracing.timelines_for(http, [request])
         if body.stream:
-            return await self._stream(http, request, timelines, builder, tenant, conversation)
+            return await self._stream(http, request, timelines, builder, tenant, conversation, body.return_token_ids)
         async with self.openai.generate([request], timelines) as [stream]:
             output = await stream.final()
         _, response = builder.finish(output)
@@ -70,18 +72,27 @@ class ResponsesHandlers:
         return web.Response(text=response.model_dump_json(), content_type="application/json")
 
     async def _stream(self, http: web.Request, request: Request, timelines: list[tracing.Timeline | None],
-                      builder: ResponseBuilder, tenant: str | None, conversation: list[ChatMessage]
-                      ) -> web.StreamResponse:
+                      builder: ResponseBuilder, tenant: str | None, conversation: list[ChatMessage],
+                      return_token_ids: bool) -> web.StreamResponse:
+        """The event stream; with ``return_token_ids``, each write carries the token ids the completion gained
+        since the previous one, as /v1/chat/completions sends them (engine/server/openai_api.py)."""
         response = await open_stream(http)
+        tokens_sent = 0
         try:
-            await response.write(builder.start())
+            if not request.resume_token_ids:  # a resumed stream continues one that has begun
+                await response.write(builder.start())
             async with self.openai.generate([request], timelines) as [stream]:
                 async for output in stream:
                     if output.finished:
                         events, answer = builder.finish(output)
                         self._keep(tenant, answer, conversation)  # before its last event: a client that
-                        await response.write(events)  # asks for it as soon as that arrives must find it
-                    elif events := builder.grow(output.outputs[0].text):
+                    else:  # asks for it as soon as that arrives must find it
+                        events = builder.grow(output.outputs[0].text)
+                    token_ids = output.outputs[0].token_ids
+                    if return_token_ids and len(token_ids) > tokens_sent:
+                        events = b": token_ids 0 %s\n" % ",".join(map(str, token_ids[tokens_sent:])).encode() + events
+                        tokens_sent = len(token_ids)
+                    if events:
                         await response.write(events)
         except (RequestFailed, EngineUnavailable) as exc:
             await send_error(response, ApiError.from_engine(exc))

@@ -7,13 +7,17 @@ client can be sent each call's arguments as deltas (OpenAI's streamed tool calls
 name is complete, and its arguments are the exact characters the model wrote for them. Concatenated, a
 call's deltas are its arguments; once the completion is whole JSON, each is valid JSON. A completion cut
 short (``max_tokens``) leaves the arguments written so far.
+
+Call ids derive from the answer's id (``id_seed``) and the call's place, so that a resumed answer (one
+replica's stream continued on another) names its calls as the interrupted one did.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.protocol import FunctionCall, ToolCall
 
@@ -23,7 +27,7 @@ class CallText:
     """One call as far as it is written: ``start``/``end`` delimit its arguments in the scanned text
     (``start`` None until they begin, ``end`` None until they end); ``sent`` counts characters handed out."""
 
-    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    id: str
     name: str | None = None
     start: int | None = None
     end: int | None = None
@@ -46,10 +50,11 @@ class CallScanner:
     """Scans the completion of one forced tool call (``named``: the function a named choice forces, whose
     arguments are the whole text; None: an array of calls) as its text grows."""
 
-    def __init__(self, named: str | None) -> None:
+    def __init__(self, named: str | None, id_seed: str | None = None) -> None:
         self.named = named
+        self.id_seed = id_seed
         self.text = ""
-        self.calls: list[CallText] = [CallText(name=named, start=0)] if named is not None else []
+        self.calls: list[CallText] = [CallText(self._call_id(0), name=named, start=0)] if named is not None else []
         self._pos = 0
         self._depth = 0
         self._in_string = self._escaped = False
@@ -67,6 +72,11 @@ class CallScanner:
                 self._step(i, self.text[i])
         self._pos = len(self.text)
         return self._deltas()
+
+    def _call_id(self, index: int) -> str:
+        if self.id_seed is None:
+            return f"call_{uuid.uuid4().hex[:24]}"
+        return "call_" + hashlib.blake2b(f"{self.id_seed}/{index}".encode(), digest_size=12).hexdigest()
 
     def complete(self) -> bool:
         """The text is whole JSON: every call ended (what the grammar allows is then a valid call)."""
@@ -116,7 +126,7 @@ class CallScanner:
         elif c in "{[":
             self._depth += 1
             if self._depth == 2 and c == "{":
-                self.calls.append(CallText())
+                self.calls.append(CallText(self._call_id(len(self.calls))))
                 self._expect, self._key = "key", None
         elif c in "}]":
             if current is not None and current.start is not None and current.end is None:

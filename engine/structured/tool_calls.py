@@ -58,9 +58,10 @@ class ToolCalling:
             calls["maxItems"] = 1
         return GrammarSpec.of(calls, "tools")
 
-    def scanner(self) -> CallScanner:
-        """A reader of this request's completion text, as it grows (streamed calls) or whole."""
-        return CallScanner(self.named)
+    def scanner(self, id_seed: str | None = None) -> CallScanner:
+        """A reader of this request's completion text, as it grows (streamed calls) or whole; its call ids
+        derive from ``id_seed`` (the answer's id) when given."""
+        return CallScanner(self.named, id_seed)
 
     def tool_calls(self, text: str) -> list[ToolCall]:
         """The calls a completion's text makes, each with its arguments as the model wrote them (as far as
