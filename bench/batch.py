@@ -1,0 +1,233 @@
+"""A batch beside interactive load, side by side with the same interactive load alone.
+
+One engine (``python -m engine --model tiny --num-blocks N``) behind one guard with the Batch API (embedded
+store). Each round runs two phases, in alternating order (a shared machine's drift weighs on both alike):
+
+  alone    the interactive tenant ``web`` sends streamed completions through the guard, open loop (Poisson
+           arrivals, bench/tenant_load.py) at ``--web-share`` of the engine's capacity, for ``--duration`` s;
+  beside   the same arrivals (same seed) while a batch of ``--batch-lines`` completions from the tenant
+           ``bulk`` runs through the guard's Batch API (created, and given ``--settle`` s to fill the engine,
+           before the arrivals start; cancelled after them).
+
+The capacity is the engine's generated tokens per second when saturated straight on (64 requests of the
+batch's shape in flight), measured at the start of each round. Reported per phase: the interactive TTFT
+(from the scheduled arrival to the first token event: p50, p90, p99) and the engine's generated tokens per
+second over the arrivals (its telemetry counter). The batch's throughput is the engine's tokens per second
+in ``beside`` less the interactive tokens it served there; the capacity interactive work leaves is the
+capacity less the engine's tokens per second in ``alone``. The issue's targets: the interactive TTFT median
+beside a batch within 1.2x of alone, and the batch at >= 80% of the capacity interactive work leaves.
+
+    flock /tmp/kvguard-bench.lock .venv/bin/python bench/batch.py [--duration 30] [--rounds 2] [--json PATH]
+    .venv/bin/python bench/batch.py --quick     # one short round: checks that it runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import torch
+from latency import summarize
+from run_info import command, describe, write_report
+from stack import REPO, Service, get_json, start_engine, start_guard
+from tenant_load import Result, arrivals, guard_target, send, status_counts
+
+KEYS = {"web": "sk-bench-web", "bulk": "sk-bench-bulk"}
+SERIAL = itertools.count()  # distinct prompts: no request hits another's prefix cache
+
+
+def web_body(max_tokens: int) -> dict:
+    return {"model": "tiny", "prompt": f"{next(SERIAL):07d} where is my order? " * 2, "max_tokens": max_tokens,
+            "stream": True, "ignore_eos": True}
+
+
+def batch_file(lines: int, max_tokens: int) -> bytes:
+    return b"".join(json.dumps({"custom_id": f"line-{i}", "method": "POST", "url": "/v1/completions", "body": {
+        "model": "tiny", "prompt": f"{next(SERIAL):07d} summarize section {i} of the report. " * 3,
+        "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}}).encode() + b"\n" for i in range(lines))
+
+
+def tokens_total(engine: Service) -> float:
+    return get_json(engine.url + "/telemetry")["generation_tokens_total"]
+
+
+async def wait_idle(engine: Service, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        snap = await asyncio.to_thread(get_json, engine.url + "/telemetry")
+        if snap["num_running"] + snap["num_waiting"] + snap["num_swapped"] == 0:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the engine is still busy {timeout:g} s on")
+        await asyncio.sleep(0.1)
+
+
+async def measure_capacity(engine: Service, max_tokens: int, seconds: float) -> float:
+    """Generated tokens per second with 64 batch-shaped requests in flight straight to the engine."""
+    body = json.loads(batch_file(1, max_tokens))["body"]
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        async def worker() -> None:
+            while True:
+                async with session.post(engine.url + "/v1/completions", json=body) as answer:
+                    await answer.read()
+        workers = [asyncio.create_task(worker()) for _ in range(64)]
+        await asyncio.sleep(min(2.0, seconds / 2))
+        before, started = await asyncio.to_thread(tokens_total, engine), time.monotonic()
+        await asyncio.sleep(seconds)
+        after, elapsed = await asyncio.to_thread(tokens_total, engine), time.monotonic() - started
+        for task in workers:
+            task.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+    await wait_idle(engine)
+    return (after - before) / elapsed
+
+
+async def start_batch(session: aiohttp.ClientSession, guard: Service, args: argparse.Namespace) -> str:
+    headers = {"Authorization": f"Bearer {KEYS['bulk']}"}
+    form = aiohttp.FormData()
+    form.add_field("purpose", "batch")
+    form.add_field("file", batch_file(args.batch_lines, args.batch_max_tokens), filename="bench.jsonl")
+    async with session.post(guard.url + "/v1/files", data=form, headers=headers) as answer:
+        file = await answer.json()
+        assert answer.status == 200, file
+    async with session.post(guard.url + "/v1/batches", headers=headers, json={
+            "input_file_id": file["id"], "endpoint": "/v1/completions", "completion_window": "24h"}) as answer:
+        batch = await answer.json()
+        assert answer.status == 200, batch
+    return batch["id"]
+
+
+async def stop_batch(session: aiohttp.ClientSession, guard: Service, batch_id: str) -> dict:
+    headers = {"Authorization": f"Bearer {KEYS['bulk']}"}
+    async with session.post(f"{guard.url}/v1/batches/{batch_id}/cancel", headers=headers) as answer:
+        await answer.read()
+    while True:
+        async with session.get(f"{guard.url}/v1/batches/{batch_id}", headers=headers) as answer:
+            batch = await answer.json()
+        if batch["status"] in ("cancelled", "completed", "failed", "expired"):
+            return batch
+        await asyncio.sleep(0.2)
+
+
+async def phase(engine: Service, guard: Service, args: argparse.Namespace, rate: float, seed: int,
+                with_batch: bool) -> dict:
+    """One phase (see the module): the interactive arrivals, beside a batch or alone."""
+    target = guard_target(guard.url, KEYS)
+    results: list[Result] = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        batch_id = await start_batch(session, guard, args) if with_batch else None
+        if batch_id is not None:
+            await asyncio.sleep(args.settle)
+        before, start = await asyncio.to_thread(tokens_total, engine), time.monotonic()
+
+        async def fire(result: Result) -> None:
+            await send(session, target, "web", web_body(args.web_max_tokens), result)
+
+        tasks = await arrivals(rate, seed, start, args.duration, fire, results)
+        await asyncio.sleep(max(0.0, start + args.duration - time.monotonic()))
+        after, elapsed = await asyncio.to_thread(tokens_total, engine), time.monotonic() - start
+        await asyncio.wait(tasks, timeout=args.drain) if tasks else None
+        batch = await stop_batch(session, guard, batch_id) if batch_id is not None else None
+    await wait_idle(engine)
+    done = [r for r in results if r.first_token is not None and r.finished is not None and r.finished <= start + elapsed]
+    web_tps = len(done) * args.web_max_tokens / elapsed  # requests whose every token came inside the window
+    return {"with_batch": with_batch, "engine_tokens_per_s": (after - before) / elapsed, "web_tokens_per_s": web_tps,
+            "ttft": summarize([r.first_token - r.arrival for r in results if r.first_token is not None]),
+            "statuses": status_counts(results), "batch_request_counts": batch and batch["request_counts"],
+            "load_average_1m": os.getloadavg()[0]}
+
+
+async def run(args: argparse.Namespace, workdir: Path) -> dict:
+    engine = start_engine(workdir, ["--model", "tiny", "--device", "cpu", "--num-blocks", str(args.num_blocks)])
+    config = {"engine": {"name": "primary", "url": engine.url}, "secret": "bench-batch",
+              "batch": {"store": str(workdir / "batches"), "max_in_flight": args.max_in_flight},
+              "tenants": [{"name": "web", "api_keys": [KEYS["web"]], "lane": "interactive", "max_queue": 256},
+                          {"name": "bulk", "api_keys": [KEYS["bulk"]], "lane": "batch"}]}
+    guard = start_guard(workdir, config)
+    rounds = []
+    try:
+        for index in range(args.rounds):
+            capacity = args.capacity or await measure_capacity(engine, args.batch_max_tokens, args.calibrate)
+            rate = args.web_share * capacity / args.web_max_tokens
+            phases = {}
+            for with_batch in ((False, True) if index % 2 == 0 else (True, False)):
+                phases["beside" if with_batch else "alone"] = await phase(engine, guard, args, rate, args.seed + index,
+                                                                          with_batch)
+            rounds.append({"capacity_tokens_per_s": capacity, "web_rate_per_s": rate, **phases})
+            print(f"  round {index + 1}/{args.rounds}: {row(rounds[-1])}", flush=True)
+    finally:
+        guard.stop()
+        engine.stop()
+    return {"rounds": rounds, "summary": summary(rounds)}
+
+
+def figures(one: dict) -> tuple[float, float, float]:
+    """(TTFT p50 beside over alone, batch tokens/s, the capacity interactive work leaves) of one round."""
+    alone, beside = one["alone"], one["beside"]
+    ratio = beside["ttft"]["p50_ms"] / alone["ttft"]["p50_ms"]
+    batch_tps = beside["engine_tokens_per_s"] - beside["web_tokens_per_s"]
+    left = one["capacity_tokens_per_s"] - alone["engine_tokens_per_s"]
+    return ratio, batch_tps, left
+
+
+def row(one: dict) -> str:
+    ratio, batch_tps, left = figures(one)
+    return (f"capacity {one['capacity_tokens_per_s']:.0f} tok/s; TTFT p50 alone {one['alone']['ttft']['p50_ms']:.0f} ms,"
+            f" beside {one['beside']['ttft']['p50_ms']:.0f} ms ({ratio:.2f}x); batch {batch_tps:.0f} tok/s of"
+            f" {left:.0f} left ({batch_tps / left:.0%})")
+
+
+def summary(rounds: list[dict]) -> dict:
+    ratios, shares = [], []
+    for one in rounds:
+        ratio, batch_tps, left = figures(one)
+        ratios.append(ratio)
+        shares.append(batch_tps / left)
+    return {"ttft_p50_beside_over_alone": statistics.median(ratios), "batch_share_of_left": statistics.median(shares),
+            "per_round": {"ttft_ratio": ratios, "batch_share_of_left": shares}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--duration", type=float, default=30.0, help="seconds of interactive arrivals per phase")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--drain", type=float, default=10.0, help="seconds the arrivals' requests get after them")
+    parser.add_argument("--settle", type=float, default=3.0, help="seconds the batch runs before the arrivals")
+    parser.add_argument("--web-share", type=float, default=0.4, help="of the capacity, offered by web")
+    parser.add_argument("--web-max-tokens", type=int, default=32)
+    parser.add_argument("--batch-lines", type=int, default=3000)
+    parser.add_argument("--batch-max-tokens", type=int, default=64)
+    parser.add_argument("--max-in-flight", type=int, default=64, help="batch.max_in_flight")
+    parser.add_argument("--num-blocks", type=int, default=256, help="the engine's KV pool")
+    parser.add_argument("--calibrate", type=float, default=6.0, help="seconds of each round's capacity measurement")
+    parser.add_argument("--capacity", type=float, help="generated tokens/s to offer the load against, not measured")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="one short round: checks that it runs")
+    parser.add_argument("--json", type=Path, default=REPO / "bench" / "results" / "batch.json")
+    args = parser.parse_args()
+    if args.quick:
+        args.duration, args.rounds, args.drain, args.settle, args.calibrate, args.batch_lines = 3, 1, 3, 1, 1, 300
+    started_load = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="bench-batch-") as workdir:
+        outcome = asyncio.run(run(args, Path(workdir)))
+    report = {"benchmark": "batch", "machine": describe(torch.device("cpu")), "command": command(),
+              "load_average_1m_at_start": started_load, "settings": {k: v for k, v in vars(args).items()
+                                                                       if k not in ("json",)}, **outcome}
+    print(f"machine: {report['machine']}; load average at start {started_load:.2f}")
+    s = outcome["summary"]
+    print(f"interactive TTFT p50 beside a batch / alone: {s['ttft_p50_beside_over_alone']:.2f}x (target <= 1.2x); "
+          f"the batch's share of the capacity interactive work leaves: {s['batch_share_of_left']:.0%} (target >= 80%)")
+    if not args.quick:
+        write_report(args.json, report)
+
+
+if __name__ == "__main__":
+    main()
