@@ -13,12 +13,20 @@ have ended. A request with a declared bound never grows: its reservation covers 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from guard.admission.dispatch import Dispatcher
+from guard.admission.predictor import OutputPredictor
 from guard.admission.ticket import Ticket
+from guard.config import Lane, Tenant
 from guard.errors import GuardError
 from guard.pool.gate import batch_blocks_for
+
+# The detector's verdict on a tenant for a request of so many output tokens: a cap on its output (None:
+# none) and the lane it runs in (a suspect's is demoted); raises the 429 for a confirmed attacker
+# (guard/detect/escalation.py ``Escalation.shape``).
+Shape = Callable[[Tenant, Lane, int], tuple[int | None, Lane]]
 
 
 @dataclass(slots=True, frozen=True)
@@ -32,6 +40,8 @@ class Sizing:
     reserve: int  # the output each sequence's reservation covers (<= bound)
     blocks: int
     declared: bool  # the client gave max_tokens: the reservation covers it and never grows
+    lane: Lane  # the lane it runs in, as the detector's verdict shaped it (size_request)
+    capped: bool = False  # a suspect's cap bounds its output (sent upstream as max_tokens)
 
     @property
     def sequences(self) -> int:
@@ -42,8 +52,21 @@ class Sizing:
         return batch_blocks_for(self.block_size, self.prompts, reserve, self.n)
 
 
+def size_request(tenant: Tenant, lane: Lane, prompts: list[int], n: int, bound: int, max_tokens: int | None,
+                 block_size: int, largest_budget: int, predictor: OutputPredictor, shape: Shape) -> Sizing:
+    """A request's reservation: the client's bound (``max_tokens``), or without one what its tenant's
+    requests of its lane generate (never past ``bound``, the room its context window leaves), shaped by
+    the detector's verdict on the tenant (a suspect's output capped and its lane demoted)."""
+    declared = max_tokens is not None
+    reserve = bound if declared else predictor.predict(tenant.name, tenant.lane, bound)
+    cap, lane = shape(tenant, lane, reserve)
+    if cap is not None:
+        bound, reserve = min(bound, cap), min(reserve, cap)
+    return size_reservation(block_size, prompts, n, bound, reserve, declared, largest_budget, lane, cap is not None)
+
+
 def size_reservation(block_size: int, prompts: list[int], n: int, bound: int, reserve: int, declared: bool,
-                     largest_budget: int) -> Sizing:
+                     largest_budget: int, lane: Lane, capped: bool = False) -> Sizing:
     """The reservation of ``reserve`` tokens per sequence, a prediction halved until it fits the largest
     replica budget. Raises ``GuardError`` (400) when even that cannot fit."""
     blocks = batch_blocks_for(block_size, prompts, reserve, n)
@@ -54,7 +77,7 @@ def size_reservation(block_size: int, prompts: list[int], n: int, bound: int, re
         raise GuardError(400, f"the request needs {blocks} KV blocks, more than the {largest_budget} the guard "
                          "can ever commit on one engine; lower max_tokens or shorten the prompt",
                          param="max_tokens")
-    return Sizing(block_size, prompts, n, bound, reserve, blocks, declared)
+    return Sizing(block_size, prompts, n, bound, reserve, blocks, declared, lane, capped)
 
 
 class Growth:

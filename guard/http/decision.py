@@ -1,5 +1,6 @@
-"""A request's decision record (guard/records/), built from its ``Exchange`` once it has ended: kept in the
-guard's record store for ``GET /requests/{id}``, and written to ``decision_log`` when one is configured.
+"""A request's decision record (guard/records/), built from its ``Exchange`` once it has ended (an
+end-of-request hook of guard/http/pipeline.py): kept in the guard's record store for
+``GET /requests/{id}``, and written to ``decision_log`` when one is configured.
 
 Only names, numbers and the guard's own error codes go in: never the body, the prompt, an output or a key.
 A refusal's message is kept except at validation, where a message may quote what the client sent.
@@ -25,21 +26,24 @@ def keep_record(ex: Exchange, response: web.StreamResponse | None, refused: Guar
 
 
 def build_record(ex: Exchange, response: web.StreamResponse | None, refused: GuardError | None) -> DecisionRecord:
-    tenant, parsed, ticket, observer, sizing = ex.tenant, ex.parsed, ex.ticket, ex.observer, ex.sizing
+    """The record of however far the request got (each stage's result, if its stage returned)."""
+    caller, parsed, entry = ex.reached("caller"), ex.reached("parsed"), ex.reached("entry")
+    tenant = caller.tenant if caller is not None else None
+    ticket, observer = (entry.ticket, entry.observer) if entry is not None else (None, None)
     record = DecisionRecord(
         ex.request_id, tenant.name if tenant is not None else None, tenant.lane if tenant is not None else None,
         parsed.model.model if parsed is not None else None, response.status if response is not None else None,
         ex.outcome.value, ex.backend, ex.arrived, time.monotonic(), observer.first_at if observer is not None else 0.0,
         ex.laps, ticket.candidates if ticket is not None else (), time=time.time())
-    if ticket is not None and sizing is not None:
+    if ticket is not None:
         record.blocks, record.tokens, record.borrowed = ticket.blocks, ticket.max_tokens, ticket.borrowed
-        record.predicted_hit_tokens = ticket.hit_blocks * sizing.block_size if ticket.replica is not None else None
-    if ex.growth is not None:
-        record.growths = ex.growth.granted
-    if ticket is not None and ticket.objective is not None:
-        record.slo = slo_record(ticket)
-    if ex.limits is not None:
-        record.prompt_tokens = ex.limits.prompt_tokens
+        record.predicted_hit_tokens = ticket.hit_blocks * ex.sizing.block_size if ticket.replica is not None else None
+        if entry.growth is not None:
+            record.growths = entry.growth.granted
+        if ticket.objective is not None:
+            record.slo = slo_record(ticket)
+    if (limits := ex.reached("limits")) is not None:
+        record.prompt_tokens = limits.prompt_tokens
     if observer is not None and ex.upstream is not None:
         record.completion_tokens, record.reported_hit_tokens = observer.output_tokens, observer.cached_tokens
     if refused is not None:

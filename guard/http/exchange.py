@@ -1,15 +1,22 @@
-"""One request on its way through the pipeline (guard/http/pipeline.py): the ``Exchange`` every stage reads
-and fills in, and the headers every answer carries.
+"""One request on its way through its stages (guard/http/pipeline.py): the ``Exchange`` every stage reads and
+adds its result to, and the headers every answer carries.
 
-Fields are filled in stage by stage and stay None until their stage has run; a stage may rely on the
-fields of the stages before it. ``laps`` holds ``(stage, time.monotonic())`` as each stage begins, in
-order: the decision record's stage timings come from it, so marking a stage costs one clock read, and a
-refusal is charged to the stage that was running (``stage``).
+What the request is from the start (its HTTP request, the guard's state and clients, its arrival) and what
+may never come to be (an upstream answer, a backend, a revocation: None until they do) are fields set at
+once. What only a stage makes is that stage's result, set by the runner (guard/http/stages.py) once the
+stage has returned: ``caller`` (auth), ``parsed`` (validate), ``route`` (route), ``limits`` (count),
+``sizing`` (size), ``entry`` (ticket), ``charge`` (limits). Those fields do not exist before: a stage
+reads only what the stages before it made, and the end-of-request hooks, which run however far the
+request got, ask with ``reached``.
+
+``laps`` holds ``(stage, time.monotonic())`` as each stage begins, in order: the decision record's stage
+timings come from it, and a refusal is charged to the stage that was running (``stage``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 from aiohttp import web
 
@@ -23,9 +30,30 @@ from guard.http.clients import Clients
 from guard.http.tokens import TokenLimits
 from guard.http.validate import ParsedRequest
 from guard.instance import GuardState
+from guard.pool.routing import Route
 from guard.wire.relay import StreamObserver
 from guard.wire.stamp import REQUEST_ID, TENANT
 from guard.wire.upstream import Answer
+
+
+class Caller(NamedTuple):
+    """Who sent the request (the auth stage's result): its tenant, and the tenant's lane as configured when
+    it arrived (a reload may change the lanes meanwhile)."""
+
+    tenant: Tenant
+    lane: Lane
+
+
+@dataclass(slots=True)
+class Entry:
+    """The request in admission (the ticket stage's result): its ticket (a failover replaces it), the observer
+    its answer is relayed through, the growth of a reservation without a bound of its own, and the tenant's
+    cache salt."""
+
+    ticket: Ticket
+    observer: StreamObserver
+    growth: Growth | None
+    salt: str
 
 
 @dataclass(slots=True)
@@ -34,23 +62,20 @@ class Exchange:
     state: GuardState
     clients: Clients
     arrived: float
-    tenant: Tenant | None = None  # once authenticated
-    lane: Lane | None = None  # the tenant's, resolved with it (a reload may change the lanes meanwhile)
-    parsed: ParsedRequest | None = None  # once validated
-    limits: TokenLimits | None = None  # once its prompts are counted
-    sizing: Sizing | None = None  # once its reservation is sized
-    capped: bool = False  # a suspect's cap bounds its output (sent upstream as max_tokens)
-    salt: str = ""  # the tenant's cache salt, once the request goes to an engine
-    ticket: Ticket | None = None  # its place in the fair queue, then its reservation
-    observer: StreamObserver | None = None  # reads the answer as it is relayed
-    growth: Growth | None = None  # a stream without max_tokens: grows its reservation as it goes
-    charge: Charge | None = None  # once charged to its tenant's rate limits (None: a tenant without any)
     outcome: Outcome = Outcome.CANCELLED  # until a stage knows better: a client that left ends here
     trace: tracing.GuardTrace | None = None  # only while tracing is on
-    upstream: Answer | None = None  # the answer being relayed, once the engine sent headers
+    upstream: Answer | None = None  # the answer being relayed, once an engine sent headers
     backend: str | None = None  # the replica or fallback it was last sent to (X-Guard-Backend)
     revoked: GuardError | None = None  # why the guard took the request's blocks back, if it did
     laps: list[tuple[str, float]] = field(default_factory=list)
+    # The stages' results (see the module): no default, set by the runner as each stage returns.
+    caller: Caller = field(init=False)
+    parsed: ParsedRequest = field(init=False)
+    route: Route = field(init=False)
+    limits: TokenLimits = field(init=False)
+    sizing: Sizing = field(init=False)
+    entry: Entry = field(init=False)
+    charge: Charge | None = field(init=False)  # None: a tenant without rate limits
 
     @property
     def request_id(self) -> str:
@@ -61,9 +86,10 @@ class Exchange:
         """The stage running now (the last one entered)."""
         return self.laps[-1][0] if self.laps else ""
 
-    def enter(self, stage: str, now: float) -> None:
-        """``stage`` begins at ``now`` (time.monotonic()); the one before it ends there."""
-        self.laps.append((stage, now))
+    def reached(self, result: str) -> Any | None:
+        """The stage result named ``result`` if its stage has returned, else None (for the end-of-request
+        hooks, which run however far the request got)."""
+        return getattr(self, result, None)
 
     def revoke(self, reason: GuardError) -> None:
         """The guard ends this admitted request (guard/admission/dispatch.py, ``revoke``): its upstream
@@ -71,12 +97,6 @@ class Exchange:
         self.revoked = reason
         if self.upstream is not None:
             self.clients.relay.revoke(self.upstream, reason)
-
-    def count_outcome(self) -> None:
-        """The one place a request's outcome is counted."""
-        metrics = self.state.metrics
-        tenant, lane = (self.tenant.name, self.tenant.lane) if self.tenant is not None else ("unknown", "none")
-        metrics.child(metrics.requests, tenant, lane, self.outcome).inc()
 
 
 def stamp_headers(request: web.Request, route: str | None = None) -> dict[str, str]:

@@ -24,35 +24,35 @@ from guard.wire.upstream import Answer, UpstreamError
 
 async def to_pool(ex: Exchange) -> web.StreamResponse:
     """The admitted request on its replica; on a replica that is not there, admitted again elsewhere."""
-    state, parsed, sizing, observer = ex.state, ex.parsed, ex.sizing, ex.observer
-    assert parsed is not None and sizing is not None and observer is not None and ex.lane is not None
+    state, parsed, sizing, entry = ex.state, ex.parsed, ex.sizing, ex.entry
     metrics = state.metrics
+    # A client's own bound, or a suspect's cap, goes upstream; otherwise none, and the engine bounds the
+    # output by its window and its own pool (which may hold fewer tokens than the window).
+    max_tokens = sizing.bound if sizing.declared or sizing.capped else None
     while True:
-        ticket = ex.ticket
-        assert ticket is not None and ticket.replica is not None  # admitted
+        ticket = entry.ticket
         replica = ticket.replica
+        if replica is None:  # admitted tickets have one: a bug, not the client's
+            raise RuntimeError(f"ticket {ticket.request_id} admitted without a replica")
         if ex.revoked is not None:
             raise ex.revoked
-        # A client's own bound, or a suspect's cap, goes upstream; otherwise none, and the engine bounds the
-        # output by its window and its own pool (which may hold fewer tokens than the window). A ticket
-        # that borrows runs at a lower engine priority, so the engine preempts borrowers first.
-        body = parsed.upstream_body(cache_salt=ex.salt,
-                                    max_tokens=sizing.bound if sizing.declared or ex.capped else None,
-                                    priority=ex.lane.priority + (BORROWED_PRIORITY if ticket.borrowed else 0))
+        # A ticket that borrows runs at a lower engine priority, so the engine preempts borrowers first.
+        body = parsed.upstream_body(cache_salt=entry.salt, max_tokens=max_tokens,
+                                    priority=sizing.lane.priority + (BORROWED_PRIORITY if ticket.borrowed else 0))
         metrics.child(metrics.routed, replica.name).inc()
         metrics.child(metrics.prefix_predicted, replica.name).inc(ticket.hit_blocks * sizing.block_size)
         try:
-            response, ex.outcome = await forward(ex, replica.url, replica.name, body, observer, route=None)
+            response, ex.outcome = await forward(ex, replica.url, replica.name, body, entry.observer, route=None)
             return response
         except UpstreamUnavailable:
             replica.breaker.trip()  # nothing listens there: no request should try it again until healthy
             state.dispatcher.finish(ticket)
             if not state.pool.any_usable():
                 raise
-            ex.ticket = dataclasses.replace(ticket, state=TicketState.NEW, admitted=None, replica=None)
-            if ex.growth is not None:
-                ex.growth.ticket = ex.ticket
-            await state.dispatcher.submit(ex.ticket)
+            entry.ticket = dataclasses.replace(ticket, state=TicketState.NEW, admitted=None, replica=None)
+            if entry.growth is not None:
+                entry.growth.ticket = entry.ticket
+            await state.dispatcher.submit(entry.ticket)
 
 
 async def forward(
@@ -68,9 +68,8 @@ async def forward(
         ex.clients.relay.revoke(upstream, ex.revoked)
     out_headers = stamp_headers(ex.request, route)
     out_headers["X-Guard-Backend"] = backend
-    if ex.charge is not None:  # a limited tenant paces itself by these, on every answer
-        out_headers.update(ex.charge.headers())
-    assert ex.parsed is not None
+    if (charged := ex.reached("charge")) is not None:  # a limited tenant paces itself by these, on every answer
+        out_headers.update(charged.headers())
     if not ex.parsed.stream:
         return await _relay_unary(ex, upstream, out_headers, observer)
     return await _relay_stream(ex, upstream, out_headers, observer)
@@ -84,8 +83,7 @@ def _breaker(ex: Exchange, backend: str):
 async def _open(ex: Exchange, url: str, backend: str, body: bytes
                 ) -> Answer | tuple[web.StreamResponse, Outcome]:
     """The upstream answer's headers, or the client's 502/504 when the engine failed on the way."""
-    state, relay, parsed, tenant = ex.state, ex.clients.relay, ex.parsed, ex.tenant
-    assert parsed is not None and tenant is not None
+    state, relay, parsed, tenant = ex.state, ex.clients.relay, ex.parsed, ex.caller.tenant
     metrics, breaker = state.metrics, _breaker(ex, backend)
     headers = {"Content-Type": "application/json", "Accept-Encoding": "identity", "X-Tenant-Id": tenant.name,
                "X-Request-Id": ex.request_id}

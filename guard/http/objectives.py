@@ -1,7 +1,7 @@
 """A request's latency objective on the HTTP side: read from its lane and headers, and judged at its end.
 
 The objective itself, the prediction and early shedding are guard/admission/slo.py's. Here, once the request
-has ended (guard/http/pipeline.py), its verdicts are counted: ``guard_slo_requests_total{lane, objective,
+has ended (an end-of-request hook of guard/http/pipeline.py), its verdicts are counted: ``guard_slo_requests_total{lane, objective,
 met}`` once per objective it has, with
 
 - TTFT met when the first token reached the client within the objective of its arrival. A unary answer's
@@ -22,32 +22,34 @@ from __future__ import annotations
 import time
 
 from guard.admission.slo import Objective, objective_for
+from guard.config import Lane
 from guard.errors import Outcome
 from guard.http.exchange import Exchange
 
 
-def resolve(ex: Exchange) -> Objective | None:
+def resolve(ex: Exchange, lane: Lane) -> Objective | None:
     """The request's objective: its lane's, tightened by its headers (400 for a malformed one)."""
-    assert ex.lane is not None
-    return objective_for(ex.lane, ex.request.headers)
+    return objective_for(lane, ex.request.headers)
 
 
 def account(ex: Exchange) -> None:
-    """Count the ended request's verdicts and score its prediction (requests without an objective: nothing)."""
-    ticket, observer = ex.ticket, ex.observer
-    if ticket is None or (objective := ticket.objective) is None or ex.outcome is Outcome.CANCELLED:
+    """Count the ended request's verdicts and score its prediction (an end-of-request hook; requests that
+    got no ticket or have no objective: nothing)."""
+    entry = ex.reached("entry")
+    if entry is None or (objective := entry.ticket.objective) is None or ex.outcome is Outcome.CANCELLED:
         return
+    ticket, observer = entry.ticket, entry.observer
     metrics, lane = ex.state.metrics, ticket.tenant.lane
-    streamed = observer is not None and observer.events > 0
+    streamed = observer.events > 0
     ttft: float | None = None  # seconds from arrival to the client's first token (None: no answer)
     if ex.outcome is Outcome.COMPLETED and ex.upstream is not None:
-        ttft = (observer.first_at if streamed and observer is not None else time.monotonic()) - ex.arrived
+        ttft = (observer.first_at if streamed else time.monotonic()) - ex.arrived
     verdicts: dict[str, bool] = {}
     if objective.ttft_s is not None:
         verdicts["ttft"] = ttft is not None and ttft <= objective.ttft_s
     if objective.tpot_s is not None:
-        gaps = observer.events - 1 if ttft is not None and streamed and observer is not None else 0
-        if gaps > 0 and observer is not None:
+        gaps = observer.events - 1 if ttft is not None and streamed else 0
+        if gaps > 0:
             tpot = (observer.last_at - observer.first_at) / gaps
             verdicts["tpot"] = tpot <= objective.tpot_s
             if ticket.replica is not None:

@@ -1,15 +1,18 @@
-"""The completion pipeline: one request from the client's bytes to its final answer, as named stages.
+"""The completion pipeline: one request from the client's bytes to its final answer, as declared lists of
+named stages that one runner drives (guard/http/stages.py):
 
-    authenticate -> parse -> route by mode -> (the pool) refuse a confirmed attacker -> count -> size ->
-    ticket -> charge limits -> queue -> forward with failover (guard/http/forward.py) -> settle
+    REQUEST    auth -> validate -> route
+    POOL       verdict -> count -> size -> ticket -> limits -> queue -> forward      (admission control)
+    ELSEWHERE  fallback                                    (a fallback engine or the static message)
 
-The admission stages are guard/http/admit.py; each takes the request's ``Exchange`` (guard/http/exchange.py)
-and fills in its part. A stage that refuses raises ``GuardError``; ``completion`` turns it into the response,
-and records the request's one ``guard_requests_total`` outcome in its ``finally``: every request that
-reaches the guard is counted once, however it ends. Once charged and queued, ``settle`` runs in a
-``finally`` too: completion, upstream failure and a client that leaves all give the blocks back, and the
-rate-limit charge is settled, once, to what the request used (guard/admission/limits.py). When no replica
-could be sent the request, it makes one attempt on the first usable fallback.
+The names are the decision record's stages. A request runs ``REQUEST``, then ``POOL`` when its route is the
+pool, else ``ELSEWHERE``; when no replica could be sent it (``UpstreamUnavailable``), it makes one attempt on
+the first usable fallback (``ELSEWHERE`` again). A stage that refuses raises ``GuardError``; ``completion``
+turns it into the response. What a stage took (the ticket's reservation, the limits' charge) the runner
+gives back in reverse order however the request ends (guard/http/admit.py). Then the end-of-request hooks
+run, whatever happened: the request's one ``guard_requests_total`` outcome (every request that reaches the
+guard is counted once), its SLO verdicts (guard/http/objectives.py), its decision record
+(guard/http/decision.py) and its trace.
 
 Tracing (guard/tracing.py): with ``tracing.ENABLED``, the ``Exchange`` carries a ``GuardTrace`` and the
 stages store their timestamps in it; without, ``ex.trace`` is None and each stage's only cost is that test.
@@ -28,11 +31,12 @@ from guard.http import admit, objectives, responses
 from guard.http.ambiguity import refuse_ambiguous
 from guard.http.clients import CLIENTS
 from guard.http.decision import keep_record
-from guard.http.exchange import Exchange, stamp_headers
+from guard.http.exchange import Caller, Exchange, stamp_headers
 from guard.http.forward import forward, to_pool
 from guard.http.models import check_model
+from guard.http.stages import Stage, run
 from guard.http.static import static_response
-from guard.http.validate import parse_request
+from guard.http.validate import ParsedRequest, parse_request
 from guard.instance import STATE
 from guard.pool.routing import Route
 from guard.wire.errors import error_response
@@ -48,18 +52,105 @@ def authenticate(request: web.Request) -> Tenant:
     """The request's tenant, from its one ``Authorization`` header (a request with two of it, or of another
     header that must come once, is refused first: guard/http/ambiguity.py)."""
     refuse_ambiguous(request.headers)
-    internal = request.get(INTERNAL)
-    tenant = internal[0] if internal is not None else request.app[STATE].keys.tenant_for(
-        request.headers.get("Authorization"))
+    tenant = request.app[STATE].keys.tenant_for(request.headers.get("Authorization"))
     if tenant is None:
         raise GuardError(401, "invalid or missing API key (Authorization: Bearer <key>)", code="invalid_api_key")
     request[TENANT] = tenant.name
     return tenant
 
 
+def auth(ex: Exchange) -> Caller:
+    if (internal := ex.request.get(INTERNAL)) is not None:
+        tenant, lane = internal
+        ex.request[TENANT] = tenant.name
+        return Caller(tenant, lane)
+    tenant = authenticate(ex.request)
+    state = ex.state
+    if ex.request.headers.get("X-Stainless-Retry-Count", "0") not in ("", "0"):
+        state.metrics.child(state.metrics.client_retries, tenant.name).inc()
+    return Caller(tenant, state.config.lanes[tenant.lane])
+
+
+async def validate(ex: Exchange) -> ParsedRequest:
+    parsed = await parse_request(ex.request, ex.state.config.limits.max_body_bytes)
+    check_model(ex.caller.tenant, parsed.model.model, ex.state.pool)
+    if ex.trace is not None:
+        ex.trace.validated = time.monotonic()
+    return parsed
+
+
+async def route(ex: Exchange) -> Route:
+    """The pool in normal mode; under pressure or degraded, the mode's route for the request's lane."""
+    state = ex.state
+    state.update_mode()  # arrivals move saturation between snapshots
+    if state.modes.mode != "normal":  # in normal mode everything goes to the pool: nothing to decide
+        tenant, lane = ex.caller
+        chosen = state.router.route(state.modes.mode, lane, state.over_share(tenant), state.pool.any_up())
+        if chosen.kind == "reject":
+            if chosen.name == "no_backend":
+                raise GuardError(503, "no engine replica is available and no fallback is usable",
+                                 code="engine_unavailable", retry_after=1)
+            raise GuardError(503, "the service is degraded and this lane does not use fallbacks",
+                             code="degraded", retry_after=5)
+        if chosen.kind != "pool":
+            return chosen
+    await state.pool.wait_while_starting()  # a guard that just started may not have heard from its engines
+    if ex.trace is not None:
+        ex.trace.admission = time.monotonic()
+    return POOL_ROUTE
+
+
+async def elsewhere(ex: Exchange) -> web.StreamResponse:
+    """A fallback engine or the static message: outside the pool's admission control."""
+    state, route_, parsed, (tenant, lane) = ex.state, ex.route, ex.parsed, ex.caller
+    headers = stamp_headers(ex.request, route_.name)
+    if route_.kind == "static":
+        ex.outcome = Outcome.FALLBACK
+        return static_response(parsed, route_.backend.message, headers)
+    model = state.fallback_models.get(route_.name, parsed.model.model)
+    body = parsed.upstream_body(cache_salt=state.keys.cache_salt(tenant), max_tokens=parsed.max_tokens,
+                                priority=lane.priority, model=model)
+    observer = responses.observer_class(parsed)(on_first_token=lambda now: None, on_gap=lambda gap: None,
+                                                strip_usage=parsed.adds_usage)
+    try:
+        response, outcome = await forward(ex, route_.backend.url, route_.name, body, observer, route=route_.name)
+    except UpstreamUnavailable:
+        state.fallback_breakers[route_.name].record_failure()
+        raise GuardError(503, "the engines and the fallback are unavailable", code="engine_unavailable",
+                         retry_after=1, outcome=Outcome.UPSTREAM_ERROR) from None
+    ex.outcome = Outcome.FALLBACK if outcome is Outcome.COMPLETED else outcome
+    return response
+
+
+POOL_ROUTE = Route("pool", "pool")
+REQUEST = (Stage("auth", auth, keeps="caller"), Stage("validate", validate, keeps="parsed"),
+           Stage("route", route, keeps="route"))
+POOL = (Stage("verdict", admit.refuse_if_confirmed), Stage("count", admit.count, keeps="limits"),
+        Stage("size", admit.size, keeps="sizing"),
+        Stage("ticket", admit.make_ticket, keeps="entry", release=admit.finish_ticket),
+        Stage("limits", admit.charge, keeps="charge", release=admit.settle_charge),
+        Stage("queue", admit.queue), Stage("forward", to_pool))
+ELSEWHERE = (Stage("fallback", elsewhere),)
+
+
+async def serve(ex: Exchange) -> web.StreamResponse:
+    """The request's stages: each list ends with the stage that answers."""
+    if (await run(ex, REQUEST)).kind != "pool":
+        return await run(ex, ELSEWHERE)
+    try:
+        return await run(ex, POOL)
+    except UpstreamUnavailable:
+        ex.state.update_mode()
+        fallback = ex.state.router.fallback()
+        if fallback is None:
+            raise GuardError(503, "no engine replica is available and no fallback is configured",
+                             code="engine_unavailable", retry_after=1, outcome=Outcome.UPSTREAM_ERROR) from None
+        ex.route = fallback
+        return await run(ex, ELSEWHERE)
+
+
 async def completion(request: web.Request) -> web.StreamResponse:
     ex = Exchange(request, request.app[STATE], request.app[CLIENTS], time.monotonic())
-    ex.enter("auth", ex.arrived)
     if tracing.ENABLED:
         ex.trace = tracing.begin(request.headers, request.method, request.path, ex.arrived)
     response: web.StreamResponse | None = None
@@ -73,103 +164,35 @@ async def completion(request: web.Request) -> web.StreamResponse:
                                   retry_after=exc.retry_after, headers=exc.headers)
         return response
     finally:
-        ex.count_outcome()
-        objectives.account(ex)
-        keep_record(ex, response, refused)
-        if ex.ticket is not None:  # the ticket calls back into the exchange that holds it: break the cycle,
-            ex.ticket.on_revoke = None  # so that both go as soon as the request does, not at the next collection
-        if ex.trace is not None:
-            end_trace(ex, response)
+        ended(ex, response, refused)
+
+
+def ended(ex: Exchange, response: web.StreamResponse | None, refused: GuardError | None) -> None:
+    """The end-of-request hooks, in order, however far the request got: its one outcome, its SLO verdicts,
+    its decision record, its trace."""
+    count_outcome(ex)
+    objectives.account(ex)
+    keep_record(ex, response, refused)
+    if (entry := ex.reached("entry")) is not None:  # the ticket calls back into the exchange that holds it:
+        entry.ticket.on_revoke = None  # break the cycle, so that both go as soon as the request does
+    if ex.trace is not None:
+        end_trace(ex, response)
+
+
+def count_outcome(ex: Exchange) -> None:
+    """The one place a request's outcome is counted."""
+    metrics, caller = ex.state.metrics, ex.reached("caller")
+    tenant, lane = (caller.tenant.name, caller.tenant.lane) if caller is not None else ("unknown", "none")
+    metrics.child(metrics.requests, tenant, lane, ex.outcome).inc()
 
 
 def end_trace(ex: Exchange, response: web.StreamResponse | None) -> None:
     """The request's last facts into its trace, which goes to the exporter (None: the client left)."""
     trace = ex.trace
     assert trace is not None
+    caller = ex.reached("caller")
     trace.status = response.status if response is not None else 499  # nginx's "client closed request"
-    trace.tenant = ex.tenant.name if ex.tenant is not None else "unknown"
+    trace.tenant = caller.tenant.name if caller is not None else "unknown"
     trace.outcome = ex.outcome.value
     trace.request_id = ex.request[REQUEST_ID]
     tracing.finish(trace)
-
-
-async def serve(ex: Exchange) -> web.StreamResponse:
-    state, request = ex.state, ex.request
-    ex.tenant = tenant = authenticate(request)
-    ex.lane = state.config.lanes[tenant.lane] if INTERNAL not in request else request[INTERNAL][1]
-    if request.headers.get("X-Stainless-Retry-Count", "0") not in ("", "0"):
-        state.metrics.child(state.metrics.client_retries, tenant.name).inc()
-    ex.enter("validate", time.monotonic())
-    ex.parsed = await parse_request(request, state.config.limits.max_body_bytes)
-    check_model(tenant, ex.parsed.model.model, state.pool)
-    if ex.trace is not None:
-        ex.trace.validated = time.monotonic()
-    ex.enter("route", time.monotonic())
-    state.update_mode()  # arrivals move saturation between snapshots
-    if state.modes.mode != "normal":  # in normal mode everything goes to the pool: nothing to decide
-        route = state.router.route(state.modes.mode, ex.lane, state.over_share(tenant), state.pool.any_up())
-        if route.kind != "pool":
-            return await serve_elsewhere(ex, route)
-    try:
-        return await serve_pool(ex)
-    except UpstreamUnavailable:
-        state.update_mode()
-        fallback = state.router.fallback()
-        if fallback is None:
-            raise GuardError(503, "no engine replica is available and no fallback is configured",
-                             code="engine_unavailable", retry_after=1, outcome=Outcome.UPSTREAM_ERROR) from None
-        return await serve_elsewhere(ex, fallback)
-
-
-async def serve_pool(ex: Exchange) -> web.StreamResponse:
-    """Admission-controlled service on the pool. Raises ``UpstreamUnavailable`` when no replica could be
-    sent the request (the caller then tries a fallback)."""
-    await ex.state.pool.wait_while_starting()  # a guard that just started may not have heard from its engines
-    if (trace := ex.trace) is not None:
-        trace.admission = time.monotonic()
-    ex.enter("count", time.monotonic())
-    admit.refuse_if_confirmed(ex)
-    await admit.count(ex)
-    ex.enter("size", time.monotonic())
-    admit.size(ex)
-    admit.make_ticket(ex)
-    admit.observe(ex)
-    ex.enter("limits", time.monotonic())
-    await admit.charge(ex)
-    try:
-        ex.enter("queue", time.monotonic())
-        await admit.queue(ex)
-        ex.enter("forward", time.monotonic())
-        return await to_pool(ex)
-    finally:
-        admit.settle(ex)
-
-
-async def serve_elsewhere(ex: Exchange, route: Route) -> web.StreamResponse:
-    """A fallback engine, the static message, or a refusal: outside the pool's admission control."""
-    state, tenant, parsed = ex.state, ex.tenant, ex.parsed
-    assert tenant is not None and ex.lane is not None and parsed is not None
-    if route.kind == "reject":
-        if route.name == "no_backend":
-            raise GuardError(503, "no engine replica is available and no fallback is usable",
-                             code="engine_unavailable", retry_after=1)
-        raise GuardError(503, "the service is degraded and this lane does not use fallbacks", code="degraded",
-                         retry_after=5)
-    ex.enter("fallback", time.monotonic())
-    headers = stamp_headers(ex.request, route.name)
-    if route.kind == "static":
-        ex.outcome = Outcome.FALLBACK
-        return static_response(parsed, route.backend.message, headers)
-    model = state.fallback_models.get(route.name, parsed.model.model)
-    body = parsed.upstream_body(cache_salt=state.keys.cache_salt(tenant), max_tokens=parsed.max_tokens,
-                                priority=ex.lane.priority, model=model)
-    observer = responses.observer_class(parsed)(on_first_token=lambda now: None, on_gap=lambda gap: None,
-                                                strip_usage=parsed.adds_usage)
-    try:
-        response, outcome = await forward(ex, route.backend.url, route.name, body, observer, route=route.name)
-    except UpstreamUnavailable:
-        state.fallback_breakers[route.name].record_failure()
-        raise GuardError(503, "the engines and the fallback are unavailable", code="engine_unavailable",
-                         retry_after=1, outcome=Outcome.UPSTREAM_ERROR) from None
-    ex.outcome = Outcome.FALLBACK if outcome is Outcome.COMPLETED else outcome
-    return response
