@@ -1,8 +1,11 @@
 """``python -m engine``: serve one model over HTTP. Every ``LLM`` option (``EngineConfig`` field) is a flag.
 
 Prints ``engine: listening on <url>`` as soon as the port is bound (the model loads meanwhile; ``/health``
-answers 503 until it is ready), then ``engine: ready ...``. SIGINT/SIGTERM stop it cleanly: requests still
-running end with an error, every block is released, the exit status is 0. An invalid option exits with
+answers 503 until it is ready), then ``engine: ready ...``. SIGTERM drains it: ``/health`` turns 503
+``draining``, new requests get 503 ``engine_draining``, the requests in flight finish within
+``--drain-timeout`` seconds (those still running then end with the error ``resume_elsewhere``, which tells
+a guard to resume them on another replica), and it exits 0. SIGINT (or a second SIGTERM) stops it at once:
+requests still running end with an error, every block is released, the exit status is 0. An invalid option exits with
 status 2, naming the option; so does a model that cannot be loaded from what ``--model`` names (a missing
 path, a bad checkpoint or GGUF file: a one-line `ModelLoadError` naming the file and the problem, no
 traceback). Any other failure while loading exits with status 1.
@@ -26,6 +29,8 @@ from engine.model.lora import LoraError
 from engine.model.weights import WEIGHT_FORMATS
 from engine.server.app import EngineServer
 from engine.server.response_store import DEFAULT_CAPACITY, DEFAULT_TTL_S, ResponseStore
+
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
 
 
 def _optional_int(text: str) -> int | None:
@@ -98,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="how long a stored response (/v1/responses with store) can be read and continued")
     parser.add_argument("--max-stored-responses", type=int, default=DEFAULT_CAPACITY, metavar="N",
                         help="stored responses kept at most; one more drops the oldest")
+    parser.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S, metavar="SECONDS",
+                        help="on SIGTERM, how long requests in flight may run before they end with the error "
+                             "'resume_elsewhere' (new ones are refused at once)")
     engine = parser.add_argument_group("engine options (the keyword arguments of engine.LLM)")
     for option in fields(EngineConfig):
         parse, text = _OPTIONS[option.name]
@@ -114,18 +122,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-async def serve(config: EngineConfig, host: str, port: int, store: ResponseStore | None = None) -> int:
+async def serve(config: EngineConfig, host: str, port: int, store: ResponseStore | None = None,
+                drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S) -> int:
     server = EngineServer(config, store)
     url = await server.start(host, port)
     print(f"engine: listening on {url} (loading model {config.model!r})", flush=True)
-    stop = asyncio.Event()
+    stop, drain = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    loop.add_signal_handler(signal.SIGTERM, lambda: stop.set() if drain.is_set() else drain.set())
     ready = asyncio.ensure_future(server.wait_ready())
     stopped = asyncio.ensure_future(stop.wait())
+    draining = asyncio.ensure_future(drain.wait())
     try:
-        await asyncio.wait([ready, stopped], return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait([ready, stopped, draining], return_when=asyncio.FIRST_COMPLETED)
         if ready.done():
             if (error := ready.exception()) is not None:
                 print(f"engine: failed to load {config.model!r}: {error}", file=sys.stderr, flush=True)
@@ -134,15 +144,28 @@ async def serve(config: EngineConfig, host: str, port: int, store: ResponseStore
             print(f"engine: ready: model {core.model_name!r} on {core.device} ({core.dtype}), "
                   f"{core.kv.pool.num_blocks} KV blocks of {core.block_size} tokens; OpenAI API at {url}/v1, "
                   f"telemetry at {url}/telemetry/stream, metrics at {url}/metrics", flush=True)
-            await stopped
+            await asyncio.wait([stopped, draining], return_when=asyncio.FIRST_COMPLETED)
+            if draining.done() and not stopped.done():
+                await _drain(server, drain_timeout, stopped)
         return 0
     finally:
-        for task in (ready, stopped):
+        for task in (ready, stopped, draining):
             task.cancel()
             with contextlib.suppress(BaseException):
                 await task
         await server.stop()
         print("engine: stopped", flush=True)
+
+
+async def _drain(server: EngineServer, timeout: float, stopped: asyncio.Future[object]) -> None:
+    """Drain (SIGTERM) until done or until ``stopped`` (SIGINT, a second SIGTERM) cuts it short."""
+    print(f"engine: draining (at most {timeout:g} s)", flush=True)
+    drained = asyncio.ensure_future(server.drain(timeout))
+    await asyncio.wait([drained, stopped], return_when=asyncio.FIRST_COMPLETED)
+    if drained.done():
+        print(f"engine: drained ({drained.result()} requests ended to resume elsewhere)", flush=True)
+    else:
+        drained.cancel()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -158,12 +181,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--responses-ttl: must be > 0 seconds, got {args.responses_ttl}")
     if args.max_stored_responses < 1:
         parser.error(f"--max-stored-responses: must be at least 1, got {args.max_stored_responses}")
+    if not args.drain_timeout >= 0:
+        parser.error(f"--drain-timeout: must be >= 0 seconds, got {args.drain_timeout}")
     try:
         config = EngineConfig(**{option.name: getattr(args, option.name) for option in fields(EngineConfig)})
     except ValueError as exc:
         parser.error(str(exc))
     store = ResponseStore(args.responses_ttl, args.max_stored_responses)
-    return asyncio.run(serve(config, args.host, args.port, store))
+    return asyncio.run(serve(config, args.host, args.port, store, args.drain_timeout))
 
 
 if __name__ == "__main__":

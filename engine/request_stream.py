@@ -16,6 +16,15 @@ class EngineUnavailable(RuntimeError):
     """The engine is loading, failed, or has stopped: it accepts no request."""
 
 
+class EngineDraining(EngineUnavailable):
+    """The engine drains (SIGTERM): it admits no new request; another replica should take it."""
+
+
+class ResumeElsewhere(EngineUnavailable):
+    """The engine's drain timeout ended this request before it finished: resume it on another replica with
+    the tokens it had sent (``resume_token_ids``)."""
+
+
 class RequestFailed(RuntimeError):
     """A step failed while this request was in the batch; its blocks have been released."""
 

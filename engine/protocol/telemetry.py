@@ -74,6 +74,8 @@ class TelemetrySnapshot(BaseModel):
                              "or off (engine/kernels/native/library.py)")
     native_reason: str = Field(default="", description="why that path, and whether the decode step is native "
                                "(a failed build names its first error line)")
+    draining: bool = Field(default=False, description="told to stop (SIGTERM): admits nothing new, finishes what "
+                           "runs within its drain timeout, then exits")
 
     @property
     def used_blocks(self) -> int:

@@ -3,7 +3,7 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /tokenize``, ``GET /tokenizer`` (``openai_api``),
 ``POST /v1/responses``, ``GET|DELETE /v1/responses/{id}`` (``responses``, tenant-scoped stored responses; and
 ``GET /v1/responses/{id}/conversation``, what the guard continues a stored response with),
-``GET /v1/models``, ``GET /v1/models/{id}`` (404 ``model_not_found`` for any id but the served one), ``GET /health`` (200 ready, 503 loading/degraded/failed/stopped), ``GET /telemetry``
+``GET /v1/models``, ``GET /v1/models/{id}`` (404 ``model_not_found`` for any id but the served one), ``GET /health`` (200 ready, 503 loading/draining/degraded/failed/stopped), ``GET /telemetry``
 (one snapshot), ``GET /telemetry/stream`` (SSE snapshots), ``GET /kv/events`` (SSE of the prefix cache's block
 hashes, ``kv_events``) and ``GET /metrics`` (Prometheus). ``/telemetry`` and ``/metrics`` answer within
 ``SCRAPE_WAIT_S`` even during a long step, with the newest published reading.
@@ -208,6 +208,13 @@ class EngineServer:
 
     async def wait_ready(self) -> None:
         await self.engine.wait_ready()
+
+    async def drain(self, timeout: float) -> int:
+        """SIGTERM: /health turns 503 ``draining``, new requests 503 ``engine_draining``; the requests in
+        flight finish within ``timeout`` seconds, and those still running then end with the error
+        ``resume_elsewhere`` (a guard resumes them on another replica). Returns how many ended so."""
+        self.engine.start_draining()
+        return await self.engine.drain(timeout)
 
     async def stop(self) -> None:
         await self.runner.cleanup()

@@ -34,8 +34,12 @@ after it (a single attribute store, which the event loop reads without a lock). 
 reading without waiting for it, so the telemetry stream keeps talking during a long step.
 
 Every added request ends in exactly one way: its final output, an error (``RequestFailed`` when a step
-failed under it, ``EngineUnavailable`` when the engine stops), or an abort by its owner; its
-``RequestStream`` says which.
+failed under it, ``EngineUnavailable`` when the engine stops, ``ResumeElsewhere`` when a drain ran out of
+time), or an abort by its owner; its ``RequestStream`` says which.
+
+Draining (``start_draining``, SIGTERM): the status turns ``draining`` (unhealthy, so /health says 503) and
+every reading says ``draining``; the server admits nothing new, and ``drain`` waits for the requests
+already added to finish, ending those still running at its deadline with ``ResumeElsewhere``.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.kv.events import KVEventBatch
 from engine.outputs import RequestOutput
-from engine.request_stream import EngineUnavailable, RequestFailed, RequestStream
+from engine.request_stream import EngineUnavailable, RequestFailed, RequestStream, ResumeElsewhere
 from engine.sched.request import Request
 from engine.server.kv_events import KVEventFeed
 from engine.server.metrics import EngineMetrics, EngineReading, LatencyRecorder
@@ -67,6 +71,8 @@ log = logging.getLogger("engine.async")
 MAX_CONSECUTIVE_STEP_FAILURES = 3
 # While subscribed, a reading is published at most this often while busy (40/s; the contract asks for 20).
 PUBLISH_INTERVAL_S = 0.025
+# How often a drain looks whether every request has ended (a drain takes seconds: no event is worth it).
+DRAIN_POLL_S = 0.02
 
 
 @dataclass(slots=True)
@@ -104,6 +110,7 @@ class AsyncEngine:
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="engine-step-loop", daemon=True)
         self._consecutive_failures = 0  # engine thread writes, event loop reads (an int: atomic)
+        self._draining = False  # event loop writes, engine thread reads (a bool: atomic)
         self._subscribers = 0  # event loop writes, engine thread reads
         self._last_published = 0.0  # engine thread only
         self._readings = 0  # engine thread only: serial numbers put readings in order
@@ -137,18 +144,44 @@ class AsyncEngine:
 
     @property
     def healthy(self) -> bool:
-        return self.ready and self._consecutive_failures < MAX_CONSECUTIVE_STEP_FAILURES
+        return self.ready and not self._draining and self._consecutive_failures < MAX_CONSECUTIVE_STEP_FAILURES
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
 
     @property
     def status(self) -> str:
-        """``loading``, ``ready``, ``degraded`` (steps keep failing), ``failed`` or ``stopped``."""
+        """``loading``, ``ready``, ``draining``, ``degraded`` (steps keep failing), ``failed`` or ``stopped``."""
         if self._failure is not None:
             return "failed"
         if self._closed:
             return "stopped"
         if self._core is None:
             return "loading"
+        if self._draining:
+            return "draining"
         return "ready" if self.healthy else "degraded"
+
+    def start_draining(self) -> None:
+        """Turn ``draining``: the subscribers get a reading that says so at the next step boundary."""
+        self._draining = True
+        if self.ready:
+            self.refresh()
+
+    async def drain(self, timeout: float) -> int:
+        """After ``start_draining``: wait until every added request has ended, at most ``timeout`` seconds;
+        end those still running then with ``ResumeElsewhere``. Returns how many that ended."""
+        deadline = time.monotonic() + timeout
+        while self._streams and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        left = list(self._streams)
+        self._fail_requests(left, ResumeElsewhere(
+            f"the engine is draining and its drain timeout ({timeout:g} s) ended this request before it "
+            "finished: resume it on another replica (resume_token_ids)"))
+        for request_id in left:
+            self.abort(request_id)
+        return len(left)
 
     @property
     def core(self) -> EngineCore:
@@ -416,7 +449,8 @@ class AsyncEngine:
 
     def _read(self, core: EngineCore) -> EngineReading:
         self._readings += 1
-        return EngineReading.of(core, self._consecutive_failures < MAX_CONSECUTIVE_STEP_FAILURES, self._readings)
+        return EngineReading.of(core, self._consecutive_failures < MAX_CONSECUTIVE_STEP_FAILURES, self._readings,
+                                self._draining)
 
     def _close(self, core: EngineCore | None, leftover: list[_Command]) -> None:
         """Refuse new commands, release every request (unless ``core`` is None: not to be trusted) and fail

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from engine.prompting.prompts import PromptError
 from engine.protocol import ErrorResponse, validation_error_param
-from engine.request_stream import EngineUnavailable, RequestFailed
+from engine.request_stream import EngineDraining, EngineUnavailable, RequestFailed, ResumeElsewhere
 
 log = logging.getLogger("engine.server.app")
 
@@ -26,13 +26,17 @@ _FIELD = re.compile(r"[a-z_][a-z0-9_]*")
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 retry_after: int | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.body = ErrorResponse.of(status, message, param=param, code=code)
+        self.retry_after = retry_after
 
     def response(self) -> web.Response:
-        return web.Response(status=self.status, text=self.body.model_dump_json(), content_type="application/json")
+        headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
+        return web.Response(status=self.status, text=self.body.model_dump_json(), content_type="application/json",
+                            headers=headers)
 
     @classmethod
     def invalid(cls, exc: ValueError, rename: dict[str, str] | None = None) -> ApiError:
@@ -56,8 +60,14 @@ class ApiError(Exception):
 
     @classmethod
     def from_engine(cls, exc: EngineUnavailable | RequestFailed) -> ApiError:
+        """``engine_draining``: a new request while the engine drains (another replica should take it);
+        ``resume_elsewhere``: one the drain timeout ended, to be resumed on another replica."""
         if isinstance(exc, RequestFailed):
             return cls(500, str(exc), code="engine_step_failed")
+        if isinstance(exc, EngineDraining):
+            return cls(503, str(exc), code="engine_draining", retry_after=1)
+        if isinstance(exc, ResumeElsewhere):
+            return cls(503, str(exc), code="resume_elsewhere", retry_after=0)
         return cls(503, str(exc), code="engine_unavailable")
 
 

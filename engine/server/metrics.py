@@ -65,8 +65,10 @@ class EngineReading:
     prefix_cache_evictions: int
 
     @classmethod
-    def of(cls, core: EngineCore, healthy: bool, serial: int) -> EngineReading:
-        return cls(serial, core.telemetry(healthy), str(core.device), str(core.dtype).removeprefix("torch."),
+    def of(cls, core: EngineCore, healthy: bool, serial: int, draining: bool = False) -> EngineReading:
+        snapshot = core.telemetry(healthy)
+        snapshot.draining = draining
+        return cls(serial, snapshot, str(core.device), str(core.dtype).removeprefix("torch."),
                    core.stats.swap_bytes["in"], core.stats.swap_bytes["out"], core.kv.pool.evictions_total)
 
 

@@ -73,7 +73,7 @@ from engine.protocol import (
     Usage,
     sse_data,
 )
-from engine.request_stream import EngineUnavailable, RequestFailed, RequestStream
+from engine.request_stream import EngineDraining, EngineUnavailable, RequestFailed, RequestStream
 from engine.sampling_params import SamplingParams
 from engine.sched.request import Request
 from engine.server import tracing
@@ -108,6 +108,7 @@ class OpenAIHandlers:
 
     async def completions(self, http: web.Request) -> web.StreamResponse:
         body = await parse_body(http, CompletionRequest)
+        self._admitting()
         core, counter = self._ready()
         batch = counter.batch_ids(body)
         for prompt_ids in batch:
@@ -133,6 +134,7 @@ class OpenAIHandlers:
                            ) -> tuple[Request, ToolCalling | None]:
         """The engine request that answers a chat, and how its text becomes tool calls (None: it is text):
         counted, checked against the context window, its grammar compiled. /v1/responses comes this way too."""
+        self._admitting()
         core, counter = self._ready()
         prompt_ids = counter.request_ids(body)
         check_context(body, len(prompt_ids), counter.max_model_len)
@@ -160,6 +162,11 @@ class OpenAIHandlers:
         same ``PromptCounter`` and save a round trip per request."""
         _, counter = self._ready()
         return web.Response(text=counter.describe().model_dump_json(), content_type="application/json")
+
+    def _admitting(self) -> None:
+        """``EngineDraining`` (a 503 with Retry-After) once the engine drains: new work goes elsewhere."""
+        if self.engine.draining:
+            raise EngineDraining("the engine is draining (shutting down): send the request to another replica")
 
     def _ready(self) -> tuple[EngineCore, PromptCounter]:
         """The loaded core (``EngineUnavailable`` while there is none) and the counter of its model."""
