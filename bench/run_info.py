@@ -61,13 +61,17 @@ def device_report(device: torch.device, results: list[dict], **fields: object) -
 
 
 def write_report(path: Path, report: dict, *, table_rows_on_one_line: bool = False) -> None:
-    """Write a benchmark's raw report to ``path`` as indented JSON: the one writer of every benchmark.
+    """Write a benchmark's raw report to ``path`` as indented JSON, atomically: the one writer of every benchmark.
 
     ``table_rows_on_one_line``: each row of a table (a list of lists) takes one line, so that long timelines
     stay small enough to commit and still read as tables."""
     path.parent.mkdir(parents=True, exist_ok=True)
     text = _rows_on_one_line(report, "") if table_rows_on_one_line else json.dumps(report, indent=2)
-    path.write_text(text + "\n")
+    # Whole or not at all: a run killed at its time limit mid-write keeps the report it had (bench/gpu_round.sh
+    # rewrites one report after every part of a run).
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text + "\n")
+    partial.replace(path)
 
 
 def _rows_on_one_line(value: object, pad: str) -> str:

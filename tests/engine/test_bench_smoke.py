@@ -7,6 +7,7 @@ does not die on a renamed option or a changed engine API after the time has alre
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -25,21 +26,51 @@ def run_smoke(script: str, *args: object) -> str:
 
 
 def test_engine_throughput_smoke(tmp_path: Path) -> None:
-    out = run_smoke("engine_throughput.py", "--kernel-profile", "2", "--json", tmp_path / "report.json")
+    """The engine runs first (``--hf skip``), every nested configuration with them; transformers in a later
+    run fills in the same rows (``--hf only``), as bench/gpu_round.sh runs them on a GPU."""
+    report_path, checkpoints = tmp_path / "report.json", tmp_path / "checkpoints"
+    common = ("--json", report_path, "--checkpoint-dir", checkpoints)
+    out = run_smoke("engine_throughput.py", *common, "--hf", "skip", "--kernel-profile", "2",
+                    "--async-scheduling", "both", "--unfused", "--fusion-check", "3")
     for model in ("qwen2.5-0.5b", "llama-3.2-1b"):
-        row = next(line for line in out.splitlines() if line.startswith(f"{model}-smoke-shaped"))
-        assert "67 output tokens" in row and "x" in row.split()[3]
+        row = next(line for line in out.splitlines() if line.startswith(f"{model}-smoke ") and "as shipped" in line)
+        assert "67 output tokens" in row and row.split()[2:4] == ["-", "-"]  # no transformers yet
         assert any(line.split()[:2] == [f"{model}-smoke", "all"] for line in out.splitlines())  # the phases
         assert f"{model}-smoke: top " in out  # the kernel profile's title
-    # The raw report issue 19 commits from the GPU run, in its shape.
-    report = json.loads((tmp_path / "report.json").read_text())
-    assert isinstance(report["device"], str) and report["num_requests"] == 8
+    engine_only = json.loads(report_path.read_text())
+    assert all(r["hf_tokens_per_s"] is None and r["ratio"] is None for r in engine_only["results"])
+    out = run_smoke("engine_throughput.py", *common, "--hf", "only", "--hf-requests", "5")
+    assert sorted(p.name for p in checkpoints.iterdir()) == [  # written once, read by both runs
+        "llama-3.2-1b-smoke-float32", "qwen2.5-0.5b-smoke-float32"]
+    # The raw report the GPU round brings back, in its shape.
+    report = json.loads(report_path.read_text())
+    assert isinstance(report["device"], str) and report["peak_bandwidth_gbps"] > 0
     assert [r["model"] for r in report["results"]] == ["qwen2.5-0.5b-smoke", "llama-3.2-1b-smoke"]
-    for result in report["results"]:
-        assert result["output_tokens"] == 67 and result["engine_tokens_per_s"] > 0 and result["hf_tokens_per_s"] > 0
+    for result, before in zip(report["results"], engine_only["results"], strict=True):
+        assert result["engine_tokens_per_s"] == before["engine_tokens_per_s"]  # filled in, not run again
+        assert result["workload"]["num_requests"] == 8 and result["output_tokens"] == 67
+        assert result["engine_tokens_per_s"] > 0 and result["hf_tokens_per_s"] > 0 and result["hf_requests"] == 5
+        assert result["ratio"] == pytest.approx(result["engine_tokens_per_s"] / result["hf_tokens_per_s"])
         assert 0 < result["decode_mbu"] and result["decode_mbu_batch_ge_64"] is None  # no batch of 64 in 8
+        check_nested(result)
         check_phases(result)
         check_kernels(result)
+
+
+def check_nested(result: dict) -> None:
+    """The engine as shipped on top; the other scheduling and the unfused run nested, each with the requests
+    that got the shipped run's tokens (on a CPU, in fp32: every one); which scheduling was faster."""
+    assert result["async_scheduling"] is False and result["cuda_fusion"] is False  # the shipped default, a CPU
+    other, unfused = result["other_scheduling"], result["unfused"]
+    assert other["async_scheduling"] is True
+    for nested in (other, unfused):
+        assert nested["engine_tokens_per_s"] > 0 and nested["identical_requests"] == 8
+        assert nested["steps"] >= nested["decode_only_steps"] > 0 and "phases" in nested
+    assert result["async_speedup"] == pytest.approx(other["engine_tokens_per_s"] / result["engine_tokens_per_s"])
+    assert result["faster_async_scheduling"] == (result["async_speedup"] > 1)
+    check = result["fusion_fp32"]  # off CUDA both runs take the separate ops: the plumbing, not the kernels
+    assert (check["dtype"], check["requests"], check["identical_requests"], check["applies"]) == ("float32", 3, 3, False)
+    assert 3 * 4 <= check["output_tokens"] <= 3 * 12
 
 
 def check_phases(result: dict) -> None:
@@ -76,13 +107,17 @@ def check_kernels(result: dict) -> None:
 def test_kernel_bandwidth_smoke(tmp_path: Path) -> None:
     out = run_smoke("kernel_bandwidth.py", "--tiles", "32x4", "--json", tmp_path / "report.json")
     assert "device-to-device copy" in out
-    assert sum(line.startswith("qwen2.5-0.5b") for line in out.splitlines()) == 8  # 4 cases, 2 tiles each
+    assert sum(line.startswith("qwen2.5-0.5b") for line in out.splitlines()) == 10  # 5 cases, 2 tiles each
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["copy_gbps"] > 0 and report["cache_dtype"] == "float16"
     cases = [(1, 16), (1, 40), (2, 16), (2, 40)]
-    assert [(r["batch"], r["context"], r["block_n"], r["num_warps"], r["engine_tile"]) for r in report["results"]] \
+    rows = report["results"]
+    assert [(r["batch"], r["context"], r["block_n"], r["num_warps"], r["engine_tile"]) for r in rows[:8]] \
         == [(*case, *tile) for case in cases for tile in ((128, 4, True), (32, 4, False))]
-    assert all(r["gbps"] > 0 and r["of_copy"] > 0 for r in report["results"])
+    # The workload cell: contexts drawn in a range, reported by their mean.
+    assert [(r["batch"], r["contexts"], r["workload_cell"]) for r in rows[8:]] == [(2, [4, 40], True)] * 2
+    assert all(r["gbps"] > 0 and r["of_copy"] > 0 and r["eager_of_copy"] > 0 for r in rows)
+    assert all(r["timing"] == "host" and r["copies"] == 1 for r in rows)  # no CUDA graph without CUDA
 
 
 def test_lora_smoke(tmp_path: Path) -> None:
@@ -118,3 +153,25 @@ def test_cpu_real_model_smoke() -> None:
     for row in ("batch, useful output tokens/s", "single-stream decode tokens/s"):
         assert next(line for line in out.splitlines() if line.startswith(row)).endswith("x")
     assert "model forward" in out and "sampling" in out  # the profile's parts
+
+
+@pytest.mark.slow
+def test_gpu_round_dry_run(tmp_path: Path) -> None:
+    """bench/gpu_round.sh's plumbing on the CPU (``DRY_RUN=1``: every step at --smoke size, the GPU tests
+    collected, not run): each step ends with exit 0, and the reports and the summary come back in $OUT.
+    Slow (1.5 minutes on two cores): the GPU round is prepared rarely and run by hand."""
+    env = {**os.environ, "DRY_RUN": "1", "OUT": str(tmp_path / "out"), "CKPT": str(tmp_path / "checkpoints"),
+           "PYTHON": sys.executable}
+    result = run_command("bash", ROOT / "bench" / "gpu_round.sh", env=env, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    exits = [line.rsplit(": ", 1)[1] for line in result.stdout.splitlines() if ": exit " in line]
+    assert exits == ["exit 0"] * 7, result.stdout
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.iterdir()) == [
+        "engine_throughput.json", "kernel_bandwidth.json", "log.txt", "summary.txt", "tests.txt"]
+    report = json.loads((out / "engine_throughput.json").read_text())
+    assert [r["model"] for r in report["results"]] == ["qwen2.5-0.5b-smoke", "llama-3.2-1b-smoke", "llama-3.1-8b-smoke"]
+    assert [r["hf_tokens_per_s"] is not None for r in report["results"]] == [True, True, False]  # 8B: engine only
+    assert "other_scheduling" in report["results"][0] and "kernels" in report["results"][0]
+    summary = (out / "summary.txt").read_text()
+    assert "Llama-3.1-8B shape, decode MBU at batch 64" in summary and "llama-3.1-8b-smoke: " in summary
