@@ -13,7 +13,9 @@
 # (one row per model: the engine as shipped on top, the other scheduling and the unfused run nested, then
 # transformers' figures), and summary.txt (bench/gpu_round_summary.py: the figures against the issue's goals).
 # BUDGET_S (default 470) is the whole round's wall-clock budget; each step's timeout is its own share, cut to
-# what is left of the budget.
+# what is left of the budget. A second command on the warm machine can rerun some steps: STEPS names them
+# (e.g. STEPS="transformers"), REPORT_FROM a copy of the engine_throughput.json that came back (carried in the
+# checkout), which those steps then fill in; the checkpoints in $CKPT are still there on a warm machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -46,14 +48,21 @@ mkdir -p "$OUT"
 LOG="$OUT/log.txt"
 CKPT=${CKPT:-/tmp/kvguard-checkpoints}  # random-weight checkpoints, written once, read by every step
 REPORT="$OUT/engine_throughput.json"
+[[ -n "${REPORT_FROM:-}" ]] && cp "$REPORT_FROM" "$REPORT"
 
-say() { echo "# $(date -u +%H:%M:%S) +$(($(date +%s) - START))s: $*" | tee -a "$LOG"; }
+say() {
+  [[ -s "$LOG" && -n "$(tail -c1 "$LOG")" ]] && echo | tee -a "$LOG"  # the line a step left open (nanobind's)
+  echo "# $(date -u +%H:%M:%S) +$(($(date +%s) - START))s: $*" | tee -a "$LOG"
+}
 
 # step NAME SECONDS COMMAND...: COMMAND under `timeout`, for SECONDS or what is left of the budget if less;
 # its output in the log; its exit status in the log and in STATUS.
 step() {
   local name=$1 seconds=$2 left
   shift 2
+  if [[ -n "${STEPS:-}" && " $STEPS " != *" $name "* ]]; then
+    return 0
+  fi
   left=$((BUDGET_S - ($(date +%s) - START)))
   ((seconds > left)) && seconds=$left
   if ((seconds < 20)); then

@@ -56,7 +56,8 @@ def engine_lines(report: dict) -> list[str]:
                          f"{row['unfused']['identical_requests']} requests same tokens ({row['dtype']})")
         if "fusion_fp32" in row:
             check = row["fusion_fp32"]
-            parts.append(f"fp32 fused vs unfused: {check['identical_requests']}/{check['requests']} identical")
+            parts.append(f"fp32 fused vs unfused: {check['identical_requests']}/{check['requests']} identical"
+                         if "identical_requests" in check else f"fp32 fused vs unfused: {check}")
         if row.get("hf_tokens_per_s") is not None:
             parts.append(f"transformers {row['hf_tokens_per_s']:,.0f} tok/s on {row['hf_requests']} requests")
         lines.append("; ".join(parts))
