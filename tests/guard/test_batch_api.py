@@ -16,6 +16,8 @@ from support.guard_server import GuardThread, guard_config, usable_guard
 from support.net import request
 from support.wait import wait_for
 
+from guard.batch.pace import Pacer
+
 LINES = 40
 CANCELLED = 400  # lines of the batch cancelled early: far more than run at once
 
@@ -95,6 +97,9 @@ def test_forty_lines_through_the_sdk_match_direct_requests(guard: GuardThread, e
         assert o["response"]["request_id"] == f"{batch.id}:{i + 1}", "the decision record names batch and line"
         got, want = o["response"]["body"], direct(engine, chat_body(i))
         assert (got["choices"], got["usage"], got["model"]) == (want["choices"], want["usage"], want["model"])
+    record = guard.call(lambda: guard.state.records.get(f"{batch.id}:1")).to_dict()
+    assert record["tenant"] == "acme" and record["status"] == 200 and record["reservation"]["blocks"]
+    assert record["reservation"]["borrowed"] == record["reservation"]["blocks"], "sheddable: every block is lent"
     assert metric(guard, "guard_batch_requests_total", tenant="acme", status="completed") >= LINES
     wait_for(lambda: metric(guard, "guard_batches", status="completed"), lambda n: n >= 1, 5)
     assert metric(guard, "guard_batch_lines_pending") == 0
@@ -229,3 +234,21 @@ def test_a_batch_past_its_window_expires_with_partial_output(engine: ServerThrea
         assert 1 <= ran < 200 and len(out) == ran and len(errors) == 200 - ran
         assert {e["error"]["code"] for e in errors} == {"batch_expired"} and all(e["response"] is None for e in errors)
         assert sorted(o["custom_id"] for o in out + errors) == sorted(f"req-{i}" for i in range(200))
+
+
+def test_the_pacer_starts_a_line_only_in_room_other_work_leaves(guard: GuardThread) -> None:
+    """One line waiting for its reservation holds the next back, and so does anyone else's queued request."""
+    def look() -> list[bool]:
+        state = guard.state
+        pacer = Pacer(state, max_in_flight=2)
+        seen = [pacer.room(), pacer.take("batch_x:1"), pacer.room()]  # idle: room; then one line waits
+        pacer.done("batch_x:1")
+        seen.append(pacer.room())
+        state.dispatcher.fair.queued += 1  # as when a client's request waits in the fair queue
+        try:
+            seen.append(pacer.room())
+        finally:
+            state.dispatcher.fair.queued -= 1
+        return seen
+
+    assert guard.call(look) == [True, True, False, True, False]
