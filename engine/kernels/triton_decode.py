@@ -5,7 +5,7 @@ bandwidth: each program loads one KV head's keys and values once and serves ever
 group from them, and a long context is cut into ``num_splits`` independent pieces so that a small batch
 still puts enough programs on the GPU to saturate memory.
 
-Two launches::
+Two launches, the second only with several splits::
 
     stage 1, grid (seqs, kv_heads, num_splits)          stage 2, grid (seqs, heads)
     +------------------------------------------+
@@ -14,12 +14,16 @@ Two launches::
                                                      out[i, h] = sum_s w_s * partial[i, h, s] / sum_s w_s,
                                                      w_s = 2 ** (lse[i, h, s] - max_s lse[i, h, s])
 
-Split ``s`` of a sequence covers ``[s * L, min((s + 1) * L, seq_len))`` with ``L = ceil(seq_len /
-num_splits)`` rounded up to a multiple of ``block_n``; splits past the context are empty and skipped by both
-stages, so a short sequence in a batch tuned for long ones costs no extra reads. ``num_splits`` depends only
-on the batch shape, never on the contexts, and the kernels read every per-step value (context lengths,
-block tables, query offsets) from device memory: both properties keep a captured CUDA graph valid across
-replays.
+Split ``s`` of a sequence covers ``[s * L, min((s + 1) * L, seq_len))`` with ``L = max(min_split_keys,
+ceil(seq_len / num_splits))`` rounded up to a multiple of ``block_n``: a fixed number of keys per program
+(``MIN_SPLIT_KEYS``) until the context outgrows ``num_splits`` of them, so a short sequence is not cut into
+pieces too small to pay for their partial results. Splits past the context are empty and skipped by both
+stages, so a short sequence in a batch tuned for long ones costs no extra reads. A sequence that uses one
+split has its output written by stage 1 itself (stage 2 passes over it), and with ``num_splits == 1`` there
+is no stage 2 and no partial buffer at all: the large batches, which fill the GPU without splitting, pay for
+no reduce. ``num_splits`` depends only on the batch shape, never on the contexts, and the kernels read every
+per-step value (context lengths, block tables, query offsets) from device memory: both properties keep a
+captured CUDA graph valid across replays.
 
 Rows whose query length is not 1 (prefill chunks in a mixed batch) are left untouched for the prefill
 kernel. Logits are kept in base 2 (``scale * log2(e)`` folded in) so the exponentials are ``exp2``.
@@ -37,6 +41,10 @@ from engine.kernels.triton_softmax import paged_online_softmax
 
 # Query heads of one KV head are padded to at least 16 rows: the smallest tile tensor cores take.
 MIN_HEAD_ROWS = 16
+# Keys per program before a context is cut into more splits: two 128-key tiles. A split's partial result
+# (fp32, per query head) costs ~3% of the K/V it read at head_dim 64; smaller splits pay more and reduce more.
+# Chosen, not yet timed (bench/kernel_bandwidth.py times the engine's launch).
+MIN_SPLIT_KEYS = 256
 
 
 def default_tile(head_dim: int) -> tuple[int, int]:
@@ -50,9 +58,10 @@ def default_tile(head_dim: int) -> tuple[int, int]:
 
 
 @triton.jit
-def _split_len(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Tokens per split: a whole number of tiles, so only a split's last tile is ragged."""
-    return tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+def _split_len(seq_len, min_split_keys, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Tokens per split: at least ``min_split_keys``, and a whole number of tiles, so only a split's last tile
+    is ragged."""
+    return tl.cdiv(tl.maximum(tl.cdiv(seq_len, NUM_SPLITS), min_split_keys), BLOCK_N) * BLOCK_N
 
 
 # A block table is as wide as the step's longest sequence needs, which changes from step to step: Triton
@@ -66,9 +75,13 @@ def _decode_partial_kernel(
     query_start_ptr,
     partial_ptr,
     lse_ptr,
+    out_ptr,
     scale_log2,
+    min_split_keys,
     q_stride_t,
     q_stride_h,
+    out_stride_t,
+    out_stride_h,
     cache_stride_kv,
     cache_stride_block,
     cache_stride_slot,
@@ -94,7 +107,7 @@ def _decode_partial_kernel(
     if tl.load(query_start_ptr + seq + 1) - token != 1:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
-    split_len = _split_len(seq_len, NUM_SPLITS, BLOCK_N)
+    split_len = _split_len(seq_len, min_split_keys, NUM_SPLITS, BLOCK_N)
     start = split * split_len
     if start >= seq_len:
         return
@@ -118,19 +131,31 @@ def _decode_partial_kernel(
         cache_stride_slot, BLOCK_H, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, CAUSAL=False,
     )
 
-    out_rows = (
-        seq.to(tl.int64) * partial_stride_seq + heads * partial_stride_head + split * partial_stride_split
-    )
-    tl.store(
-        partial_ptr + out_rows[:, None] + dims[None, :],
-        acc / total[:, None],
-        mask=row_ok[:, None] & dim_ok[None, :],
-    )
-    tl.store(
-        lse_ptr + seq.to(tl.int64) * lse_stride_seq + heads * lse_stride_head + split,
-        best + tl.math.log2(total),
-        mask=row_ok,
-    )
+    mask = row_ok[:, None] & dim_ok[None, :]
+    # Two branches, not one `or`: NUM_SPLITS is a compile-time constant, and with one split the partial and
+    # lse stores below must not be compiled at all (their buffers are one-element stand-ins then).
+    if NUM_SPLITS == 1:  # noqa: SIM114 - the whole context in this program: the output, no reduce to follow
+        _store_out(out_ptr, token, heads, dims, out_stride_t, out_stride_h, acc / total[:, None], mask)
+    elif split_len >= seq_len:  # this sequence's only split: the reduce passes over it
+        _store_out(out_ptr, token, heads, dims, out_stride_t, out_stride_h, acc / total[:, None], mask)
+    else:
+        out_rows = (
+            seq.to(tl.int64) * partial_stride_seq + heads * partial_stride_head + split * partial_stride_split
+        )
+        tl.store(partial_ptr + out_rows[:, None] + dims[None, :], acc / total[:, None], mask=mask)
+        tl.store(
+            lse_ptr + seq.to(tl.int64) * lse_stride_seq + heads * lse_stride_head + split,
+            best + tl.math.log2(total),
+            mask=row_ok,
+        )
+
+
+@triton.jit
+def _store_out(out_ptr, token, heads, dims, out_stride_t, out_stride_h, value, mask):
+    """``value`` (fp32, ``[rows, dims]``) as the output rows of query heads ``heads`` of ``token``, rounded
+    once to the output's dtype, as the reduce rounds its merged rows."""
+    rows = token.to(tl.int64) * out_stride_t + heads * out_stride_h
+    tl.store(out_ptr + rows[:, None] + dims[None, :], value.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -140,6 +165,7 @@ def _decode_reduce_kernel(
     out_ptr,
     seq_lens_ptr,
     query_start_ptr,
+    min_split_keys,
     out_stride_t,
     out_stride_h,
     partial_stride_seq,
@@ -158,7 +184,9 @@ def _decode_reduce_kernel(
     if tl.load(query_start_ptr + seq + 1) - token != 1:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
-    num_used = tl.cdiv(seq_len, _split_len(seq_len, NUM_SPLITS, BLOCK_N))
+    num_used = tl.cdiv(seq_len, _split_len(seq_len, min_split_keys, NUM_SPLITS, BLOCK_N))
+    if num_used == 1:  # stage 1 wrote this sequence's output itself
+        return
     splits = tl.arange(0, NUM_SPLITS)
     used = splits < num_used
     dims = tl.arange(0, BLOCK_D)
@@ -205,6 +233,7 @@ def decode_attention(
     num_splits: int,
     block_n: int | None = None,
     num_warps: int | None = None,
+    min_split_keys: int = MIN_SPLIT_KEYS,
 ) -> None:
     """Write into ``out`` the attention of every sequence whose query length is 1; other rows are untouched.
 
@@ -212,6 +241,7 @@ def decode_attention(
     ``query_start_loc`` follow ``AttentionMetadata``. ``head_dim`` is contiguous in every tensor (other
     strides are free). ``num_splits`` and ``block_n`` are powers of two; ``block_n`` and ``num_warps`` are
     the tile a GPU sweep tries (bench/kernel_bandwidth.py ``--tiles``); None: ``default_tile``.
+    ``min_split_keys``: the fewest keys a split covers (tests lower it to split their short contexts).
     """
     num_seqs = seq_lens.shape[0]
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
@@ -223,10 +253,10 @@ def decode_attention(
         raise ValueError(
             f"decode_attention: num_splits ({num_splits}) and block_n ({block_n}) must be powers of 2"
         )
-    partial = torch.empty(
-        (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
-    )
-    lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device)
+    # One split: the partial kernel writes ``out`` itself, and these stand-ins are never touched.
+    shape = (num_seqs, num_heads, num_splits) if num_splits > 1 else (1, 1, 1)
+    partial = torch.empty((*shape, head_dim), dtype=torch.float32, device=query.device)
+    lse = torch.empty(shape, dtype=torch.float32, device=query.device)
     block_d = max(16, triton.next_power_of_2(head_dim))
     _decode_partial_kernel[(num_seqs, num_kv_heads, num_splits)](
         query,
@@ -236,9 +266,13 @@ def decode_attention(
         query_start_loc,
         partial,
         lse,
+        out,
         scale * math.log2(math.e),
+        min_split_keys,
         query.stride(0),
         query.stride(1),
+        out.stride(0),
+        out.stride(1),
         kv_cache.stride(0),
         kv_cache.stride(1),
         kv_cache.stride(2),
@@ -258,12 +292,15 @@ def decode_attention(
         NUM_SPLITS=num_splits,
         num_warps=num_warps,
     )
+    if num_splits == 1:
+        return
     _decode_reduce_kernel[(num_seqs, num_heads)](
         partial,
         lse,
         out,
         seq_lens,
         query_start_loc,
+        min_split_keys,
         out.stride(0),
         out.stride(1),
         partial.stride(0),

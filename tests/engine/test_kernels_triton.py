@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("triton")  # before the imports below: the kernel modules import triton
 
 from engine import LLM, SamplingParams
-from engine.kernels import AttentionMetadata, TorchAttentionBackend, get_attention_backend
+from engine.kernels import AttentionMetadata, TorchAttentionBackend, get_attention_backend, triton_decode
 from engine.kernels.triton_backend import TritonAttentionBackend
 from engine.kernels.triton_decode import choose_num_splits, decode_attention
 from engine.kernels.triton_prefill import prefill_attention
@@ -94,11 +94,52 @@ def test_decode_matches_reference(dtype: torch.dtype, group: int, num_splits: in
     batch = paged_batch([(n - 1, 1) for n in DECODE_CONTEXTS], group, dtype, seed=group * 10 + num_splits)
     meta = batch.meta
     output = torch.full_like(batch.query, float("nan"))
-    # block_n = 16 cuts the 38- and 64-token contexts into 3 and 4 splits, each of several cache blocks.
+    # block_n = 16 (and as few keys a split) cuts the 38- and 64-token contexts into 3 and 4 splits, each of
+    # several cache blocks.
     decode_attention(batch.query, batch.kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                     output, SCALE, num_splits=num_splits, block_n=16)
+                     output, SCALE, num_splits=num_splits, block_n=16, min_split_keys=16)
     assert output.dtype == dtype
     assert max_error(output, reference(batch)) < TOLERANCE[dtype]
+
+
+class SkippedLaunch:
+    """Stands in for a Triton kernel: ``kernel[grid](...)`` launches nothing, and counts that it was asked."""
+
+    def __init__(self) -> None:
+        self.launches = 0
+
+    def __getitem__(self, grid: object) -> SkippedLaunch:
+        return self
+
+    def __call__(self, *args: object, **kwargs: object) -> None:
+        self.launches += 1
+
+
+# 3 and 20 tokens fit one 32-key split; 33 and 70 take 2 and 3 (a split holds max(32, ceil(n / 4)) keys).
+SPLIT_CONTEXTS, SPLITS_USED = [3, 20, 33, 70], [1, 1, 2, 3]
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_splits_hold_a_fixed_number_of_keys_and_one_split_needs_no_reduce(
+    num_splits: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each split covers at least ``min_split_keys`` keys; a sequence that fits one split gets its output
+    from the partial kernel itself, and with one split per sequence the reduce is not launched at all."""
+    batch = paged_batch([(n - 1, 1) for n in SPLIT_CONTEXTS], 4, torch.float32, seed=11)
+    meta, expected = batch.meta, reference(batch)
+    reduce = SkippedLaunch()
+    monkeypatch.setattr(triton_decode, "_decode_reduce_kernel", reduce)
+    output = torch.full_like(batch.query, float("nan"))
+    decode_attention(batch.query, batch.kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                     output, SCALE, num_splits=num_splits, block_n=16, min_split_keys=32)
+    assert reduce.launches == (num_splits > 1)
+    one_split = torch.tensor([used == 1 or num_splits == 1 for used in SPLITS_USED], device=DEVICE)
+    assert max_error(output[one_split], expected[one_split]) < TOLERANCE[torch.float32]
+    assert output[~one_split].isnan().all(), "a sequence of several splits waits for the reduce"
+    monkeypatch.undo()
+    decode_attention(batch.query, batch.kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                     output, SCALE, num_splits=num_splits, block_n=16, min_split_keys=32)
+    assert max_error(output, expected) < TOLERANCE[torch.float32]
 
 
 def test_decode_with_a_head_dim_that_is_not_a_power_of_two() -> None:
