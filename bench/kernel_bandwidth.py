@@ -149,27 +149,32 @@ def decode_case(
 
 
 def measure_tile(
-    measure: Callable[[Callable[[], object]], float], runs: list[Callable[[tuple[int, ...] | None], torch.Tensor]],
-    tile: tuple[int, ...] | None, expected: torch.Tensor, graphs: bool,
-) -> tuple[float | str, float] | str:
-    """Seconds per launch of ``runs[0]`` at ``tile`` (None: the engine's own launch, whose failure is raised):
-    inside a CUDA graph over every copy in ``runs`` (``graphs``; else the eager figure again; a capture that
-    fails gives its error instead, and the eager figure stands), and eager; or why a swept tile is no
-    candidate: it did not compile, run, or compute ``expected`` (to 16-bit rounding). A finding of the sweep,
-    not an end to it."""
+    measure: Callable[[Callable[[], object]], float], run: Callable[[tuple[int, ...] | None], torch.Tensor],
+    tile: tuple[int, ...] | None, expected: torch.Tensor,
+) -> float | str:
+    """Seconds per launch of ``run`` at ``tile``, launched eagerly (None: the engine's own launch, whose failure
+    is raised), or why a swept tile is no candidate: it did not compile, run, or compute ``expected`` (to
+    16-bit rounding). A finding of the sweep, not an end to it."""
     try:
-        torch.testing.assert_close(runs[0](tile), expected, atol=2e-2, rtol=2e-2)
-        eager = measure(partial(runs[0], tile))
+        seconds = measure(partial(run, tile))
+        torch.testing.assert_close(run(tile), expected, atol=2e-2, rtol=2e-2)
     except Exception as exc:
         if tile is None:
             raise
         return f"{type(exc).__name__}: {exc}"
-    if not graphs:
-        return eager, eager
+    return seconds
+
+
+def measure_in_graph(
+    measure: Callable[[Callable[[], object]], float], runs: list[Callable[[tuple[int, ...] | None], torch.Tensor]],
+    tile: tuple[int, ...] | None,
+) -> float | str:
+    """Seconds per launch of ``runs`` (copies of one case) at ``tile``, inside one CUDA graph; a capture or
+    replay that fails gives its error instead (reported in the row, beside the eager figure)."""
     try:
-        return in_graph(measure, [partial(run, tile) for run in runs]), eager
-    except Exception as exc:  # noqa: BLE001 - reported in the row; the eager figure still stands
-        return f"{type(exc).__name__}: {exc}", eager
+        return in_graph(measure, [partial(run, tile) for run in runs])
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        return f"{type(exc).__name__}: {exc}"
 
 
 def parse_tile(text: str, form: str = "BLOCK_NxWARPS") -> tuple[int, ...]:
@@ -218,8 +223,8 @@ def main() -> None:
     if args.smoke:
         # Toy tensors gain nothing from intra-op threads; on a busy host their spin-waits cost ~10 ms an op.
         torch.set_num_threads(1)
-        args.shapes, args.batches, args.contexts = ["qwen2.5-0.5b"], [1, 2], [16, 40]
-        copy_bytes, repeats = 16 << 20, 2
+        args.shapes, args.batches, args.contexts = ["qwen2.5-0.5b"], [2], [16, 40]
+        copy_bytes, repeats = 16 << 20, 1
     if device.type != "cuda":
         # The interpreter cannot run bfloat16 dots (triton-lang/triton#11584); fp16 takes the same path.
         dtype = torch.float16
@@ -252,12 +257,12 @@ def main() -> None:
                 row = {"shape": name, "batch": batch, "context": context, "block_n": block_n,
                        "num_warps": warps, "engine_tile": tile is None, "timing": "cuda_graph" if graphs else "host",
                        "copies": copies, **({"contexts": list(spread), "workload_cell": True} if spread else {})}
-                timed = measure_tile(measure, runs, tile, expected, graphs)
-                if isinstance(timed, str):
-                    print(f"{where}  failed: {timed.splitlines()[0]}")
-                    results.append({**row, "error": timed})
+                eager = measure_tile(measure, run, tile, expected)
+                if isinstance(eager, str):
+                    print(f"{where}  failed: {eager.splitlines()[0]}")
+                    results.append({**row, "error": eager})
                     continue
-                seconds, eager = timed
+                seconds = measure_in_graph(measure, runs, tile) if graphs else eager
                 row |= {"eager_time_us": eager * 1e6, "eager_of_copy": moved / eager / copy}
                 if isinstance(seconds, str):
                     print(f"{where}  graph failed: {seconds.splitlines()[0]}; eager {eager * 1e6:,.1f} us, "

@@ -107,15 +107,15 @@ def check_kernels(result: dict) -> None:
 def test_kernel_bandwidth_smoke(tmp_path: Path) -> None:
     out = run_smoke("kernel_bandwidth.py", "--tiles", "32x4", "--json", tmp_path / "report.json")
     assert "device-to-device copy" in out
-    assert sum(line.startswith("qwen2.5-0.5b") for line in out.splitlines()) == 10  # 5 cases, 2 tiles each
+    assert sum(line.startswith("qwen2.5-0.5b") for line in out.splitlines()) == 6  # 3 cases, 2 tiles each
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["copy_gbps"] > 0 and report["cache_dtype"] == "float16"
-    cases = [(1, 16), (1, 40), (2, 16), (2, 40)]
+    cases = [(2, 16), (2, 40)]
     rows = report["results"]
-    assert [(r["batch"], r["context"], r["block_n"], r["num_warps"], r["engine_tile"]) for r in rows[:8]] \
+    assert [(r["batch"], r["context"], r["block_n"], r["num_warps"], r["engine_tile"]) for r in rows[:4]] \
         == [(*case, *tile) for case in cases for tile in ((128, 4, True), (32, 4, False))]
     # The workload cell: contexts drawn in a range, reported by their mean.
-    assert [(r["batch"], r["contexts"], r["workload_cell"]) for r in rows[8:]] == [(2, [4, 40], True)] * 2
+    assert [(r["batch"], r["contexts"], r["workload_cell"]) for r in rows[4:]] == [(2, [4, 40], True)] * 2
     assert all(r["gbps"] > 0 and r["of_copy"] > 0 and r["eager_of_copy"] > 0 for r in rows)
     assert all(r["timing"] == "host" and r["copies"] == 1 for r in rows)  # no CUDA graph without CUDA
 
