@@ -105,7 +105,7 @@ class NativeDecoder:
 def decoder_for(stack: nn.Module, library: NativeKernels | None) -> tuple[NativeDecoder | None, str]:
     """The native decoder of ``stack`` (a llama.py ``DecoderStack``) and why, or None and why not."""
     if library is None:
-        return None, "off with the library"
+        return None, "off (the native library is off)"
     if os.environ.get("KVGUARD_NATIVE_DECODE", "1") == "0":
         return None, "off (KVGUARD_NATIVE_DECODE=0)"
     why_not = _unsupported(stack)

@@ -49,8 +49,8 @@ from torch import nn
 
 from engine.kernels.native import library as native_library
 from engine.kernels.native import ops as native_ops
-from engine.kernels.native.ops import NativeKernels
 from engine.kernels.native import q4 as native_q4
+from engine.kernels.native.ops import NativeKernels
 from engine.model import cuda_fusion
 
 Q = GGMLQuantizationType
@@ -173,7 +173,8 @@ class Int4Linear(QuantizedLinear):
 
         packed.view(out / T, in, T / 2)[t, k, j] = q[Tt + j, k] | q[Tt + T/2 + j, k] << 4
 
-    Without either, ATen packs otherwise: ``dequantize`` then asks the kernel itself (times the identity).
+    Without either, ATen packs otherwise: ``dequantize`` then reads ``q`` back through the kernel itself, times
+    the identity with unit scales and a zero of 8, which returns each ``q`` exactly.
 
     ``scales_zeros [in / 32, out, 2]`` (bfloat16) holds each group's scale and zero.
     """
@@ -192,9 +193,13 @@ class Int4Linear(QuantizedLinear):
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         out, inp = self.out_features, self.in_features
         tile = torch_int4_tile()
-        if tile is None:
-            return self._kernel(torch.eye(inp, dtype=torch.bfloat16)).t().to(dtype)
-        q = _unpack_torch_int4(self.packed, out, inp, tile)
+        if tile is None:  # (q - 8) * 1 + 8 = q: small integers, exact in bfloat16
+            unit = torch.stack((torch.ones_like(self.scales_zeros[..., 0]), torch.full_like(self.scales_zeros[..., 1], 8)),
+                               dim=-1)
+            eye = torch.eye(inp, dtype=torch.bfloat16)
+            q = torch._weight_int4pack_mm_for_cpu(eye, self.packed, GROUP, unit).t()
+        else:
+            q = _unpack_torch_int4(self.packed, out, inp, tile)
         q = q.reshape(out, inp // GROUP, GROUP).to(dtype) - 8
         scale, zero = self.scales_zeros.to(dtype).permute(2, 1, 0).unsqueeze(-1)  # each [out, groups, 1]
         return torch.addcmul(zero, q, scale).reshape(out, inp)

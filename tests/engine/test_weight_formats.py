@@ -10,7 +10,9 @@ int8 8.7-12.9%; the bounds below leave room for summation-order noise. fp32 is e
 int4 on the native kernel (weights.Q4Linear): 4.4%, 4.8%, 7.9%. Its activations go in as two int8 digits
 per input (about 15 bits); with one digit, as llama.cpp's Q4_1 x Q8_1, the error was chaotic: 5.7% to 17.6%
 on the first prompt as the inputs moved by ~1e-7 (llama.cpp 0.3.36 on the same file and prompts: 7.0%,
-2.5%, 2.1%, its argmax off fp32's on the first, whose top two differ by 0.08).
+2.5%, 2.1%, its argmax off fp32's on the first, whose top two differ by 0.08). Where the native path is off,
+torch's int4 kernel rounds by CPU capability: 10.7% on its plain C kernel (ATEN_CPU_CAPABILITY=default, a
+CPU without AVX2; docs/benchmarks/cpu-numerics.md), hence int4's 12%.
 
 SmolLM2 is loaded once (fp32); ``auto``'s model is built from it as the loader builds it, and the int8 run
 on SmolLM2 is ``slow`` (auto never picks int8 for this file), so the module stays near 20 s.
@@ -54,7 +56,7 @@ from engine.model.weights import (
 from engine.protocol import ChatMessage
 
 Q = gguf.GGMLQuantizationType
-TOLERANCE = {"bf16": 0.02, "int4": 0.10, "int8": 0.16}  # of the largest logit (module docstring)
+TOLERANCE = {"bf16": 0.02, "int4": 0.12, "int8": 0.16}  # of the largest logit (module docstring)
 QUESTIONS = ["What is the capital of France?", "Write a haiku about autumn."]
 CPU = torch.device("cpu")
 
