@@ -116,5 +116,12 @@ rm -rf "$CKPT"/llama-3.1-8b-*  # 16 GB of disk and page cache the transformers s
 step transformers 200 "${ENGINE[@]}" --models qwen2.5-0.5b llama-3.2-1b --hf only --hf-requests 64 \
   --hf-batch-size 64
 
+# Optional, only when STEPS names it (a second command if device time remains): the split policy swept on
+# the cells where it matters, to choose MIN_SPLIT_KEYS and check choose_num_splits (engine/kernels/triton_decode.py).
+if [[ " ${STEPS:-} " == *" split-sweep "* ]]; then
+  step split-sweep 120 "$PY" bench/kernel_bandwidth.py "${SMOKE[@]}" --shapes qwen2.5-0.5b llama-3.1-8b \
+    --batches 64 256 --contexts 2048 --splits 1x256 2x256 4x128 4x256 4x512 8x256 --json "$OUT/split_sweep.json"
+fi
+
 say "round done"
 "$PY" bench/gpu_round_summary.py "$OUT" | tee "$OUT/summary.txt"

@@ -15,10 +15,13 @@ contexts uniform in [100, 1024] (``context`` is their mean, ``contexts`` the ran
 
 ``--tiles`` sweeps the decode kernel's tile: each ``BLOCK_NxWARPS`` (keys per tile, warps per program) is
 launched directly, with the split count the backend would choose, beside the engine's own launch, and must
-compute what that launch does (to 16-bit rounding); one that does not is reported as wrong.
+compute what that launch does (to 16-bit rounding); one that does not is reported as wrong. ``--splits``
+sweeps the split policy alike: each ``SPLITSxMIN_SPLIT_KEYS`` (splits per sequence at most, fewest keys a
+split covers) with the engine's tile.
 
     .venv/bin/python bench/kernel_bandwidth.py            # on the GPU, every shape (bench/results/gpu/)
     .venv/bin/python bench/kernel_bandwidth.py --tiles 32x4 64x4 64x8 128x8 --json sweep.json
+    .venv/bin/python bench/kernel_bandwidth.py --splits 1x256 2x256 4x256 4x128 8x512 --json splits.json
     .venv/bin/python bench/kernel_bandwidth.py --smoke    # tiny sizes; without a GPU, interpreted Triton
 """
 
@@ -44,7 +47,7 @@ from run_info import device_report, print_preamble, write_report
 
 from engine.kernels import AttentionMetadata
 from engine.kernels.triton_backend import TritonAttentionBackend
-from engine.kernels.triton_decode import choose_num_splits, decode_attention, default_tile
+from engine.kernels.triton_decode import MIN_SPLIT_KEYS, choose_num_splits, decode_attention, default_tile
 
 # (query heads, KV heads, head_dim) of the benchmark models' attention (bench/model_shapes.py).
 SHAPES = {"qwen2.5-0.5b": (14, 2, 64), "llama-3.2-1b": (32, 8, 64), "llama-3.1-8b": (32, 8, 128)}
@@ -53,6 +56,7 @@ CONTEXTS = (128, 512, 2048, 8192)
 BLOCK_SIZE = 16
 # The engine benchmark's decode (bench/engine_throughput.py): 256 sequences, contexts uniform in [100, 1024].
 WORKLOAD_CELL = (256, (100, 1024))
+SPLITS_FORM = "SPLITSxMIN_SPLIT_KEYS"
 # Launches in one timed graph cover at least this many bytes (~4x an H100's or H200's L2), so that no launch
 # finds its K/V in L2; at most MAX_COPIES launches.
 ROTATE_BYTES, MAX_COPIES = 256 << 20, 16
@@ -105,10 +109,11 @@ def copy_bandwidth(device: torch.device, num_bytes: int, measure: Callable) -> f
 
 def decode_case(
     shape: tuple[int, int, int], lens: list[int], dtype: torch.dtype, device: torch.device
-) -> tuple[Callable[[tuple[int, ...] | None], torch.Tensor], int]:
+) -> tuple[Callable[[tuple[int, ...] | None], torch.Tensor], int, int]:
     """A decode step of ``len(lens)`` sequences of ``lens[i]`` tokens each: its launch, which returns the
-    output (with None through the engine's backend, with a tile, keys per tile x warps, the decode kernel
-    launched directly), and the bytes it must move."""
+    output (with None through the engine's backend; with a launch ``(block_n, num_warps, num_splits,
+    min_split_keys)``, the decode kernel launched directly), the bytes it must move, and the split count the
+    engine would choose."""
     heads, kv_heads, head_dim = shape
     batch, context = len(lens), max(lens)
     blocks = [-(-n // BLOCK_SIZE) for n in lens]
@@ -139,13 +144,15 @@ def decode_case(
     out = torch.empty_like(query)
     args = (query, kv_cache, tables, seq_lens, meta.query_start_loc, out, head_dim**-0.5)
 
-    def run(tile: tuple[int, ...] | None) -> torch.Tensor:
-        if tile is None:
+    def run(launch: tuple[int, ...] | None) -> torch.Tensor:
+        if launch is None:
             return backend.forward(query, kv_cache, meta, head_dim**-0.5)
-        decode_attention(*args, num_splits=splits, block_n=tile[0], num_warps=tile[1])
+        block_n, num_warps, num_splits, min_split_keys = launch
+        decode_attention(*args, num_splits=num_splits, block_n=block_n, num_warps=num_warps,
+                         min_split_keys=min_split_keys)
         return out
 
-    return run, moved
+    return run, moved, splits
 
 
 def measure_tile(
@@ -209,6 +216,8 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     parser.add_argument("--tiles", nargs="+", type=parse_tile, default=[],
                         help="decode tiles to sweep beside the engine's launch, as BLOCK_NxWARPS (e.g. 64x8)")
+    parser.add_argument("--splits", nargs="+", type=lambda text: parse_tile(text, SPLITS_FORM), default=[],
+                        help=f"split policies to sweep beside the engine's launch, as {SPLITS_FORM} (e.g. 4x256)")
     parser.add_argument(
         "--smoke",
         action="store_true",
@@ -238,24 +247,27 @@ def main() -> None:
         f"device-to-device copy of {copy_bytes >> 20} MiB: {copy / 1e9:,.0f} GB/s; "
         f"decode cache {cache_dtype}, block size {BLOCK_SIZE}; timed {'in a CUDA graph' if graphs else 'eagerly'}"
     )
-    print(f"{'shape':<14}{'batch':>6}{'context':>9}{'tile':>8}{'copies':>7}{'time (us)':>12}{'GB/s':>10}"
+    print(f"{'shape':<14}{'batch':>6}{'context':>9}{'tile':>8}{'splits':>9}{'copies':>7}{'time (us)':>12}{'GB/s':>10}"
           f"{'of copy':>9}{'eager us':>10}{'of copy':>9}")
     results = []
     for name in args.shapes:
         engine_tile = default_tile(SHAPES[name][2])
         for batch, lens, spread in cells(args):
             context = round(sum(lens) / batch)
-            run, moved = decode_case(SHAPES[name], lens, dtype, device)
+            run, moved, splits = decode_case(SHAPES[name], lens, dtype, device)
             copies = min(MAX_COPIES, -(-ROTATE_BYTES // moved)) if graphs else 1
             runs = [run, *(decode_case(SHAPES[name], lens, dtype, device)[0] for _ in range(copies - 1))]
             expected = run(None).clone()
-            # None: the engine's own launch, through its backend (its tile, engine_tile).
-            for tile in (None, *(t for t in args.tiles if t != engine_tile)):
-                block_n, warps = tile or engine_tile
+            engine = (*engine_tile, splits, MIN_SPLIT_KEYS)
+            # None: the engine's own launch, through its backend (its tile and split policy: ``engine``).
+            swept = [(*t, splits, MIN_SPLIT_KEYS) for t in args.tiles] + [(*engine_tile, *p) for p in args.splits]
+            for tile in (None, *dict.fromkeys(t for t in swept if t != engine)):
+                block_n, warps, num_splits, min_keys = tile or engine
                 label = f"{block_n}x{warps}" + ("" if tile else "*")
-                where = f"{name:<14}{batch:>6}{context:>9}{label:>8}{copies:>7}"
+                where = f"{name:<14}{batch:>6}{context:>9}{label:>8}{f'{num_splits}x{min_keys}':>9}{copies:>7}"
                 row = {"shape": name, "batch": batch, "context": context, "block_n": block_n,
-                       "num_warps": warps, "engine_tile": tile is None, "timing": "cuda_graph" if graphs else "host",
+                       "num_warps": warps, "num_splits": num_splits, "min_split_keys": min_keys,
+                       "engine_tile": tile is None, "timing": "cuda_graph" if graphs else "host",
                        "copies": copies, **({"contexts": list(spread), "workload_cell": True} if spread else {})}
                 eager = measure_tile(measure, run, tile, expected)
                 if isinstance(eager, str):
@@ -276,8 +288,9 @@ def main() -> None:
             del run, runs, expected
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    print("tile: keys per tile x warps per program; * the engine's own launch; copies: launches per timed graph, "
-          "each on its own cache; context: the mean where contexts differ (the workload cell)")
+    print("tile: keys per tile x warps per program; * the engine's own launch; splits: at most x fewest keys per "
+          "split; copies: launches per timed graph, each on its own cache; context: the mean where contexts "
+          "differ (the workload cell)")
     path = args.json or (GPU_REPORT if device.type == "cuda" and not args.smoke else None)
     if path is not None:
         write_report(path, device_report(device, results, copy_gbps=copy / 1e9, copy_mib=copy_bytes >> 20,

@@ -105,17 +105,20 @@ def check_kernels(result: dict) -> None:
 
 
 def test_kernel_bandwidth_smoke(tmp_path: Path) -> None:
-    out = run_smoke("kernel_bandwidth.py", "--tiles", "32x4", "--json", tmp_path / "report.json")
+    out = run_smoke("kernel_bandwidth.py", "--tiles", "32x4", "--splits", "1x16", "--json", tmp_path / "report.json")
     assert "device-to-device copy" in out
-    assert sum(line.startswith("qwen2.5-0.5b") for line in out.splitlines()) == 6  # 3 cases, 2 tiles each
+    assert sum(line.startswith("qwen2.5-0.5b") for line in out.splitlines()) == 9  # 3 cases, 3 launches each
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["copy_gbps"] > 0 and report["cache_dtype"] == "float16"
     cases = [(2, 16), (2, 40)]
+    # The engine's launch (its tile, the split count the backend picks on a CPU: 4, MIN_SPLIT_KEYS), a tile
+    # swept with that split policy, and a split policy swept with the engine's tile.
+    launches = ((128, 4, 4, 256, True), (32, 4, 4, 256, False), (128, 4, 1, 16, False))
     rows = report["results"]
-    assert [(r["batch"], r["context"], r["block_n"], r["num_warps"], r["engine_tile"]) for r in rows[:4]] \
-        == [(*case, *tile) for case in cases for tile in ((128, 4, True), (32, 4, False))]
+    assert [(r["batch"], r["context"], r["block_n"], r["num_warps"], r["num_splits"], r["min_split_keys"],
+             r["engine_tile"]) for r in rows[:6]] == [(*case, *launch) for case in cases for launch in launches]
     # The workload cell: contexts drawn in a range, reported by their mean.
-    assert [(r["batch"], r["contexts"], r["workload_cell"]) for r in rows[4:]] == [(2, [4, 40], True)] * 2
+    assert [(r["batch"], r["contexts"], r["workload_cell"]) for r in rows[6:]] == [(2, [4, 40], True)] * 3
     assert all(r["gbps"] > 0 and r["of_copy"] > 0 and r["eager_of_copy"] > 0 for r in rows)
     assert all(r["timing"] == "host" and r["copies"] == 1 for r in rows)  # no CUDA graph without CUDA
 
