@@ -56,7 +56,7 @@ say() {
 }
 
 # step NAME SECONDS COMMAND...: COMMAND under `timeout`, for SECONDS or what is left of the budget if less;
-# its output in the log; its exit status in the log and in STATUS.
+# its output in the log; its exit status in the log and as its own.
 step() {
   local name=$1 seconds=$2 left
   shift 2
