@@ -54,7 +54,8 @@ def run_tiny(tree: Path, requests: int) -> float:
 
 def run_smoke(tree: Path) -> float:
     result = _run(tree, [sys.executable, str(tree / "bench" / "engine_throughput.py"), "--smoke"])
-    rows = [line for line in result.splitlines() if "-smoke-shaped" in line]
+    # a result row: the model's label (``-smoke-shaped`` before 59b6d91, ``-smoke`` since), then tokens/s
+    rows = [line for line in result.splitlines() if "-smoke" in line and " output tokens" in line]
     if not rows:
         raise RuntimeError(f"no result rows in the smoke run of {tree}:\n{result}")
     return statistics.fmean(float(re.split(r"\s+", row)[1].replace(",", "")) for row in rows)
