@@ -160,6 +160,16 @@ class Upstream(Strict):
     client_stall_timeout: PositiveSeconds = 30.0  # a client that reads nothing for this long is dropped
 
 
+class Migration(Strict):
+    """Requests moved off a replica that dies, goes silent or drains (guard/http/migrate.py)."""
+
+    max_migrations: int = Field(2, ge=0)  # moves per request; one more failure ends it with an error
+    # A replica is silent when neither its telemetry nor any of its answers in flight said anything for
+    # max(silence_floor_s, silence_steps x its step time): past an idle engine's telemetry refresh (1 s).
+    silence_floor_s: PositiveSeconds = 3.0
+    silence_steps: float = Field(50.0, gt=0)
+
+
 class PluginRef(Strict):
     """A scorer of a scheduling profile and its weight."""
 
@@ -331,6 +341,7 @@ class GuardConfig(Strict):
     fallbacks: list[Backend | StaticFallback] = Field(default_factory=list)
     admission: Admission = Admission()
     upstream: Upstream = Upstream()
+    migration: Migration = Migration()
     routing: Routing = Routing()
     limits: Limits = Limits()
     connections: Connections = Connections()

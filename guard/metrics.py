@@ -156,6 +156,9 @@ class GuardMetrics:
                                                ["backend"], registry=r)
         self.client_retries = Counter("guard_client_retries_total", "Requests that clients marked as retries "
                                       "(X-Stainless-Retry-Count > 0 or Retry-Attempt).", ["tenant"], registry=r)
+        self.migrations = Counter("guard_migrations_total", "Requests moved to another replica mid-answer, by why "
+                                  "their replica let them down (reset, closed, stream_error, silent, drain).",
+                                  ["reason"], registry=r)
 
     def _connection_series(self, r: CollectorRegistry) -> None:
         """Client connections, rate limits and the config."""

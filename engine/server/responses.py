@@ -59,12 +59,14 @@ class ResponsesHandlers:
         builder = ResponseBuilder(base_response(response_id, body.model, body,
                                                 [tool.model_dump(exclude_none=True) for tool in body.tools or []]),
                                   tools, streamed=body.stream)
-        if request.resume_token_ids:
+        resumed = bool(request.resume_token_ids or body.resume_sequence_number)
+        if resumed:  # a stream that had begun, tokens or not
             builder.resume(request.resume_text, body.resume_sequence_number)
         conversation = [*history, *body.input_messages()]
         timelines = tracing.timelines_for(http, [request])
         if body.stream:
-            return await self._stream(http, request, timelines, builder, tenant, conversation, body.return_token_ids)
+            return await self._stream(http, request, timelines, builder, tenant, conversation,
+                                      body.return_token_ids, resumed)
         async with self.openai.generate([request], timelines) as [stream]:
             output = await stream.final()
         _, response = builder.finish(output)
@@ -73,13 +75,13 @@ class ResponsesHandlers:
 
     async def _stream(self, http: web.Request, request: Request, timelines: list[tracing.Timeline | None],
                       builder: ResponseBuilder, tenant: str | None, conversation: list[ChatMessage],
-                      return_token_ids: bool) -> web.StreamResponse:
+                      return_token_ids: bool, resumed: bool) -> web.StreamResponse:
         """The event stream; with ``return_token_ids``, each write carries the token ids the completion gained
         since the previous one, as /v1/chat/completions sends them (engine/server/openai_api.py)."""
         response = await open_stream(http)
         tokens_sent = 0
         try:
-            if not request.resume_token_ids:  # a resumed stream continues one that has begun
+            if not resumed:  # a resumed stream continues one that has begun
                 await response.write(builder.start())
             async with self.openai.generate([request], timelines) as [stream]:
                 async for output in stream:

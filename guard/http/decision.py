@@ -46,6 +46,8 @@ def build_record(ex: Exchange, response: web.StreamResponse | None, refused: Gua
         record.prompt_tokens = limits.prompt_tokens
     if observer is not None and ex.upstream is not None:
         record.completion_tokens, record.reported_hit_tokens = observer.output_tokens, observer.cached_tokens
+    if len(ex.replicas) > 1:  # moved (guard/http/migrate.py): every replica it ran on, the last one's included
+        record.replicas = tuple(ex.replicas)
     if refused is not None:
         message = None if ex.stage == "validate" else refused.message
         record.shed = Shed(ex.stage, refused.status, refused.code, message)

@@ -67,6 +67,7 @@ class Exchange:
     upstream: Answer | None = None  # the answer being relayed, once an engine sent headers
     backend: str | None = None  # the replica or fallback it was last sent to (X-Guard-Backend)
     revoked: GuardError | None = None  # why the guard took the request's blocks back, if it did
+    replicas: list[str] = field(default_factory=list)  # every backend it was sent to, in order (migrations)
     laps: list[tuple[str, float]] = field(default_factory=list)
     # The stages' results (see the module): no default, set by the runner as each stage returns.
     caller: Caller = field(init=False)

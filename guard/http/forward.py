@@ -4,6 +4,8 @@
 cannot be reached before a single byte was sent to it (refused or unaccepted connection) has its circuit
 opened at once, and the request is admitted again on the replicas left; when none is left,
 ``UpstreamUnavailable`` goes up to the pipeline, which makes one attempt on the first usable fallback.
+A replica that lets a resumable request down after it was sent (it died, went silent or drains) has the
+request moved to another replica, where its answer continues (guard/http/migrate.py).
 ``forward`` is one attempt on one backend, for the pool and the fallbacks alike.
 """
 
@@ -16,19 +18,24 @@ from aiohttp import web
 
 from guard.admission.ticket import TicketState
 from guard.errors import Outcome
+from guard.http import migrate
 from guard.http.exchange import Exchange, stamp_headers
 from guard.pool.gate import BORROWED_PRIORITY
+from guard.wire.errors import error_response
 from guard.wire.relay import StreamObserver, UpstreamUnavailable
+from guard.wire.resume_tap import ResumeTap
 from guard.wire.upstream import Answer, UpstreamError
 
 
 async def to_pool(ex: Exchange) -> web.StreamResponse:
-    """The admitted request on its replica; on a replica that is not there, admitted again elsewhere."""
+    """The admitted request on its replica; on a replica that is not there, admitted again elsewhere; on one
+    that lets it down once sent, moved (guard/http/migrate.py)."""
     state, parsed, sizing, entry = ex.state, ex.parsed, ex.sizing, ex.entry
     metrics = state.metrics
     # A client's own bound, or a suspect's cap, goes upstream; otherwise none, and the engine bounds the
     # output by its window and its own pool (which may hold fewer tokens than the window).
     max_tokens = sizing.bound if sizing.declared or sizing.capped else None
+    tap = entry.observer.tap = ResumeTap() if migrate.resumable(parsed) else None
     while True:
         ticket = entry.ticket
         replica = ticket.replica
@@ -39,20 +46,53 @@ async def to_pool(ex: Exchange) -> web.StreamResponse:
         # A ticket that borrows runs at a lower engine priority, so the engine preempts borrowers first.
         body = parsed.upstream_body(cache_salt=entry.salt, max_tokens=max_tokens,
                                     priority=sizing.lane.priority + (BORROWED_PRIORITY if ticket.borrowed else 0))
+        if tap is not None:
+            body = migrate.resume_body(body, parsed, tap)
         metrics.child(metrics.routed, replica.name).inc()
         metrics.child(metrics.prefix_predicted, replica.name).inc(ticket.hit_blocks * sizing.block_size)
         try:
             response, ex.outcome = await forward(ex, replica.url, replica.name, body, entry.observer, route=None)
+        except UpstreamUnavailable as exc:
+            if tap is None or tap.response is None:  # nothing sent yet: the pipeline may try a fallback
+                await _fail_over(ex)
+                continue
+            try:  # a moved stream cannot start over on a fallback: it ends if no replica is left
+                await _fail_over(ex)
+            except UpstreamUnavailable:
+                return await _give_up(ex, tap.response, tap, str(exc))
+            continue
+        if tap is None or tap.interrupted is None or entry.observer.client_gone:
             return response
-        except UpstreamUnavailable:
-            replica.breaker.trip()  # nothing listens there: no request should try it again until healthy
-            state.dispatcher.finish(ticket)
-            if not state.pool.any_usable():
-                raise
-            entry.ticket = dataclasses.replace(ticket, state=TicketState.NEW, admitted=None, replica=None)
-            if entry.growth is not None:
-                entry.growth.ticket = entry.ticket
-            await state.dispatcher.submit(entry.ticket)
+        if (why := await migrate.move(ex, tap)) is not None:
+            return await _give_up(ex, response, tap, why)
+
+
+async def _fail_over(ex: Exchange) -> None:
+    """The ticket's replica is not there (nothing was sent to it): admitted again on the replicas left, or
+    ``UpstreamUnavailable`` when none is."""
+    state, entry = ex.state, ex.entry
+    ticket = entry.ticket
+    assert ticket.replica is not None
+    ticket.replica.breaker.trip()  # nothing listens there: no request should try it again until healthy
+    state.dispatcher.finish(ticket)
+    if not state.pool.any_usable():
+        raise UpstreamUnavailable(f"replica {ticket.replica.name} is not there, and no other is usable")
+    entry.ticket = dataclasses.replace(ticket, state=TicketState.NEW, admitted=None, replica=None)
+    if entry.growth is not None:
+        entry.growth.ticket = entry.ticket
+    await state.dispatcher.submit(entry.ticket)
+
+
+async def _give_up(ex: Exchange, response: web.StreamResponse, tap: ResumeTap, why: str) -> web.StreamResponse:
+    """A request that may not move again: its client is told so (its stream's error event, or a 502; one never
+    moved, whose client has seen nothing, gets its replica's failure as it came)."""
+    ex.outcome = Outcome.UPSTREAM_ERROR
+    if tap.response is not None:
+        await ex.clients.relay.end_stream(tap.response, ex.entry.observer, why)
+        return tap.response
+    if tap.moves == 0 and tap.moves < ex.state.config.migration.max_migrations:  # no other replica to move to
+        return response
+    return error_response(502, why, code="upstream_error", headers=stamp_headers(ex.request))
 
 
 async def forward(
@@ -60,7 +100,8 @@ async def forward(
 ) -> tuple[web.StreamResponse, Outcome]:
     """Send to an engine and relay its answer. Raises ``UpstreamUnavailable`` if nothing could be sent."""
     ex.backend = backend
-    opened = await _open(ex, url, backend, body)
+    ex.replicas.append(backend)
+    opened = await _open(ex, url, backend, body, observer.tap)
     if isinstance(opened, tuple):
         return opened
     upstream = ex.upstream = opened
@@ -72,6 +113,8 @@ async def forward(
         out_headers.update(charged.headers())
     if not ex.parsed.stream:
         return await _relay_unary(ex, upstream, out_headers, observer)
+    if observer.tap is not None and observer.tap.response is not None:  # moved: its stream goes on
+        return await _carry_on(ex, upstream, observer)
     return await _relay_stream(ex, upstream, out_headers, observer)
 
 
@@ -80,7 +123,7 @@ def _breaker(ex: Exchange, backend: str):
     return pool.by_name[backend].breaker if backend in pool.by_name else ex.state.fallback_breakers[backend]
 
 
-async def _open(ex: Exchange, url: str, backend: str, body: bytes
+async def _open(ex: Exchange, url: str, backend: str, body: bytes, tap: ResumeTap | None
                 ) -> Answer | tuple[web.StreamResponse, Outcome]:
     """The upstream answer's headers, or the client's 502/504 when the engine failed on the way."""
     state, relay, parsed, tenant = ex.state, ex.clients.relay, ex.parsed, ex.caller.tenant
@@ -92,7 +135,7 @@ async def _open(ex: Exchange, url: str, backend: str, body: bytes
         trace.backend = backend
         headers.update(trace.upstream_headers())
     try:
-        upstream = await relay.open(url.rstrip("/") + parsed.path, body, headers, parsed.stream)
+        upstream = await relay.open(url.rstrip("/") + parsed.path, body, headers, parsed.stream, backend, tap)
     except UpstreamUnavailable:
         metrics.child(metrics.upstream_requests, backend, "error").inc()
         if trace is not None:
@@ -119,7 +162,7 @@ async def _open(ex: Exchange, url: str, backend: str, body: bytes
 
 async def _relay_unary(ex: Exchange, upstream: Answer, headers: dict[str, str],
                        observer: StreamObserver) -> tuple[web.StreamResponse, Outcome]:
-    response, answer = await ex.clients.relay.unary(upstream, headers)
+    response, answer = await ex.clients.relay.unary(upstream, headers, observer.tap)
     if ex.trace is not None:
         ex.trace.upstream_end = time.monotonic()
     usage = (answer or {}).get("usage")
@@ -129,6 +172,17 @@ async def _relay_unary(ex: Exchange, upstream: Answer, headers: dict[str, str],
     if ex.revoked is not None and response.status != 200:
         return response, ex.revoked.outcome
     return response, Outcome.COMPLETED if response.status == 200 else Outcome.UPSTREAM_ERROR
+
+
+async def _carry_on(ex: Exchange, upstream: Answer, observer: StreamObserver) -> tuple[web.StreamResponse, Outcome]:
+    """A moved request's stream, continued with its new replica's answer."""
+    assert observer.tap is not None and observer.tap.response is not None
+    completed = await ex.clients.relay.carry_on(ex.request, upstream, observer)
+    if (trace := ex.trace) is not None:
+        trace.upstream_end, trace.token_events = time.monotonic(), observer.events
+    if observer.client_gone:
+        return observer.tap.response, Outcome.CANCELLED
+    return observer.tap.response, Outcome.COMPLETED if completed else Outcome.UPSTREAM_ERROR
 
 
 async def _relay_stream(ex: Exchange, upstream: Answer, headers: dict[str, str],

@@ -30,8 +30,10 @@ MODELS: dict[str, type[BaseModel]] = {
 }
 # Fields a client may not choose: the guard derives them from the authenticated tenant.
 GUARD_OWNED = ("cache_salt", "priority", "tenant", "tenant_id", "x_tenant_id")
-# Left out of the body sent upstream: the guard's own fields, and the bound it sets under its own name.
-NOT_FORWARDED = frozenset((*GUARD_OWNED, "max_completion_tokens"))
+# Left out of the body sent upstream: the guard's own fields, the bound it sets under its own name, and
+# resuming, which the guard does itself (guard/http/migrate.py).
+NOT_FORWARDED = frozenset((*GUARD_OWNED, "max_completion_tokens", "resume_token_ids", "request_id",
+                           "return_token_ids", "resume_sequence_number"))
 
 
 @dataclass(slots=True)

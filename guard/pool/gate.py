@@ -152,7 +152,7 @@ class AdmissionGate:
     def alive(self) -> bool:
         """The engine is up as far as its telemetry tells (see the module docstring)."""
         snapshot = self.snapshot
-        if snapshot is None or not snapshot.healthy:
+        if snapshot is None or not snapshot.healthy or snapshot.draining:  # a draining engine takes nothing new
             return False
         now = time.monotonic()  # asked several times per request: one clock read, ``hung`` inlined
         return (now - self.heard_at <= self.config.telemetry_stale_s

@@ -50,6 +50,7 @@ class DecisionRecord:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     shed: Shed | None = None
+    replicas: Sequence[str] = ()  # every backend it ran on, in order, when it was moved (guard/http/migrate.py)
     time: float = 0.0  # when it ended (Unix seconds)
     # Its latency objective, what was predicted for it and the verdicts (guard/admission/slo.py); None: none.
     slo: dict[str, Any] | None = None
@@ -74,6 +75,7 @@ class DecisionRecord:
         return {
             "request_id": self.request_id, "tenant": self.tenant, "lane": self.lane, "model": self.model,
             "status": self.status, "outcome": self.outcome, "replica": self.replica,
+            "replicas": list(self.replicas) or ([self.replica] if self.replica is not None else []),
             "queue_ms": self.queue_ms, "ttft_ms": self.ttft_ms, "time": round(self.time, 3),
             "stages": self.stages(),
             "candidates": [candidate.as_record() for candidate in self.candidates],

@@ -23,6 +23,7 @@ from guard.detect.detector import Detector
 from guard.detect.escalation import Escalation
 from guard.errors import GuardError
 from guard.http.clients import CLIENTS, Clients
+from guard.http.migrate import watch_silence
 from guard.http.models import learn_adapters
 from guard.http.pipeline import completion
 from guard.http.routes import answered, health, identify, metrics_endpoint, models
@@ -126,6 +127,7 @@ async def _start(app: web.Application) -> None:
             events = KVEventSubscriber(session, replica.url, replica.index, stale_s)
             clients.tasks.append(asyncio.create_task(events.run(), name=f"kv events {replica.name}"))
     clients.tasks.append(asyncio.create_task(monitor(state, session), name="monitor"))
+    clients.tasks.append(asyncio.create_task(watch_silence(state, relay), name="silence watch"))
     clients.tasks.append(asyncio.create_task(publish_autoscaling(state), name="autoscaling signals"))
     if (shared := state.shared) is not None:
         await shared.resync()  # join the other guards before the first request (alone if Redis is down)

@@ -11,6 +11,14 @@ after its first byte ends with an SSE ``error`` event and no ``[DONE]``; a clien
 upstream connection at once (the engine then aborts the request and frees its blocks). Once ``closing`` is
 set (shutdown), the failures that follow are the guard's own: 503 ``shutting_down``, not the engine's fault.
 So are those of an answer the guard revokes (a confirmed attacker's): the client is told the reason.
+
+A resumable request (its observer has a ``ResumeTap``, guard/wire/resume_tap.py) is relayed event by event,
+and a failure of its replica is not the client's: the answer broke off (reset, closed, an engine error
+event asking for it, a read past its deadline, or ``interrupt``: the replica went silent) sets the tap's
+``interrupted`` to the reason and leaves the client's stream open (``tap.response``) or, before anything was
+sent, the failure unsent. The caller (guard/http/forward.py) then ``carry_on``s with another replica's
+answer, or ends the stream (``end_stream``). Answers are tracked by the backend they came from, so that a
+silent replica's can all be interrupted at once (``answers_of``).
 """
 
 from __future__ import annotations
@@ -30,7 +38,8 @@ from guard.config import Upstream
 from guard.errors import GuardError
 from guard.wire.errors import error_response, sse_error_event
 from guard.wire.front_request import FrontRequest, FrontStream
-from guard.wire.upstream import Answer, ConnectFailed, UpstreamClient, UpstreamError
+from guard.wire.resume_tap import RESUMABLE_CODES, ResumeTap
+from guard.wire.upstream import Answer, ConnectFailed, Reset, UpstreamClient, UpstreamError
 
 SHUTTING_DOWN = "the guard is shutting down; retry shortly"
 # A client transport pauses its writers once it buffers more than its high-water mark (64 KiB by default),
@@ -78,6 +87,7 @@ class StreamObserver:
     failed: bool = False  # the stream ended with an error event instead of its natural end
     client_gone: bool = False  # the client left or was dropped before the end: nobody got the rest
     completion_tokens: int | None = None  # from a usage chunk (or a non-streamed answer's usage)
+    tap: ResumeTap | None = None  # a resumable request's (see the module docstring); None: not resumable
     cached_tokens: int | None = None  # the usage's prompt_tokens_details.cached_tokens: the engine's prefix hit
     first_at: float = 0.0  # time.monotonic() of the first token event (0.0: none yet)
     _partial: bytes = b""  # the last line so far, its newline not yet come
@@ -179,22 +189,71 @@ class Relay:
         self.closing = False  # the guard is shutting down and drops its upstream connections itself
         self._open: set[Answer] = set()  # answers being relayed, for close_all
         self._revoked: dict[Answer, GuardError] = {}  # ended by the guard, and why
+        self._interrupted: dict[Answer, str] = {}  # ended by the guard to be resumed elsewhere, and why
+        self._by_backend: dict[str, dict[Answer, ResumeTap | None]] = {}  # resumable answers in flight
 
-    async def open(self, url: str, body: bytes, headers: dict[str, str], stream: bool) -> Answer:
+    async def open(self, url: str, body: bytes, headers: dict[str, str], stream: bool,
+                   backend: str | None = None, tap: ResumeTap | None = None) -> Answer:
         """Send the request and wait for the answer's headers: within the first-token timeout for a stream
         (each later read within the idle timeout), within the unary timeout for an answer that comes whole
-        once generated (and each read of its body too)."""
+        once generated (and each read of its body too). A resumable one (``tap``) is tracked under
+        ``backend`` from the moment it is sent, headers or not."""
         config = self.config
         first_byte, read = ((config.first_token_timeout, config.idle_timeout) if stream
                             else (config.unary_timeout, config.unary_timeout))
+        sent: list[Answer] = []  # a resumable answer, once its request left
+        track = None
+        if tap is not None and backend is not None:
+            tracked = self._by_backend.get(backend) or self._by_backend.setdefault(backend, {})
+
+            def track(answer: Answer) -> None:
+                sent.append(answer)
+                tracked[answer] = tap
+
         try:
-            upstream = await self.client.post(url, body, headers, first_byte, read)
+            upstream = await self.client.post(url, body, headers, first_byte, read, track)
         except ConnectFailed as exc:
             # Refused, or not accepted within connect_timeout: no byte of the request left, so another
             # backend may take it (a hung host must not cost the client more than the connect budget).
             raise UpstreamUnavailable(str(exc)) from exc
+        except (UpstreamError, TimeoutError) as exc:
+            if tap is not None:
+                tap.interrupted = self._reason_of(exc, sent[0] if sent else None)
+            if sent:
+                self._forget(sent[0])
+            raise
         self._open.add(upstream)  # until unary() or stream() is done with it
         return upstream
+
+    def answers_of(self, backend: str) -> dict[Answer, ResumeTap | None]:
+        """The resumable answers in flight from ``backend`` (sent, their headers come or not), with their taps."""
+        return self._by_backend.get(backend, {})
+
+    def interrupt(self, upstream: Answer, reason: str) -> None:
+        """End a resumable answer so that its request moves to another replica (its replica went silent)."""
+        self._interrupted[upstream] = reason
+        upstream.close()
+
+    def _forget(self, upstream: Answer) -> None:
+        self._open.discard(upstream)
+        self._revoked.pop(upstream, None)
+        self._interrupted.pop(upstream, None)
+        for tracked in self._by_backend.values():
+            tracked.pop(upstream, None)
+
+    def _reason_of(self, exc: BaseException | None, upstream: Answer | None) -> str:
+        """Why a resumable answer broke off, as ``guard_migrations_total`` counts it."""
+        if upstream is not None and (reason := self._interrupted.get(upstream)) is not None:
+            return reason
+        if isinstance(exc, Reset):
+            return "reset"
+        if isinstance(exc, TimeoutError):
+            return "silent"
+        return "closed" if exc is None or isinstance(exc, UpstreamError) else "stream_error"
+
+    def resumable(self, upstream: Answer, tap: ResumeTap | None) -> bool:
+        """A broken answer the request may move on from: resumable, neither revoked nor cut by shutdown."""
+        return tap is not None and not self.closing and upstream not in self._revoked
 
     def close_all(self) -> None:
         """Shutdown: end every answer being relayed now (each stream with its error event), and every request
@@ -211,17 +270,20 @@ class Relay:
             self._revoked[upstream] = reason
             upstream.close()
 
-    async def unary(self, upstream: Answer, headers: dict[str, str]) -> tuple[web.Response, dict | None]:
-        """A non-streaming answer: forwarded as is when it is JSON, else a 502. Returns the parsed body too."""
+    async def unary(self, upstream: Answer, headers: dict[str, str], tap: ResumeTap | None = None
+                    ) -> tuple[web.Response, dict | None]:
+        """A non-streaming answer: forwarded as is when it is JSON, else a 502. Returns the parsed body too.
+        With ``tap``, an answer that broke off, or a 503 asking to be resumed elsewhere, sets its reason."""
         try:
             async with upstream:
                 raw = await upstream.read()
         except (UpstreamError, TimeoutError) as exc:  # the engine died or went quiet mid-body
+            if self.resumable(upstream, tap):
+                tap.interrupted = self._reason_of(exc, upstream)  # type: ignore[union-attr]
             return self.failure(502, f"the engine's answer broke off: {type(exc).__name__}", "upstream_error",
                                 headers, upstream), None
         finally:
-            self._open.discard(upstream)
-            self._revoked.pop(upstream, None)
+            self._forget(upstream)
         try:
             parsed = pydantic_core.from_json(raw)
         except ValueError:
@@ -231,6 +293,8 @@ class Relay:
             return error_response(502, message, code="bad_upstream_response", headers=headers), None
         if upstream.status in (429, 503):  # the guard's contract: every 429 and 503 says when to come back
             headers = {**headers, "Retry-After": upstream.headers.get("retry-after", "1")}
+            if tap is not None:
+                tap.interrupted = _resumable_error(parsed)
         return web.Response(body=raw, status=upstream.status, content_type="application/json",
                             headers=headers), parsed
 
@@ -240,10 +304,11 @@ class Relay:
     ) -> Stream:
         """Copy an SSE answer to the client as ``observer`` passes it on (whatever it held back is written
         before the stream ends, its error event included). Returns the prepared response; never raises for
-        upstream faults."""
+        upstream faults. A resumable stream that breaks off is left open (see the module docstring)."""
         completed = False
+        tap = observer.tap
         try:
-            first = await self._first_chunk(upstream, headers)
+            first = await self._first_chunk(upstream, headers, tap)
             if isinstance(first, web.StreamResponse):
                 return first
             headers = {**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -252,21 +317,51 @@ class Relay:
             except ConnectionError:  # the client left while the first token was on its way
                 observer.client_gone = True
                 return web.StreamResponse(status=200, headers=headers)
+            if tap is not None:
+                tap.response = response
             completed = await self._copy(client, response, upstream, first, observer)
             return response
         finally:
-            self._open.discard(upstream)
-            self._revoked.pop(upstream, None)
+            self._forget(upstream)
             if not completed:
                 upstream.close()  # drop the connection: the engine sees the disconnect and aborts
             else:
                 upstream.release()
 
-    async def _first_chunk(self, upstream: Answer, headers: dict[str, str]
+    async def carry_on(self, client: Client, upstream: Answer, observer: StreamObserver) -> bool:
+        """Continue a resumable stream that broke off (``tap.response``, still open) with another replica's
+        answer; True when it reached its natural end. A replica that refuses to resume ends the stream with
+        its error; one that drains (or breaks off in turn) sets ``tap.interrupted`` again."""
+        tap = observer.tap
+        assert tap is not None and tap.response is not None
+        tap.interrupted = None
+        completed = False
+        try:
+            if upstream.status != 200 or not upstream.content_type.startswith("text/event-stream"):
+                refusal, _ = await self.unary(upstream, {}, tap)
+                if tap.interrupted is None:
+                    await self.end_stream(tap.response, observer, f"the engine refused to resume the stream "
+                                          f"({refusal.status}): {refusal.text}")
+                return False
+            completed = await self._copy(client, tap.response, upstream, None, observer)
+            return completed
+        finally:
+            self._forget(upstream)
+            if not completed:
+                upstream.close()
+            else:
+                upstream.release()
+
+    async def end_stream(self, response: Stream, observer: StreamObserver, message: str) -> None:
+        """End a stream that cannot go on (a resumable one that may not move again) with its error event."""
+        observer.failed = True
+        await _try_write(response, self.failure_event(message))
+
+    async def _first_chunk(self, upstream: Answer, headers: dict[str, str], tap: ResumeTap | None
                            ) -> bytes | web.StreamResponse:
         """The stream's first bytes, or the whole answer when it is no stream or fails before them."""
         if upstream.status != 200 or not upstream.content_type.startswith("text/event-stream"):
-            response, _ = await self.unary(upstream, headers)
+            response, _ = await self.unary(upstream, headers, tap)
             if 200 <= response.status < 300:  # a 200 that is not a stream is still not what we asked for
                 return error_response(502, "the engine did not answer with an event stream",
                                       code="bad_upstream_response", headers=headers)
@@ -274,20 +369,34 @@ class Relay:
         try:
             async with asyncio.timeout(self.config.first_token_timeout):
                 return await upstream.readany()
-        except TimeoutError:
+        except TimeoutError as exc:
+            if self.resumable(upstream, tap):
+                tap.interrupted = self._reason_of(exc, upstream)  # type: ignore[union-attr]
             return error_response(504, "the engine sent no token within the first-token timeout",
                                   code="upstream_timeout", headers=headers)
         except UpstreamError as exc:  # nothing reached the client yet: a plain 502 says it best
+            if self.resumable(upstream, tap):
+                tap.interrupted = self._reason_of(exc, upstream)  # type: ignore[union-attr]
             return self.failure(502, f"the engine failed before its first token: {type(exc).__name__}",
                                 "upstream_error", headers, upstream)
 
     async def _copy(self, client: Client, response: Stream, upstream: Answer,
-                    chunk: bytes, observer: StreamObserver) -> bool:
-        """Relay the stream from ``chunk`` on; True when it reached its natural end. A failure mid-stream
-        ends the client's stream with an error event."""
+                    chunk: bytes | None, observer: StreamObserver) -> bool:
+        """Relay the stream from ``chunk`` on (None: from the next read); True when it reached its natural
+        end. A failure mid-stream ends the client's stream with an error event, unless the request is
+        resumable: then the tap says why, and the stream stays open."""
+        tap = observer.tap
         try:
+            if chunk is None:
+                chunk = await upstream.readany()
             while chunk:
-                if relayed := observer.feed(chunk):  # nothing when the chunk only began a line
+                if tap is not None:
+                    chunk = tap.take(chunk)
+                    if tap.interrupted is not None:  # the engine's error event asks to resume elsewhere
+                        if chunk and (relayed := observer.feed(chunk)):
+                            await self._write(client, response, relayed)
+                        return False
+                if chunk and (relayed := observer.feed(chunk)):  # nothing when the chunk only began a line
                     await self._write(client, response, relayed)
                 chunk = await upstream.readany()
             completed = upstream.is_eof()
@@ -297,11 +406,19 @@ class Relay:
             observer.client_gone = True
             return False
         except (UpstreamError, TimeoutError) as exc:  # the engine failed or went quiet mid-stream
+            if self.resumable(upstream, tap):
+                tap.interrupted = self._reason_of(exc, upstream)  # type: ignore[union-attr]
+                tap.reset_held()
+                return False
             observer.failed = True
             await _try_write(response, observer.flush() + self.failure_event(
                 f"the engine stream failed: {type(exc).__name__}", upstream))
             return False
         if not completed:
+            if self.resumable(upstream, tap):
+                tap.interrupted = "closed"  # type: ignore[union-attr]
+                tap.reset_held()  # type: ignore[union-attr]
+                return False
             observer.failed = True
             await _try_write(response, observer.flush() + self.failure_event("the engine stream ended early",
                                                                              upstream))
@@ -371,6 +488,15 @@ async def _try_write(response: Stream, data: bytes) -> None:
         await response.write_eof()
     except (ConnectionError, RuntimeError):
         pass  # the client is gone too
+
+
+def _resumable_error(answer: dict) -> str | None:
+    """Why an engine's error answer asks for the request to go to another replica (None: it does not)."""
+    error = answer.get("error")
+    code = error.get("code") if isinstance(error, dict) else None
+    if not isinstance(code, str):
+        return None
+    return "drain" if code == "engine_draining" else RESUMABLE_CODES.get(code.encode())
 
 
 def cached_tokens(usage: dict) -> int | None:

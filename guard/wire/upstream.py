@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 import urllib.parse
+from collections.abc import Callable
 from typing import Self
 
 import httptools
@@ -40,6 +41,10 @@ class ConnectFailed(UpstreamError):
 
 class Disconnected(UpstreamError):
     """The connection closed before the answer was complete."""
+
+
+class Reset(Disconnected):
+    """The connection was reset (or broke with an error) before the answer was complete."""
 
 
 class BadResponse(UpstreamError):
@@ -257,7 +262,8 @@ class Connection(asyncio.Protocol):
         if self in self.pool:
             self.pool.remove(self)
         if self.answer is not None:
-            self.answer.fail(Disconnected("the engine closed the connection" + (f": {exc}" if exc else "")))
+            self.answer.fail(Reset(f"the engine's connection broke: {exc}") if exc is not None
+                             else Disconnected("the engine closed the connection"))
 
     # httptools' callbacks
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -307,10 +313,11 @@ class UpstreamClient:
         self._ssl: ssl.SSLContext | None = None
 
     async def post(self, url: str, body: bytes, headers: dict[str, str], headers_timeout: float,
-                   read_timeout: float) -> Answer:
+                   read_timeout: float, sent: Callable[[Answer], None] | None = None) -> Answer:
         """Send ``body`` and wait for the answer's headers (within ``headers_timeout``); each read of its body
         then waits at most ``read_timeout``. Raises ``ConnectFailed`` (nothing sent), ``UpstreamError`` or
-        ``TimeoutError``; on the last two the connection is dropped."""
+        ``TimeoutError``; on the last two the connection is dropped. ``sent`` is handed the answer as soon as
+        the request has left, before its headers come (so that it can be closed meanwhile)."""
         target = self._targets.get(url)
         if target is None:
             target = self._targets[url] = Target(url)
@@ -320,6 +327,8 @@ class UpstreamClient:
         connection = await self._connection(target)
         answer = connection.send(b"%s%sContent-Length: %d\r\n\r\n%s" % (
             target.head, lines.encode(), len(body), body), read_timeout)
+        if sent is not None:
+            sent(answer)
         try:
             await answer._headers(headers_timeout)
         except BaseException:

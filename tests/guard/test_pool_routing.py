@@ -102,11 +102,12 @@ async def test_kvguard_routing_raises_the_hit_ratio_without_a_hot_spot(engines: 
     assert busiest <= MAX_REPLICA_SHARE, f"one replica served {busiest:.0%} of the kvguard run: {served}"
 
 
-async def test_killed_replica_fails_only_its_running_requests_then_rejoins(engines: list[EngineProcess]
-                                                                            ) -> None:
-    """SIGKILL the replica of a stream that has begun: each request running there ends with an SSE ``error``
-    event or a 5xx in the OpenAI shape, every request sent a second later is served by the others, nothing
-    hangs, every reservation and block comes back; restarted, the replica serves again."""
+async def test_killed_replica_s_running_requests_move_to_the_others_then_it_rejoins(engines: list[EngineProcess]
+                                                                                   ) -> None:
+    """SIGKILL the replica of a stream that has begun: each request running there moves to another replica
+    and completes (issue 42; tests/e2e/test_reliability_migration.py checks their texts), every request sent
+    a second later is served by the others, nothing hangs, every reservation and block comes back;
+    restarted, the replica serves again."""
     keys = tenant_keys("failover")
     # Longer answers, so that streams are running when the replica dies; a failed turn is sent again.
     workload = ChatWorkload(conversations=3, turns=3, system_words=30, user_words=24, max_tokens=64,
@@ -138,9 +139,8 @@ async def test_killed_replica_fails_only_its_running_requests_then_rejoins(engin
         name = victim_turn.backend
         running_there = [t for t in turns if t.backend == name and t.sent < killed_at < t.finished]
         assert victim_turn in running_there
-        # Explicit either way: an SSE error event once tokens flowed, a 5xx when the replica died before the
-        # first one (the client had been sent nothing yet).
-        assert all(t.outcome in ("stream_error", "refused") for t in running_there), running_there
+        # Nothing lost: moved to another replica, each of them completed.
+        assert all(t.outcome == "completed" for t in running_there), running_there
         later = [t for t in turns if t.sent >= killed_at + 1.0]
         assert later and all(t.outcome == "completed" and t.backend != name for t in later), later
         completed = Counter((t.tenant, t.conversation) for t in turns if t.outcome == "completed")

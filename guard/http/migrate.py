@@ -1,0 +1,125 @@
+"""Nothing lost: a request whose replica lets it down mid-answer continues on another, and its client sees one
+unbroken answer (guard/http/forward.py drives it; guard/wire/relay.py and resume_tap.py do the bytes).
+
+- **Which**: a pool request with one choice and one prompt (``resumable``; an ``n > 1`` or batch answer
+  fails as before). Its observer gets a ``ResumeTap``, and a stream asks its engine for the token ids of
+  each event (``return_token_ids``), which the tap takes out of what the client gets.
+- **When** (``guard_migrations_total{reason}``): the answer broke off (``reset``, ``closed``), the engine
+  ended it with an error that asks for it (``stream_error``: stopping, a failed step; ``drain``: its drain
+  timeout ran out, or it refused the request because it drains), or its replica went ``silent``:
+  neither the replica's telemetry nor any of its answers in flight said anything for
+  ``max(migration.silence_floor_s, migration.silence_steps x its step time)`` (``watch_silence``; a busy
+  engine in a long step sends busy heartbeats, so it is never taken for a silent one).
+- **How** (``move``): the old replica's circuit opens and its reservation goes back; the request is admitted
+  again like any other (fair queue, gate) on the replicas left and sent with what its client already has:
+  the token ids of the events relayed (``resume_token_ids``), the answer's id (``request_id``: every id in
+  it derives from it) and, for a Responses stream, the count of its events (``resume_sequence_number``).
+  The engine continues after those tokens and sends only what the client has not seen; its ``usage`` is
+  the whole answer's. A unary request, of which the client has seen nothing, is simply sent again.
+- **Bounds**: at most ``migration.max_migrations`` moves per request; one more failure ends it with an
+  explicit error (a stream's ``error`` event, or a 502), as does a pool with no other usable replica (a
+  request never moved then fails as it always did: its replica's failure is its answer).
+
+Greedy answers continue exactly. A request with a ``seed`` (and temperature > 0) is resumed with the same
+seed, and the engine skips the draws of the resumed tokens, so on engines of the same model and kind it
+continues as it would have uninterrupted; without a seed it continues with fresh draws, a different but
+equally valid sample.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+
+import pydantic_core
+
+from engine.protocol import CompletionRequest, TelemetrySnapshot
+from guard.admission.ticket import TicketState
+from guard.config import Migration
+from guard.http.exchange import Exchange
+from guard.http.validate import RESPONSES, ParsedRequest
+from guard.instance import GuardState
+from guard.wire.relay import Relay
+from guard.wire.resume_tap import ResumeTap
+
+log = logging.getLogger("guard.migrate")
+
+# What a stream asks its engine for, so that it can be resumed: the body's closing brace replaced.
+_TOKEN_IDS = b',"return_token_ids":true}'
+
+
+def resumable(parsed: ParsedRequest) -> bool:
+    """One choice of one prompt: what ``resume_token_ids`` can continue."""
+    model = parsed.model
+    return parsed.n == 1 and not (isinstance(model, CompletionRequest) and len(model.prompts) != 1)
+
+
+def resume_body(body: bytes, parsed: ParsedRequest, tap: ResumeTap) -> bytes:
+    """``body`` (a JSON object) with what resuming needs: a stream's token ids, and once its client's stream
+    has begun, what it has seen."""
+    if not parsed.stream:
+        return body  # a unary answer's client has seen nothing: it is sent again as it was
+    if tap.response is None:
+        return body[:-1] + _TOKEN_IDS
+    extra: dict[str, object] = {"return_token_ids": True}
+    if token_ids := tap.token_ids():
+        extra["resume_token_ids"] = token_ids
+    if tap.answer_key is not None:
+        extra["request_id"] = tap.answer_key
+    if parsed.path == RESPONSES:
+        extra["resume_sequence_number"] = tap.events
+    return body[:-1] + b"," + pydantic_core.to_json(extra)[1:]
+
+
+async def move(ex: Exchange, tap: ResumeTap) -> str | None:
+    """Admit ``ex`` again elsewhere after its replica let it down (``tap.interrupted`` says how); None once
+    admitted, else why it may not move. Raises ``GuardError`` when admission refuses it."""
+    state, entry, reason = ex.state, ex.entry, tap.interrupted
+    assert reason is not None
+    ticket = entry.ticket
+    replica = ticket.replica
+    limit = state.config.migration.max_migrations
+    if tap.moves >= limit:
+        return f"the request's replica failed ({reason}) after it was moved {tap.moves} times (the most " \
+               f"migration.max_migrations allows)"
+    if not any(other is not replica and other.usable() for other in state.pool):
+        return f"the request's replica failed ({reason}) and no other engine replica is available"
+    if replica is not None:
+        replica.breaker.trip()  # failed, silent or draining: no request should go there until it is healthy
+        log.warning("moving request %s off replica %s (%s)", ex.request_id, replica.name, reason)
+    state.dispatcher.finish(ticket)
+    state.metrics.child(state.metrics.migrations, reason).inc()
+    tap.moves, tap.interrupted = tap.moves + 1, None
+    entry.ticket = dataclasses.replace(ticket, state=TicketState.NEW, admitted=None, replica=None)
+    if entry.growth is not None:
+        entry.growth.ticket = entry.ticket
+    await state.dispatcher.submit(entry.ticket)
+    return None
+
+
+def silence_deadline(config: Migration, snapshot: TelemetrySnapshot | None) -> float:
+    """How long a replica may say nothing before it counts as silent: scaled by its own step time."""
+    step = snapshot.step_time_s if snapshot is not None else 0.0
+    return max(config.silence_floor_s, config.silence_steps * step)
+
+
+async def watch_silence(state: GuardState, relay: Relay) -> None:
+    """Interrupt every resumable answer of a replica gone silent, so that its requests move (runs until
+    cancelled, with the guard's other background tasks)."""
+    while True:
+        config = state.config.migration
+        await asyncio.sleep(config.silence_floor_s / 4)
+        now = time.monotonic()
+        for replica in state.pool:
+            answers = relay.answers_of(replica.name)
+            if not answers:
+                continue
+            heard = max([replica.gate.heard_at, *(tap.last_byte for tap in answers.values() if tap is not None)])
+            deadline = silence_deadline(config, replica.gate.snapshot)
+            if now - heard > deadline:
+                log.warning("replica %s said nothing for %.1f s (deadline %.1f s): moving its %d requests",
+                            replica.name, now - heard, deadline, len(answers))
+                for answer in list(answers):
+                    relay.interrupt(answer, "silent")

@@ -1,0 +1,87 @@
+"""What a resumable stream has relayed, so that another replica can take it over (guard/http/migrate.py).
+
+A kvguard engine asked for ``return_token_ids`` precedes each stream event with the comment line
+``: token_ids 0 <id>,<id>,...``: the tokens the event's choice gained (engine/server/openai_api.py). The tap
+sits in front of the stream's observer and lets through whole events only (up to the last blank line; the
+rest waits for its end), without those comment lines, which the client did not ask for. So at every moment
+the token ids it holds are exactly those of the events the client was sent, and a replica resumed with them
+(``resume_token_ids``) sends exactly what the client has not seen yet.
+
+It also keeps the answer's id key (``request_id``: every id of the answer derives from it), the count of
+``data:`` events relayed (a Responses stream's next ``sequence_number``), when the stream last sent a byte
+(the silence watch), and withholds an engine ``error`` event that asks for the request to be resumed
+elsewhere (``RESUMABLE_CODES``), which then ends the stream here with ``interrupted`` set.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+COMMENT = b": token_ids 0 "
+ERROR_EVENT = b"event: error\n"
+# An engine error that says the request did not fail, its replica did: drained past its deadline
+# (``resume_elsewhere``), stopping (``engine_unavailable``) or a failed step (``engine_step_failed``).
+RESUMABLE_CODES = {b"resume_elsewhere": "drain", b"engine_unavailable": "stream_error",
+                   b"engine_step_failed": "stream_error"}
+_ANSWER_ID = re.compile(rb'"id":\s*"(?:chatcmpl-|cmpl-|resp_)([A-Za-z0-9_-]{1,64})"')
+
+
+@dataclass(slots=True)
+class ResumeTap:
+    events: int = 0  # data events relayed
+    answer_key: str | None = None  # the answer id's key, from the first event (None: not a kvguard engine's)
+    interrupted: str | None = None  # why the answer broke off, when its request is to move (None: it did not)
+    moves: int = 0  # replicas the request has moved to
+    last_byte: float = field(default_factory=time.monotonic)
+    response: Any = None  # the client's stream once it started (a web.StreamResponse or the front's stream)
+    _held: bytes = b""  # the last event so far, its blank line not yet come
+    _ids: list[bytes] = field(default_factory=list)  # the comments' id runs, parsed only when resumed
+
+    def take(self, chunk: bytes) -> bytes:
+        """The whole events ``chunk`` completes, without their token id comments (b"": none yet)."""
+        self.last_byte = time.monotonic()
+        data = self._held + chunk if self._held else chunk
+        end = data.rfind(b"\n\n") + 2
+        if end < 2:
+            self._held = data
+            return b""
+        self._held, events = data[end:], data[:end]
+        if self.answer_key is None and self.events == 0 and (found := _ANSWER_ID.search(events)):
+            self.answer_key = found.group(1).decode()
+        if COMMENT in events:
+            events = self._strip(events)
+        if ERROR_EVENT in events:
+            events = self._withhold_error(events)
+        self.events += events.count(b"\ndata:") + events.startswith(b"data:")
+        return events
+
+    def token_ids(self) -> list[int]:
+        """The token ids of every event relayed so far, in order."""
+        return [int(token) for run in self._ids for token in run.split(b",")]
+
+    def reset_held(self) -> None:
+        """The stream broke off: what came of an unfinished event was never relayed, and never will be."""
+        self._held = b""
+
+    def _strip(self, events: bytes) -> bytes:
+        parts = events.split(COMMENT)
+        kept = [parts[0]]
+        for part in parts[1:]:
+            end = part.find(b"\n")
+            self._ids.append(part[:end])
+            kept.append(part[end + 1:])
+        return b"".join(kept)
+
+    def _withhold_error(self, events: bytes) -> bytes:
+        start = events.find(ERROR_EVENT)
+        if start > 0 and events[start - 1:start] != b"\n":
+            return events  # "event: error" inside another line (a text): no event of its own
+        error = events[start:]
+        for code, reason in RESUMABLE_CODES.items():
+            if b'"' + code + b'"' in error:
+                self.interrupted = reason
+                return events[:start]
+        return events

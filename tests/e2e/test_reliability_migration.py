@@ -1,0 +1,206 @@
+"""Nothing lost (issue 42): requests in flight on a replica that dies (SIGKILL), goes silent (SIGSTOP) or drains
+(SIGTERM past its drain timeout) continue on another replica, and every client sees one unbroken answer: the
+same text as an uninterrupted run (greedy), no token twice, none missing, one id, one usage; unary requests
+too. Real engine processes behind a real guard; the reference answers come from an engine directly."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aiohttp
+from support.guard_server import GuardThread, guard_config
+from support.net import request
+from support.nothing_lost import Answer, Client, Tally, assert_nothing_lost, assert_stream_failed, ready_guard
+from support.processes import EngineProcess, Processes
+from support.wait import until
+
+ROUTING = {"min_dwell_s": 1.0, "cooldown_s": 30.0, "health_interval_s": 0.2, "failure_threshold": 2}
+MAX_TOKENS = 160
+
+
+def body(i: int, stream: bool, path: str) -> dict[str, Any]:
+    common = {"model": "tiny", "temperature": 0.0, "ignore_eos": True, "stream": stream}
+    if stream and path != "/v1/responses":
+        common["stream_options"] = {"include_usage": True}
+    if path == "/v1/chat/completions":
+        return {**common, "messages": [{"role": "user", "content": f"move me {i}"}], "max_tokens": MAX_TOKENS}
+    if path == "/v1/responses":
+        return {**common, "input": f"respond {i}", "max_output_tokens": MAX_TOKENS}
+    return {**common, "prompt": f"complete me {i}", "max_tokens": MAX_TOKENS}
+
+
+def text_of(answer: Answer, path: str, stream: bool) -> tuple[str, set[str], list[dict]]:
+    """The answer's text, the ids it carried, and its usages (a stream's usage chunks)."""
+    if not stream:
+        data = answer.json()
+        if path == "/v1/responses":
+            return data["output"][0]["content"][0]["text"], {data["id"]}, [data["usage"]]
+        choice = data["choices"][0]
+        return choice.get("text") or choice["message"]["content"], {data["id"]}, [data["usage"]]
+    text, ids, usages = "", set(), []
+    for event in answer.events():
+        line = event.split(b"data: ", 1)[-1]
+        if line == b"[DONE]" or not line.startswith(b"{"):
+            continue
+        data = json.loads(line)
+        assert "error" not in data, data
+        if path == "/v1/responses":
+            text += data.get("delta", "") if data["type"] == "response.output_text.delta" else ""
+            if data["type"] in ("response.completed", "response.incomplete"):
+                ids.add(data["response"]["id"])
+                usages.append(data["response"]["usage"])
+            continue
+        ids.add(data["id"])
+        if data.get("usage"):
+            usages.append(data["usage"])
+        for choice in data["choices"]:
+            text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+    return text, ids, usages
+
+
+async def reference(engine: EngineProcess, path: str, payload: dict[str, Any]) -> str:
+    """The uninterrupted answer's text, from an engine directly, streamed as the guard streams it."""
+    async with aiohttp.ClientSession() as session, session.post(engine.url + path, json={
+            **payload, "stream": True, "stream_options": {"include_usage": True}} if path != "/v1/responses"
+            else {**payload, "stream": True}) as response:
+        answer = Answer(response.status, response.headers, await response.read())  # type: ignore[arg-type]
+    return text_of(answer, path, True)[0]
+
+
+@asynccontextmanager
+async def pool_of(processes: Processes, count: int, *flags: str, **overrides: Any
+                  ) -> AsyncIterator[tuple[GuardThread, list[EngineProcess]]]:
+    engines = [processes.engine("--num-blocks", "512", *flags, name=f"engine{i}", wait=False) for i in range(count)]
+    for engine in engines:  # started together: each loads while the others do
+        await asyncio.to_thread(engine.wait_ready)
+    config = guard_config([e.url for e in engines], routing=ROUTING, admission={"telemetry_stale_s": 1.0},
+                          migration={"silence_floor_s": 1.0, **overrides})
+    async with ready_guard(config, timeout=10) as guard:
+        await until(lambda: guard.call(lambda: all(r.up() for r in guard.state.pool)), bool, 10)
+        yield guard, engines
+
+
+def busiest(guard: GuardThread) -> str:
+    return guard.call(lambda: max(guard.state.pool, key=lambda r: r.in_flight).name)
+
+
+def migrations(guard: GuardThread) -> dict[str, float]:
+    _, raw = request(guard.url + "/metrics")
+    return {line.split('reason="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+            for line in raw.decode().splitlines() if line.startswith("guard_migrations_total{")}
+
+
+async def run_through(guard: GuardThread, tally: Tally, jobs: list[tuple[int, bool, str]], act) -> list[Answer]:
+    """Send ``jobs`` (index, stream, path) through the guard; once every stream has its first bytes, ``act()``."""
+    client = Client(guard.url, tally)
+    started = [asyncio.Event() for _ in jobs]
+    calls = [asyncio.create_task(client.call(body(i, stream, path), path=path,
+                                             started=started[n] if stream else None))
+             for n, (i, stream, path) in enumerate(jobs)]
+    await asyncio.gather(*(started[n].wait() for n, (_, stream, _) in enumerate(jobs) if stream))
+    await asyncio.sleep(0.3)  # every stream well under way, the unary ones generating
+    await act()
+    return list(await asyncio.wait_for(asyncio.gather(*calls), 60))
+
+
+async def assert_whole(answers: list[Answer], jobs: list[tuple[int, bool, str]], survivor: EngineProcess) -> None:
+    """Every answer complete and equal to the uninterrupted one, with one id and one usage."""
+    expected = await asyncio.gather(*(reference(survivor, path, body(i, False, path)) for i, _, path in jobs))
+    for answer, (i, stream, path), reference_text in zip(answers, jobs, expected, strict=True):
+        assert answer.status == 200, answer.body[:400]
+        text, ids, usages = text_of(answer, path, stream)
+        assert text == reference_text, (i, stream, path)
+        assert len(ids) == 1 and len(usages) == 1, (ids, usages)
+        generated = usages[0].get("completion_tokens", usages[0].get("output_tokens"))
+        assert generated == MAX_TOKENS
+
+
+JOBS = ([(i, True, "/v1/chat/completions") for i in range(8)] + [(i, True, "/v1/completions") for i in range(4)]
+        + [(i, True, "/v1/responses") for i in range(2)] + [(i, False, "/v1/chat/completions") for i in range(4)])
+
+
+async def test_a_killed_replica_s_requests_finish_on_the_others_unbroken(processes: Processes) -> None:
+    tally = Tally()
+    async with pool_of(processes, 3) as (guard, engines):
+        by_name = {f"e{i}": engine for i, engine in enumerate(engines)}
+        killed: list[str] = []
+
+        async def kill_the_busiest() -> None:
+            killed.append(busiest(guard))
+            by_name[killed[0]].kill()
+
+        answers = await run_through(guard, tally, JOBS, kill_the_busiest)
+        survivors = [engine for name, engine in by_name.items() if name != killed[0]]
+        await assert_whole(answers, JOBS, survivors[0])
+        moved = migrations(guard)
+        assert sum(moved.values()) >= 1 and set(moved) <= {"reset", "closed", "stream_error"}, moved
+        records = guard.call(lambda: [r.to_dict() for r in guard.state.records.recent(100)])
+        hops = [r["replicas"] for r in records if len(r["replicas"]) > 1]
+        assert hops and all(h[0] == killed[0] and killed[0] not in h[1:] for h in hops), hops
+        after = await Client(guard.url, tally).call(body(99, True, "/v1/chat/completions"),
+                                                    path="/v1/chat/completions")
+        assert after.status == 200 and after.events()[-1] == b"data: [DONE]"
+        await assert_nothing_lost(guard, tally, survivors)
+
+
+async def test_a_silent_replica_s_requests_move_once_its_deadline_passes(processes: Processes) -> None:
+    tally = Tally()
+    jobs = [(i, True, "/v1/chat/completions") for i in range(4)] + [(i, False, "/v1/completions") for i in range(2)]
+    async with pool_of(processes, 2) as (guard, engines):
+        by_name = {"e0": engines[0], "e1": engines[1]}
+        stopped: list[tuple[str, float]] = []
+
+        async def stop_the_busiest() -> None:
+            name = busiest(guard)
+            by_name[name].send_signal(signal.SIGSTOP)
+            stopped.append((name, time.monotonic()))
+            await until(lambda: migrations(guard).get("silent", 0), bool, 10, interval=0.05)
+            # Reported, not asserted (timings belong to benchmarks): silence_floor_s is 1.0 here.
+            print(f"silent replica detected {time.monotonic() - stopped[0][1]:.2f} s after SIGSTOP")
+
+        try:
+            answers = await run_through(guard, tally, jobs, stop_the_busiest)
+            survivor = by_name["e1" if stopped[0][0] == "e0" else "e0"]
+            await assert_whole(answers, jobs, survivor)
+            assert set(migrations(guard)) == {"silent"}
+        finally:
+            by_name[stopped[0][0]].send_signal(signal.SIGCONT)
+        await assert_nothing_lost(guard, tally, list(by_name.values()))
+
+
+async def test_a_draining_replica_hands_what_it_cannot_finish_to_the_others(processes: Processes) -> None:
+    tally = Tally()
+    async with pool_of(processes, 2, "--drain-timeout", "0") as (guard, engines):
+        by_name = {"e0": engines[0], "e1": engines[1]}
+        drained: list[str] = []
+
+        async def drain_the_busiest() -> None:
+            drained.append(busiest(guard))
+            by_name[drained[0]].send_signal(signal.SIGTERM)
+
+        answers = await run_through(guard, tally, JOBS[:10] + JOBS[-2:], drain_the_busiest)
+        survivor = by_name["e1" if drained[0] == "e0" else "e0"]
+        await assert_whole(answers, JOBS[:10] + JOBS[-2:], survivor)
+        assert "drain" in migrations(guard)
+        assert await asyncio.to_thread(by_name[drained[0]].wait, 30) == 0
+        await assert_nothing_lost(guard, tally, [survivor])
+
+
+async def test_past_max_migrations_the_client_is_told(processes: Processes) -> None:
+    tally = Tally()
+    async with pool_of(processes, 2, max_migrations=0) as (guard, engines):
+        jobs = [(0, True, "/v1/chat/completions"), (1, False, "/v1/chat/completions")]
+
+        async def kill_both() -> None:  # wherever each runs
+            for engine in engines:
+                engine.kill()
+
+        streamed, unary = await run_through(guard, tally, jobs, kill_both)
+        assert "migration.max_migrations" in assert_stream_failed(streamed)["message"]
+        assert unary.status == 502 and "migration.max_migrations" in unary.json()["error"]["message"]
