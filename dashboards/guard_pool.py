@@ -67,6 +67,13 @@ def build() -> dict:
                            "GuardPrefixRoutingNotPaying.", "percentunit",
                            Target(ratio(reported, predicted), "{{backend}}"),
                            min=0, base="red", thresholds=[(0.5, "orange"), (0.8, "green")]),
+                timeseries("Migrations by reason",
+                           "Requests moved to another replica mid-answer, by why their replica let them down: "
+                           "reset or closed (it died), stream_error, silent (nothing past its deadline), "
+                           "drain. A burst is one replica's requests moving once; moves that go on at more "
+                           "than 5 % of the routed requests for 10 minutes are GuardMigrationStorm.", "reqps",
+                           Target(f"sum by (reason) ({rate(sel('guard_migrations_total'))})", "{{reason}}"),
+                           stacked=True, width=24),
                 state_timeline("Replica health", "Each replica's circuit breaker: healthy (closed) or not. "
                                "The pool serves while one replica is healthy.",
                                Target(healthy, "{{backend}}"), UP_DOWN, width=24, height=5),
