@@ -7,7 +7,8 @@ tests/e2e/test_fault_matrix.py asserts on.
 Columns: engine preemptions during the row; requests ok, refused with an explicit error, lost (hung, reset or
 truncated), cut (in flight at a guard the row SIGKILLed); the worst excess of the guards' reservations over
 an engine's pool (<= 0: never over-committed); whether every block and every reservation came back. The last
-row is the issue's scenario: both guards in front of one engine, 24 streams each, Redis killed.
+rows are issue 29's scenario (both guards in front of one engine, 24 streams each, Redis killed) and issue
+42's (the same with Redis connected but asleep, ``DEBUG SLEEP 3`` back to back).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]  # the cells live with the tests' process helpers
 
-from support.fault_matrix import CELLS, Cell, Fleet, Row, redis_killed, run_cell
+from support.fault_matrix import CELLS, Cell, Fleet, Row, redis_killed, redis_slow_back_to_back, run_cell
 
 from bench.run_info import command, describe, write_report
 
@@ -46,6 +47,9 @@ def main() -> None:
         # The relay swallows from here on: the issue's row uses e0 alone.
         rows.append(_row(fleet, "issue: 1 engine, 24 streams/guard, redis killed",
                          lambda: run_cell(fleet, "issue", Cell(redis_killed), streams=24, one_engine=True)))
+        rows.append(_row(fleet, "issue 42: the same, redis asleep back to back",
+                         lambda: run_cell(fleet, "issue 42", Cell(redis_slow_back_to_back), streams=24,
+                                          one_engine=True)))
     if args.report is not None:
         write_report(args.report, {"machine": describe(torch.device("cpu")), "command": command(), "rows": rows})
 

@@ -293,6 +293,16 @@ def redis_slow(fleet: Fleet, kill: Callable[[], None]) -> None:
     client.close()
 
 
+def redis_slow_back_to_back(fleet: Fleet, kill: Callable[[], None]) -> None:
+    """Redis connected but unresponsive for the rest of the load: ``DEBUG SLEEP 3`` back to back (issue 42's
+    report: each guard must keep to its conservative share; the engine must see no preemption)."""
+    client = redis_client.Redis.from_url(fleet.redis.url, socket_timeout=10)
+    deadline = time.monotonic() + fleet.seconds - 0.5
+    while time.monotonic() < deadline:
+        client.execute_command("DEBUG", "SLEEP", "3")
+    client.close()
+
+
 def redis_flapping(fleet: Fleet, kill: Callable[[], None]) -> None:
     """Down, then back empty, every half second."""
     deadline = time.monotonic() + fleet.seconds - 1.0
@@ -319,6 +329,20 @@ def engine_restarted_in_outage(fleet: Fleet, kill: Callable[[], None]) -> None:
     fleet.redis.start()
 
 
+def engine_killed(fleet: Fleet, kill: Callable[[], None]) -> None:
+    """e0 SIGKILLed under load (its requests move to e1, issue 42), then started again."""
+    fleet.e0.stop(signal.SIGKILL)
+    time.sleep(1.0)
+    fleet.e0.start()
+
+
+def engine_stopped(fleet: Fleet, kill: Callable[[], None]) -> None:
+    """e0 SIGSTOPped for longer than the guards' silence deadline (its requests move to e1), then continued."""
+    fleet.e0.send_signal(signal.SIGSTOP)
+    time.sleep(4.0)
+    fleet.e0.send_signal(signal.SIGCONT)
+
+
 def engine_blackholed(fleet: Fleet, kill: Callable[[], None]) -> None:
     assert fleet.hole is not None
     fleet.hole.swallow()
@@ -328,8 +352,11 @@ CELLS = {
     "redis killed": Cell(redis_killed),
     "redis killed after one guard borrowed all": Cell(redis_killed, lopsided=True),
     "redis slow (DEBUG SLEEP)": Cell(redis_slow),
+    "redis slow, back to back (DEBUG SLEEP 3)": Cell(redis_slow_back_to_back),
     "redis flapping": Cell(redis_flapping),
     "guard SIGKILLed in an outage": Cell(guard_killed_in_outage, victim=True),
     "engine restarted in an outage": Cell(engine_restarted_in_outage),
+    "engine killed": Cell(engine_killed),
+    "engine stopped (SIGSTOP, silent)": Cell(engine_stopped),
     "engine black-holed": Cell(engine_blackholed),  # last: the relay stays a black hole
 }
