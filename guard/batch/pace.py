@@ -1,12 +1,14 @@
 """When a guard may start another batch line: only in capacity that other work leaves.
 
-A line may start when none of this guard's lines is still waiting for a reservation (``running`` holds the
+A line may start when none of this guard's lines still waits for a reservation (``running`` holds the
 request ids of its lines; a line waits until its id is among the pool's reservations), nobody else's request
-waits in the fair queue, the pool is usable and in normal mode, and fewer than ``max_in_flight`` lines run.
-So the batch grows into idle blocks one admitted line at a time, never stands in front of a client's
-request, and stops growing as soon as clients' requests queue; the blocks it holds are lent (the sheddable
-class), so critical work takes them back and the engines preempt batch lines first. ``POLL_S`` is how soon
-a freed block is seen; each look costs a scan of the reservations.
+waits in the fair queue, the pool is in normal mode, fewer than ``max_in_flight`` lines run, and a usable
+replica has room for ``need`` more lent blocks: the largest reservation of the guard's running lines (one
+block before any has run). So a line is admitted at once, without queueing: a batch line never sits in the
+fair queue, where it would send clients' requests down the queueing path behind it. The batch grows into
+idle blocks one admitted line at a time and stops growing as soon as clients' requests queue; the blocks it
+holds are lent (the sheddable class), so critical work takes them back and the engines preempt batch lines
+first. ``POLL_S`` is how soon a freed block is seen; each look costs a scan of the reservations.
 """
 
 from __future__ import annotations
@@ -21,15 +23,20 @@ class Pacer:
         self.state = state
         self.max_in_flight = max_in_flight
         self.running: set[str] = set()  # request ids of this guard's lines now in the pipeline
+        self.need = 1  # blocks a line is expected to reserve: the largest of the running lines' reservations
 
     def room(self) -> bool:
         state = self.state
-        if len(self.running) >= self.max_in_flight or state.dispatcher.fair.queued:
-            return False
-        if state.modes.mode != "normal" or not state.pool.any_usable():
+        if len(self.running) >= self.max_in_flight or state.dispatcher.fair.queued or state.modes.mode != "normal":
             return False
         reserved = state.pool.reservations()
-        return all(request_id in reserved for request_id in self.running)
+        largest = 0
+        for request_id in self.running:
+            if (reservation := reserved.get(request_id)) is None:
+                return False  # still on its way to a reservation: the next line waits for it
+            largest = max(largest, reservation.blocks)
+        self.need = largest or self.need
+        return any(replica.usable() and replica.gate.fits(self.need, self.need) for replica in state.pool)
 
     def take(self, request_id: str) -> bool:
         """Whether a line may start now; if so it counts as running (until ``done``): the look and the count
