@@ -400,6 +400,8 @@ class Relay:
                     await self._write(client, response, relayed)
                 chunk = await upstream.readany()
             completed = upstream.is_eof()
+            if completed and tap is not None and (rest := tap.flush()) and (relayed := observer.feed(rest)):
+                await self._write(client, response, relayed)
             if completed and (held := observer.flush()):
                 await self._write(client, response, held)
         except ClientGone:

@@ -62,6 +62,12 @@ class ResumeTap:
         """The token ids of every event relayed so far, in order."""
         return [int(token) for run in self._ids for token in run.split(b",")]
 
+    def flush(self) -> bytes:
+        """The stream ended normally: what came after its last blank line (an upstream that does not end its
+        last event with one), as it came, less any token id comment."""
+        held, self._held = self._held, b""
+        return self._strip(held) if COMMENT in held else held
+
     def reset_held(self) -> None:
         """The stream broke off: what came of an unfinished event was never relayed, and never will be."""
         self._held = b""
