@@ -285,15 +285,12 @@ class Dispatcher:
             return self._place(queue, ticket, budget)
         return await self._place_shared(queue, ticket, budget) == "admitted"
 
-    def _ranked(self, ticket: Ticket, budget: int | None) -> list[Candidate]:
-        """The replicas in the profile's order for the ticket; ``ticket.borrowed`` says how many of its blocks
-        are (or would be) borrowed. ``budget``: the pool's, read in the same step (None: read it here)."""
-        ticket.borrowed = self._lent(ticket, ticket.blocks, budget)
-        return self.profile.rank(self.pool.replicas, ranking_request(ticket))
-
     def _place(self, queue: TenantQueue[Ticket], ticket: Ticket, budget: int | None = None) -> bool:
-        """Reserve the ticket's blocks on the first replica, in the profile's order, whose gate admits them."""
-        ranked = self._ranked(ticket, budget)
+        """Reserve the ticket's blocks on the first replica, in the profile's order, whose gate admits them;
+        ``ticket.borrowed`` says how many of them are (or would be) borrowed. ``budget``: the pool's, read in
+        the same step (None: read it here)."""
+        ticket.borrowed = self._lent(ticket, ticket.blocks, budget)
+        ranked = self.profile.rank(self.pool.replicas, ranking_request(ticket))
         for candidate in ranked:
             if candidate.replica.gate.try_reserve(ticket.request_id, queue.name, ticket.blocks, ticket.borrowed):
                 self._placed(ticket, candidate, ranked)
@@ -304,7 +301,8 @@ class Dispatcher:
         """``_place`` through the ledger: the same ranking and lending, the ledger deciding room and the VTC
         turn across guards. Redis down: the gates decide alone."""
         assert self.ledger is not None
-        ranked = self._ranked(ticket, budget)
+        ticket.borrowed = self._lent(ticket, ticket.blocks, budget)
+        ranked = self.profile.rank(self.pool.replicas, ranking_request(ticket))
         placed = await self.ledger.reserve(queue.name, ticket, ranked,
                                            functools.partial(self._placed, ticket, ranked=ranked))
         if placed == "down":

@@ -1,6 +1,6 @@
 """The pool's admission stages, as guard/http/pipeline.py declares them (``POOL``):
 
-    verdict -> count -> size -> ticket -> limits -> queue -> (forward, guard/http/forward.py)
+    count -> size -> ticket -> limits -> queue -> (forward, guard/http/forward.py)
 
 Each takes the request's ``Exchange``, reads what the stages before it made, and returns its own result
 (the runner, guard/http/stages.py, keeps it on the exchange). The policy is admission's: how a reservation
@@ -42,7 +42,12 @@ def refuse_if_confirmed(ex: Exchange) -> None:
 
 async def count(ex: Exchange) -> TokenLimits:
     """The request's prompt tokens and the output its context window leaves, a continued conversation's
-    included (an engine that cannot be asked is an unavailable pool, not the client's error)."""
+    included (an engine that cannot be asked is an unavailable pool, not the client's error); a confirmed
+    attacker is refused first. A guard that just started first waits to hear from its engines."""
+    await ex.state.pool.wait_while_starting()
+    if ex.trace is not None:
+        ex.trace.admission = time.monotonic()
+    refuse_if_confirmed(ex)
     try:
         if responses.continues(ex.parsed):
             await responses.load_conversation(ex.state, ex.clients, ex.parsed, ex.caller.tenant.name)

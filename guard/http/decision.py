@@ -27,7 +27,7 @@ def keep_record(ex: Exchange, response: web.StreamResponse | None, refused: Guar
 
 def build_record(ex: Exchange, response: web.StreamResponse | None, refused: GuardError | None) -> DecisionRecord:
     """The record of however far the request got (each stage's result, if its stage returned)."""
-    caller, parsed, entry = ex.reached("caller"), ex.reached("parsed"), ex.reached("entry")
+    caller, parsed, entry = getattr(ex, "caller", None), getattr(ex, "parsed", None), getattr(ex, "entry", None)
     tenant = caller.tenant if caller is not None else None
     ticket, observer = (entry.ticket, entry.observer) if entry is not None else (None, None)
     record = DecisionRecord(
@@ -42,7 +42,7 @@ def build_record(ex: Exchange, response: web.StreamResponse | None, refused: Gua
             record.growths = entry.growth.granted
         if ticket.objective is not None:
             record.slo = slo_record(ticket)
-    if (limits := ex.reached("limits")) is not None:
+    if (limits := getattr(ex, "limits", None)) is not None:
         record.prompt_tokens = limits.prompt_tokens
     if observer is not None and ex.upstream is not None:
         record.completion_tokens, record.reported_hit_tokens = observer.output_tokens, observer.cached_tokens

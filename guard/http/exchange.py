@@ -7,7 +7,7 @@ once. What only a stage makes is that stage's result, set by the runner (guard/h
 stage has returned: ``caller`` (auth), ``parsed`` (validate), ``route`` (route), ``limits`` (count),
 ``sizing`` (size), ``entry`` (ticket), ``charge`` (limits). Those fields do not exist before: a stage
 reads only what the stages before it made, and the end-of-request hooks, which run however far the
-request got, ask with ``reached``.
+request got, ask with ``getattr(ex, field, None)``.
 
 ``laps`` holds ``(stage, time.monotonic())`` as each stage begins, in order: the decision record's stage
 timings come from it, and a refusal is charged to the stage that was running (``stage``).
@@ -16,7 +16,7 @@ timings come from it, and a refusal is charged to the stage that was running (``
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from aiohttp import web
 
@@ -86,11 +86,6 @@ class Exchange:
     def stage(self) -> str:
         """The stage running now (the last one entered)."""
         return self.laps[-1][0] if self.laps else ""
-
-    def reached(self, result: str) -> Any | None:
-        """The stage result named ``result`` if its stage has returned, else None (for the end-of-request
-        hooks, which run however far the request got)."""
-        return getattr(self, result, None)
 
     def revoke(self, reason: GuardError) -> None:
         """The guard ends this admitted request (guard/admission/dispatch.py, ``revoke``): its upstream

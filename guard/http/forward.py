@@ -109,7 +109,7 @@ async def forward(
         ex.clients.relay.revoke(upstream, ex.revoked)
     out_headers = stamp_headers(ex.request, route)
     out_headers["X-Guard-Backend"] = backend
-    if (charged := ex.reached("charge")) is not None:  # a limited tenant paces itself by these, on every answer
+    if (charged := getattr(ex, "charge", None)) is not None:  # a limited tenant paces itself by these, on every answer
         out_headers.update(charged.headers())
     if not ex.parsed.stream:
         return await _relay_unary(ex, upstream, out_headers, observer)

@@ -35,7 +35,7 @@ def resolve(ex: Exchange, lane: Lane) -> Objective | None:
 def account(ex: Exchange) -> None:
     """Count the ended request's verdicts and score its prediction (an end-of-request hook; requests that
     got no ticket or have no objective: nothing)."""
-    entry = ex.reached("entry")
+    entry = getattr(ex, "entry", None)
     if entry is None or (objective := entry.ticket.objective) is None or ex.outcome is Outcome.CANCELLED:
         return
     ticket, observer = entry.ticket, entry.observer

@@ -2,7 +2,7 @@
 named stages that one runner drives (guard/http/stages.py):
 
     REQUEST    auth -> validate -> route
-    POOL       verdict -> count -> size -> ticket -> limits -> queue -> forward      (admission control)
+    POOL       count -> size -> ticket -> limits -> queue -> forward                 (admission control)
     ELSEWHERE  fallback                                    (a fallback engine or the static message)
 
 The names are the decision record's stages. A request runs ``REQUEST``, then ``POOL`` when its route is the
@@ -79,7 +79,7 @@ async def validate(ex: Exchange) -> ParsedRequest:
     return parsed
 
 
-async def route(ex: Exchange) -> Route:
+def route(ex: Exchange) -> Route:
     """The pool in normal mode; under pressure or degraded, the mode's route for the request's lane."""
     state = ex.state
     state.update_mode()  # arrivals move saturation between snapshots
@@ -94,9 +94,6 @@ async def route(ex: Exchange) -> Route:
                              code="degraded", retry_after=5)
         if chosen.kind != "pool":
             return chosen
-    await state.pool.wait_while_starting()  # a guard that just started may not have heard from its engines
-    if ex.trace is not None:
-        ex.trace.admission = time.monotonic()
     return POOL_ROUTE
 
 
@@ -125,7 +122,7 @@ async def elsewhere(ex: Exchange) -> web.StreamResponse:
 POOL_ROUTE = Route("pool", "pool")
 REQUEST = (Stage("auth", auth, keeps="caller"), Stage("validate", validate, keeps="parsed"),
            Stage("route", route, keeps="route"))
-POOL = (Stage("verdict", admit.refuse_if_confirmed), Stage("count", admit.count, keeps="limits"),
+POOL = (Stage("count", admit.count, keeps="limits"),
         Stage("size", admit.size, keeps="sizing"),
         Stage("ticket", admit.make_ticket, keeps="entry", release=admit.finish_ticket),
         Stage("limits", admit.charge, keeps="charge", release=admit.settle_charge),
@@ -173,7 +170,7 @@ def ended(ex: Exchange, response: web.StreamResponse | None, refused: GuardError
     count_outcome(ex)
     objectives.account(ex)
     keep_record(ex, response, refused)
-    if (entry := ex.reached("entry")) is not None:  # the ticket calls back into the exchange that holds it:
+    if (entry := getattr(ex, "entry", None)) is not None:  # the ticket calls back into the exchange that holds it:
         entry.ticket.on_revoke = None  # break the cycle, so that both go as soon as the request does
     if ex.trace is not None:
         end_trace(ex, response)
@@ -181,7 +178,7 @@ def ended(ex: Exchange, response: web.StreamResponse | None, refused: GuardError
 
 def count_outcome(ex: Exchange) -> None:
     """The one place a request's outcome is counted."""
-    metrics, caller = ex.state.metrics, ex.reached("caller")
+    metrics, caller = ex.state.metrics, getattr(ex, "caller", None)
     tenant, lane = (caller.tenant.name, caller.tenant.lane) if caller is not None else ("unknown", "none")
     metrics.child(metrics.requests, tenant, lane, ex.outcome).inc()
 
@@ -190,7 +187,7 @@ def end_trace(ex: Exchange, response: web.StreamResponse | None) -> None:
     """The request's last facts into its trace, which goes to the exporter (None: the client left)."""
     trace = ex.trace
     assert trace is not None
-    caller = ex.reached("caller")
+    caller = getattr(ex, "caller", None)
     trace.status = response.status if response is not None else 499  # nginx's "client closed request"
     trace.tenant = caller.tenant.name if caller is not None else "unknown"
     trace.outcome = ex.outcome.value

@@ -27,10 +27,12 @@ class Profiles:
         self.rules = tuple(rules)
         # Whether any profile reads prefix hits (the guard then hashes every prompt's blocks).
         self.needs_hashes = default.needs_hashes or any(p.needs_hashes for p in self.named.values())
+        if not self.rules:  # the usual configuration: one profile, asked directly (no call in between)
+            self.rank = default.rank  # type: ignore[method-assign]
 
     def pick(self, request: Request) -> Profile:
         """The profile that ranks ``request``."""
-        for rule in self.rules:  # none in the usual configuration: one profile, no test at all
+        for rule in self.rules:
             if ((rule.model is None or rule.model == request.model)
                     and (rule.objective is None or rule.objective == request.objective)):
                 return self.named[rule.profile]
