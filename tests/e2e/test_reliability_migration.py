@@ -1,13 +1,15 @@
 """Nothing lost (issue 42): requests in flight on a replica that dies (SIGKILL), goes silent (SIGSTOP) or drains
 (SIGTERM past its drain timeout) continue on another replica, and every client sees one unbroken answer: the
 same text as an uninterrupted run (greedy), no token twice, none missing, one id, one usage; unary requests
-too. Real engine processes behind a real guard; the reference answers come from an engine directly."""
+too; and a link cut (a veth of the test's own network namespace set down: silence, no reset). Real engine
+processes behind a real guard; the reference answers come from an engine directly."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import signal
+import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -16,8 +18,9 @@ from typing import Any
 import aiohttp
 from support.guard_server import GuardThread, guard_config
 from support.net import request
+from support.netns import Netns
 from support.nothing_lost import Answer, Client, Tally, assert_nothing_lost, assert_stream_failed, ready_guard
-from support.processes import EngineProcess, Processes
+from support.processes import EngineProcess, Process, Processes
 from support.wait import until
 
 ROUTING = {"min_dwell_s": 1.0, "cooldown_s": 30.0, "health_interval_s": 0.2, "failure_threshold": 2}
@@ -204,3 +207,36 @@ async def test_past_max_migrations_the_client_is_told(processes: Processes) -> N
         streamed, unary = await run_through(guard, tally, jobs, kill_both)
         assert "migration.max_migrations" in assert_stream_failed(streamed)["message"]
         assert unary.status == 502 and "migration.max_migrations" in unary.json()["error"]["message"]
+
+
+async def test_a_cut_link_is_silence_and_its_requests_move(processes: Processes) -> None:
+    """The link between the guard and one engine goes down (a veth of the test's own network namespace):
+    no reset, nothing at all; its requests move once its silence deadline passes."""
+    tally = Tally()
+    local = processes.engine("--num-blocks", "512", name="local", wait=False)
+    with Netns(0) as ns:
+        far = processes.add(Process("far", ns.exec([sys.executable, "-m", "engine", "--model", "tiny", "--host",
+                                                    ns.address, "--port", "8100", "--num-blocks", "512"]),
+                                    ready_url=f"http://{ns.address}:8100/health", log=processes.root / "far.log"),
+                            wait=False)
+        for engine in (local, far):
+            await asyncio.to_thread(engine.wait_ready)
+        config = guard_config([f"http://{ns.address}:8100", local.url], routing=ROUTING,
+                              admission={"telemetry_stale_s": 1.0}, migration={"silence_floor_s": 1.0},
+                              upstream={"connect_timeout": 1.0})
+        async with ready_guard(config, timeout=10) as guard:
+            await until(lambda: guard.call(lambda: all(r.up() for r in guard.state.pool)), bool, 10)
+            jobs = [(i, True, "/v1/chat/completions") for i in range(6)] + [(i, False, "/v1/completions")
+                                                                             for i in range(2)]
+
+            async def cut() -> None:
+                ns.cut()
+
+            try:
+                answers = await run_through(guard, tally, jobs, cut)
+            finally:
+                ns.mend()
+            await assert_whole(answers, jobs, local)
+            assert set(migrations(guard)) == {"silent"}, migrations(guard)
+            await assert_nothing_lost(guard, tally, [local])
+        far.kill()
