@@ -38,10 +38,10 @@ def request_id_of(request: web.Request) -> str:
 @web.middleware
 async def identify(request: web.Request, handler) -> web.StreamResponse:
     """The app's middleware: ``answered``, with the client connection found from the request's transport."""
-    return await answered(request, request_began(request), handler)
+    return await answered(handler, request, request_began(request))
 
 
-async def answered(request: web.Request, connection: GuardedConnection | None, handler) -> web.StreamResponse:
+async def answered(handler, request: web.Request, connection: GuardedConnection | None) -> web.StreamResponse:
     """``handler``'s answer to ``request`` as every request gets it, through aiohttp (``identify``) or the
     front (guard/wire/front.py): its request id set, counted in flight, an HTTP exception answered as an
     error, ``connection`` (whose ``request_began`` the caller has told) told when it ends, and an answer not

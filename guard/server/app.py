@@ -85,7 +85,7 @@ def create_app(config: GuardConfig, *, console: bool = True, worker: int | None 
     app[STATE] = state
     app[CONNECTIONS] = connections = ConnectionGuard(config.connections, metrics)
     # The completion routes skip aiohttp's server: the front serves them with the same pipeline.
-    connections.front = functools.partial(FrontConnection, app, functools.partial(answered, handler=completion),
+    connections.front = functools.partial(FrontConnection, app, functools.partial(answered, completion),
                                           config.limits.max_body_bytes)
     app.router.add_post("/v1/completions", completion)
     app.router.add_post("/v1/chat/completions", completion)
