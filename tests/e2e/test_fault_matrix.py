@@ -21,7 +21,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support.fault_matrix import CELLS, Fleet, run_cell
+from support.fault_matrix import CELLS, Cell, Fleet, redis_link_cut, run_cell
+from support.netns import Netns
 
 REDIS_CELLS = {"redis killed", "redis killed after one guard borrowed all", "redis slow (DEBUG SLEEP)",
                "redis slow, back to back (DEBUG SLEEP 3)", "redis flapping"}
@@ -51,3 +52,13 @@ def test_cell_loses_nothing_and_never_overcommits(fleet: Fleet, cell: str) -> No
         assert row.over_budget <= 0, row
     if cell in ENGINE_CELLS:  # refusals at admission (a full pool) may be; a stream broken off may not
         assert not any("stream error event" in kind for kind in row.errors), row
+
+
+@pytest.mark.slow
+def test_a_cut_link_to_redis_loses_nothing_and_never_preempts(tmp_path: Path) -> None:
+    """Issue 42: Redis in a network namespace of the test's own, its link cut (silence, no reset) while both
+    guards flood: each falls back to its conservative share, the engines never preempt, nothing is lost."""
+    with Netns(1) as ns, Fleet(tmp_path, seconds=4.0, redis_netns=ns) as fleet:
+        row = run_cell(fleet, "redis link cut", Cell(redis_link_cut))
+    assert row.ok > 0 and row.lost == 0 and row.preemptions == 0, row
+    assert row.blocks_back and row.reservations_back, row

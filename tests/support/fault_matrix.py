@@ -38,6 +38,7 @@ from guard.config import GuardConfig
 from .blackhole import BlackHole
 from .guard_server import GuardThread
 from .net import free_port, request
+from .netns import Netns
 from .nothing_lost import guard_holds_nothing, idle_and_free
 from .processes import EngineProcess, GuardProcess
 from .redis_server import RedisServer
@@ -69,10 +70,11 @@ class Row:
 class Fleet:
     """Redis, engine e0 and engine e1 (behind a black-hole relay), for the length of a ``with``."""
 
-    def __init__(self, root: Path, seconds: float = 3.0) -> None:
+    def __init__(self, root: Path, seconds: float = 3.0, redis_netns: Netns | None = None) -> None:
         self.root = root
         self.seconds = seconds  # of load per cell
-        self.redis = RedisServer(root)
+        self.redis_netns = redis_netns  # Redis runs in it: the link to it can be cut (``redis_link_cut``)
+        self.redis = RedisServer(root, netns=redis_netns)
         self.e0 = EngineProcess("--num-blocks", str(NUM_BLOCKS), name="e0", log=root / "e0.log")
         self.e1 = EngineProcess("--num-blocks", str(NUM_BLOCKS), name="e1", log=root / "e1.log")
         self.hole: BlackHole | None = None
@@ -301,6 +303,14 @@ def redis_slow_back_to_back(fleet: Fleet, kill: Callable[[], None]) -> None:
     while time.monotonic() < deadline:
         client.execute_command("DEBUG", "SLEEP", "3")
     client.close()
+
+
+def redis_link_cut(fleet: Fleet, kill: Callable[[], None]) -> None:
+    """The link between the guards and Redis goes down (silence, no reset) for most of the load, then back."""
+    assert fleet.redis_netns is not None, "the fleet's Redis runs on loopback: no link to cut"
+    fleet.redis_netns.cut()
+    time.sleep(fleet.seconds - 1.0)
+    fleet.redis_netns.mend()
 
 
 def redis_flapping(fleet: Fleet, kill: Callable[[], None]) -> None:

@@ -1,6 +1,6 @@
 """A network namespace of a test's own, joined to the host by a veth pair, so that a test can cut a real link:
-``cut`` sets the host's end down, and from then on nothing crosses it either way, without a reset (the
-peer sees silence, as behind a dead switch). The tests run as root; the kernel here has no netem, so delay
+``cut`` sets the namespace's end down, and from then on nothing crosses it either way, without a reset
+(the peer sees silence, as behind a dead switch). The tests run as root; the kernel here has no netem, so delay
 is not this helper's job.
 
     with Netns(0) as ns:
@@ -35,11 +35,13 @@ class Netns:
         return ["ip", "netns", "exec", self.name, *command]
 
     def cut(self) -> None:
-        """The link goes down: silence both ways, no reset."""
-        _ip("link", "set", self.host_side, "down")
+        """The link goes down: silence both ways, no reset. The namespace's end is set down, so that the
+        host keeps its route (marked linkdown) and what it sends is dropped into the dead link, where
+        setting its own end down would send it along the default route instead."""
+        _ip("netns", "exec", self.name, "ip", "link", "set", self.inner_side, "down")
 
     def mend(self) -> None:
-        _ip("link", "set", self.host_side, "up")
+        _ip("netns", "exec", self.name, "ip", "link", "set", self.inner_side, "up")
 
     def __enter__(self) -> Self:
         _ip("netns", "add", self.name)

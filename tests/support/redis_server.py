@@ -14,13 +14,14 @@ from pathlib import Path
 from typing import Self
 
 from .net import free_port
+from .netns import Netns
 from .processes import Process
 from .wait import wait_for
 
 
-def _pong(port: int) -> bool:
+def _pong(host: str, port: int) -> bool:
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as conn:
+        with socket.create_connection((host, port), timeout=0.5) as conn:
             conn.sendall(b"PING\r\n")
             return conn.recv(16).startswith(b"+PONG")
     except OSError:
@@ -28,17 +29,24 @@ def _pong(port: int) -> bool:
 
 
 class RedisServer(Process):
-    def __init__(self, workdir: Path, name: str = "redis", port: int | None = None) -> None:
+    """On loopback, or (``netns``, tests/support/netns.py) inside a network namespace at its address, so that
+    a test can cut the link between the guards and Redis."""
+
+    def __init__(self, workdir: Path, name: str = "redis", port: int | None = None, netns: Netns | None = None
+                 ) -> None:
         binary = shutil.which("redis-server")
         assert binary is not None, "redis-server is not installed (make test installs Debian's redis-server)"
         self.port = free_port() if port is None else port
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        command = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                   "--dir", str(workdir), "--enable-debug-command", "local"]
-        super().__init__(name, command, log=workdir / f"{name}.log")
+        self.host = netns.address if netns is not None else "127.0.0.1"
+        self.url = f"redis://{self.host}:{self.port}/0"
+        command = [binary, "--port", str(self.port), "--bind", self.host, "--save", "", "--appendonly", "no",
+                   "--dir", str(workdir), "--enable-debug-command", "local" if netns is None else "yes",
+                   # Reached over a veth, not loopback: protected mode would refuse the guards.
+                   *([] if netns is None else ["--protected-mode", "no"])]
+        super().__init__(name, netns.exec(command) if netns is not None else command, log=workdir / f"{name}.log")
 
     def wait_ready(self, timeout: float | None = None) -> Self:
-        wait_for(lambda: _pong(self.port) or self.poll() is not None, bool, timeout or 10.0,
+        wait_for(lambda: _pong(self.host, self.port) or self.poll() is not None, bool, timeout or 10.0,
                  message=lambda: f"{self.name} not answering PING:\n{self.log_tail()}")
         assert self.poll() is None, f"{self.name} exited with {self.returncode}:\n{self.log_tail()}"
         return self
