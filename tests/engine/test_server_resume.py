@@ -139,11 +139,14 @@ def test_a_chat_resumed_does_not_repeat_its_role(server: ServerThread) -> None:
 def assert_stops_across_the_resume_point(server: ServerThread, body: dict[str, Any], stop: str) -> None:
     """Resumed after every event of a stream cut by ``stop``, the answer still ends before it; some of the
     cuts fall inside the stop string (its tokens partly resumed, its text held back and never sent)."""
-    whole = stream(server, "/v1/completions" if "prompt" in body else "/v1/chat/completions",
-                   {**body, "stop": [stop]})
-    assert whole[-1].data["choices"][0]["finish_reason"] == "stop"
-    tokens = tokens_of(whole)
-    inside = [cut for cut in cuts(whole) if len(tokens_of(whole[:cut])) > len(tokens) - len(stop.encode())]
+    for _ in range(3):  # a busy machine may merge the events around the stop string: then stream again
+        whole = stream(server, "/v1/completions" if "prompt" in body else "/v1/chat/completions",
+                       {**body, "stop": [stop]})
+        assert whole[-1].data["choices"][0]["finish_reason"] == "stop"
+        tokens = tokens_of(whole)
+        inside = [cut for cut in cuts(whole) if len(tokens_of(whole[:cut])) > len(tokens) - len(stop.encode())]
+        if inside:
+            break
     assert inside, "no event ended inside the stop string"
     path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
     for cut in cuts(whole):
@@ -202,8 +205,10 @@ def test_a_responses_stream_resumes_its_items_and_sequence_numbers(server: Serve
     sent = [e.data for e in whole[:cut] if e.data]
     rest = resumed(server, "/v1/responses", body, whole, cut, resume_sequence_number=len(sent))
     events = sent + [e.data for e in rest if e.data]
-    assert [e["sequence_number"] for e in events] == numbers
-    assert [e["type"] for e in events] == [e.data["type"] for e in whole if e.data]
+    # One stream: numbered on without a gap, opened once (how the text falls into deltas depends on timing).
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert [e["type"] for e in events].count("response.created") == 1
+    assert [e["type"] for e in events][-3:] == [e.data["type"] for e in whole if e.data][-3:]
     assert "".join(e.get("delta", "") for e in events if e["type"] == "response.output_text.delta") == \
         whole[-1].data["response"]["output"][0]["content"][0]["text"]
     final, reference = rest[-1].data["response"], whole[-1].data["response"]
