@@ -214,7 +214,7 @@ def main() -> None:
     parser.add_argument("--capacity", type=float, help="generated tokens/s to offer the load against, not measured")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="one short round: checks that it runs")
-    parser.add_argument("--json", type=Path, default=REPO / "bench" / "results" / "batch.json")
+    parser.add_argument("--json", type=Path, help="the report (default bench/results/batch.json; --quick: none)")
     args = parser.parse_args()
     if args.quick:
         args.duration, args.rounds, args.drain, args.settle, args.calibrate, args.batch_lines = 3, 1, 3, 1, 1, 300
@@ -228,8 +228,8 @@ def main() -> None:
     s = outcome["summary"]
     print(f"interactive TTFT p50 beside a batch / alone: {s['ttft_p50_beside_over_alone']:.2f}x (target <= 1.2x); "
           f"the batch's share of the capacity interactive work leaves: {s['batch_share_of_left']:.0%} (target >= 80%)")
-    if not args.quick:
-        write_report(args.json, report)
+    if args.json is not None or not args.quick:
+        write_report(args.json or REPO / "bench" / "results" / "batch.json", report)
 
 
 if __name__ == "__main__":
