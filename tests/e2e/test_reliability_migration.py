@@ -246,3 +246,38 @@ async def test_a_cut_link_is_silence_and_its_requests_move(processes: Processes)
             assert set(migrations(guard)) == {"silent"}, migrations(guard)
             await assert_nothing_lost(guard, tally, [local])
         far.kill()
+
+
+async def test_a_rolling_restart_under_load_fails_nothing(processes: Processes) -> None:
+    """Each engine in turn drained (SIGTERM, --drain-timeout 2), exited 0 and started again while clients
+    keep sending: every request completes, and the guard sends a draining replica nothing new."""
+    tally = Tally()
+    async with pool_of(processes, 2, "--drain-timeout", "2") as (guard, engines):
+        stop = asyncio.Event()
+        answers: list[Answer] = []
+
+        async def closed_loop(n: int) -> None:
+            client, i = Client(guard.url, tally), 0
+            while not stop.is_set():
+                stream = n % 2 == 0
+                answers.append(await client.call(body(1000 * n + i, stream, "/v1/chat/completions"),
+                                                 path="/v1/chat/completions"))
+                i += 1
+
+        clients = [asyncio.create_task(closed_loop(n)) for n in range(4)]
+        for name, engine in (("e0", engines[0]), ("e1", engines[1])):
+            await asyncio.sleep(1.0)
+            engine.send_signal(signal.SIGTERM)
+            replica = guard.call(lambda n=name: guard.state.pool.by_name[n])
+            await until(lambda r=replica: guard.call(lambda: not r.gate.alive), bool, 5)  # nothing new goes there
+            assert await asyncio.to_thread(engine.wait, 30) == 0
+            await asyncio.to_thread(engine.start)
+            await until(lambda: guard.call(lambda: all(r.up() and r.breaker.closed for r in guard.state.pool)),
+                        bool, 30)
+        await asyncio.sleep(1.0)
+        stop.set()
+        await asyncio.gather(*clients)
+        assert answers and all(a.status == 200 for a in answers), [a.body[:200] for a in answers if a.status != 200]
+        assert all(a.events()[-1] == b"data: [DONE]" for a in answers if a.headers["Content-Type"].startswith(
+            "text/event-stream"))
+        await assert_nothing_lost(guard, tally, engines)
