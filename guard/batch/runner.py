@@ -91,6 +91,12 @@ class BatchRunner:
             with contextlib.suppress(Exception):
                 await self.store.release(run.batch.id, self.owner)
 
+    def table(self) -> list[dict[str, object]]:
+        """The batches this guard runs now, as the console lists them (ids, tenants and counts only)."""
+        return [{"id": run.batch.id, "tenant": run.batch.tenant, "status": run.batch.shown_status(),
+                 "total": run.batch.total, "pending": run.pending, "endpoint": run.batch.endpoint}
+                for run in self.runs.values()]
+
     async def stop(self) -> None:
         """No line starts from now on; the running ones are cancelled (their results were not recorded, so
         they run again wherever the batch goes on) and the leases go back."""

@@ -38,6 +38,7 @@ from typing import Any
 
 from aiohttp import web
 
+from guard.batch.install import RUNNER as BATCH_RUNNER
 from guard.config import Admin, is_loopback
 from guard.console.snapshot import build
 from guard.instance import STATE, GuardState
@@ -103,7 +104,9 @@ def authorizer(settings: Admin) -> Callable[[web.Request], web.Response | None]:
     return check
 
 
-def create_console_app(state: GuardState, settings: Admin, closing: asyncio.Event) -> web.Application:
+def create_console_app(state: GuardState, settings: Admin, closing: asyncio.Event,
+                       batches: Callable[[], list[dict[str, Any]]] = list) -> web.Application:
+    """The admin listener's app; ``batches`` lists the batches the guard runs now (none without a Batch API)."""
     check = authorizer(settings)
 
     @web.middleware
@@ -122,7 +125,7 @@ def create_console_app(state: GuardState, settings: Admin, closing: asyncio.Even
         try:
             await response.write(f"retry: {RETRY_MS}\n\n".encode())
             while not closing.is_set():
-                snapshot = build(state, sent)
+                snapshot = build(state, sent, batches())
                 sent = snapshot["guard"]["event_seq"]
                 await response.write(f"data: {json.dumps(snapshot, separators=(',', ':'))}\n\n".encode())
                 with contextlib.suppress(TimeoutError):
@@ -137,7 +140,7 @@ def create_console_app(state: GuardState, settings: Admin, closing: asyncio.Even
         return web.Response(body=(STATIC / name).read_bytes(), content_type=content_type, charset="utf-8")
 
     async def snapshot(request: web.Request) -> web.Response:
-        return _json(build(state))
+        return _json(build(state, batches=batches()))
 
     async def events(request: web.Request) -> web.Response:
         return _json({"events": state.events.since(0)})
@@ -185,7 +188,10 @@ def install(app: web.Application, settings: Admin) -> None:
 
     async def start(app: web.Application) -> None:
         console.closing = asyncio.Event()  # on the running loop
-        runner = web.AppRunner(create_console_app(app[STATE], settings, console.closing), access_log=None,
+        def batches() -> list[dict[str, Any]]:
+            return app[BATCH_RUNNER][0].table() if app.get(BATCH_RUNNER) else []
+
+        runner = web.AppRunner(create_console_app(app[STATE], settings, console.closing, batches), access_log=None,
                                shutdown_timeout=1.0)
         await runner.setup()
         site = web.TCPSite(runner, settings.host, settings.port)

@@ -24,10 +24,11 @@ from guard.pool.routing import CircuitBreaker
 FEED_LIMIT = 50  # events a snapshot carries at most: what fits the console's list
 
 
-def build(state: GuardState, events_after: int = 0) -> dict[str, Any]:
+def build(state: GuardState, events_after: int = 0, batches: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The whole console state; ``events`` holds the feed's events newer than ``events_after`` (a stream
-    sends each event once)."""
+    sends each event once); ``batches``: the batches this guard runs (guard/batch/runner.py ``table``)."""
     return {
+        "batches": batches or [],
         "time": round(time.time(), 3),
         "guard": _guard(state),
         "replicas": [_replica(replica) for replica in state.pool],

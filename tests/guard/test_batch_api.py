@@ -17,6 +17,7 @@ from support.net import request
 from support.wait import wait_for
 
 from guard.batch.pace import Pacer
+from guard.console.app import CONSOLE
 
 LINES = 40
 CANCELLED = 400  # lines of the batch cancelled early: far more than run at once
@@ -35,7 +36,9 @@ def store(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def guard(engine, store):
-    with usable_guard(guard_config(engine.url, batch={"store": str(store), "max_lines": 500})) as g:
+    config = guard_config(engine.url, batch={"store": str(store), "max_lines": 500},
+                          admin={"host": "127.0.0.1", "port": 0})
+    with usable_guard(config) as g:
         yield g
 
 
@@ -147,6 +150,9 @@ def test_cancel_stops_new_lines_and_ends_cancelled(guard: GuardThread) -> None:
     file = upload(sdk, jsonl(chat_lines(CANCELLED, max_tokens=32)))
     batch = sdk.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h")
     wait_for(lambda: sdk.batches.retrieve(batch.id).request_counts.completed, lambda n: n >= 2, 30, interval=0.05)
+    shown = json.loads(request(guard.app[CONSOLE].url + "/state")[1])["batches"]
+    assert [(b["id"], b["tenant"], b["total"]) for b in shown] == [(batch.id, "acme", CANCELLED)], "the console"
+    assert 0 < shown[0]["pending"] < CANCELLED
     cancelling = sdk.batches.cancel(batch.id)
     assert cancelling.status in ("cancelling", "cancelled")
     done = finished(sdk, batch.id)

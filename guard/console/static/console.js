@@ -221,6 +221,13 @@ function requestRow(r) {
   return row;
 }
 
+function batchRow(b) {
+  return el("tr", { "data-batch": b.id },
+    el("td", { text: b.id }), el("td", { text: b.tenant }), el("td", { text: b.endpoint }),
+    el("td", { text: b.status }), el("td", { class: "num", text: String(b.total) }),
+    el("td", { class: "num", text: String(b.pending) }));
+}
+
 function showRecord(id) {
   selected = id;
   fetch(`/requests/${encodeURIComponent(id)}`).then((response) => response.json()).then((record) => {
@@ -244,6 +251,7 @@ function render(snap) {
   renderReplicas(snap);
   for (const t of snap.tenants) track(`tenant:${t.name}:service`, snap.time, t.service);  // before any share
   document.querySelector("#tenants tbody").replaceChildren(...snap.tenants.map((t) => tenantRow(snap, t)));
+  document.querySelector("#batches tbody").replaceChildren(...(snap.batches ?? []).map(batchRow));
   renderEvents(snap);
   renderRequests();
   document.body.dataset.updated = String(snap.time);  // when the page last heard from the guard
