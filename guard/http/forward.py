@@ -35,7 +35,7 @@ async def to_pool(ex: Exchange) -> web.StreamResponse:
     # A client's own bound, or a suspect's cap, goes upstream; otherwise none, and the engine bounds the
     # output by its window and its own pool (which may hold fewer tokens than the window).
     max_tokens = sizing.bound if sizing.declared or sizing.capped else None
-    tap = entry.observer.tap = ResumeTap() if migrate.resumable(parsed) else None
+    tap = entry.observer.tap = migrate.tap_for(parsed)
     while True:
         ticket = entry.ticket
         replica = ticket.replica

@@ -56,6 +56,11 @@ def resumable(parsed: ParsedRequest) -> bool:
     return parsed.n == 1 and not (isinstance(model, CompletionRequest) and len(model.prompts) != 1)
 
 
+def tap_for(parsed: ParsedRequest) -> ResumeTap | None:
+    """The tap of a resumable request (None: not resumable); a Responses stream's counts its events."""
+    return ResumeTap(count_events=parsed.path == RESPONSES) if resumable(parsed) else None
+
+
 def resume_body(body: bytes, parsed: ParsedRequest, tap: ResumeTap) -> bytes:
     """``body`` (a JSON object) with what resuming needs: a stream's token ids, and once its client's stream
     has begun, what it has seen."""

@@ -31,13 +31,15 @@ _ANSWER_ID = re.compile(rb'"id":\s*"(?:chatcmpl-|cmpl-|resp_)([A-Za-z0-9_-]{1,64
 
 @dataclass(slots=True)
 class ResumeTap:
-    events: int = 0  # data events relayed
+    count_events: bool = False  # count the data events relayed (a Responses stream's sequence numbers)
+    events: int = 0  # data events relayed, when counted
     answer_key: str | None = None  # the answer id's key, from the first event (None: not a kvguard engine's)
     interrupted: str | None = None  # why the answer broke off, when its request is to move (None: it did not)
     moves: int = 0  # replicas the request has moved to
     last_byte: float = field(default_factory=time.monotonic)
     response: Any = None  # the client's stream once it started (a web.StreamResponse or the front's stream)
     _held: bytes = b""  # the last event so far, its blank line not yet come
+    _looked: bool = False  # for the answer's id
     _ids: list[bytes] = field(default_factory=list)  # the comments' id runs, parsed only when resumed
 
     def take(self, chunk: bytes) -> bytes:
@@ -49,13 +51,16 @@ class ResumeTap:
             self._held = data
             return b""
         self._held, events = data[end:], data[:end]
-        if self.answer_key is None and self.events == 0 and (found := _ANSWER_ID.search(events)):
-            self.answer_key = found.group(1).decode()
+        if not self._looked:  # the first events relayed carry the answer's id
+            self._looked = True
+            if found := _ANSWER_ID.search(events):
+                self.answer_key = found.group(1).decode()
         if COMMENT in events:
             events = self._strip(events)
         if ERROR_EVENT in events:
             events = self._withhold_error(events)
-        self.events += events.count(b"\ndata:") + events.startswith(b"data:")
+        if self.count_events:
+            self.events += events.count(b"\ndata:") + events.startswith(b"data:")
         return events
 
     def token_ids(self) -> list[int]:
