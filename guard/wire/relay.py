@@ -39,7 +39,7 @@ from guard.errors import GuardError
 from guard.wire.errors import error_response, sse_error_event
 from guard.wire.front_request import FrontRequest, FrontStream
 from guard.wire.resume_tap import RESUMABLE_CODES, ResumeTap
-from guard.wire.upstream import Answer, ConnectFailed, Reset, UpstreamClient, UpstreamError
+from guard.wire.upstream import Answer, ConnectFailed, Disconnected, Reset, UpstreamClient, UpstreamError
 
 SHUTTING_DOWN = "the guard is shutting down; retry shortly"
 # A client transport pauses its writers once it buffers more than its high-water mark (64 KiB by default),
@@ -217,7 +217,7 @@ class Relay:
             # backend may take it (a hung host must not cost the client more than the connect budget).
             raise UpstreamUnavailable(str(exc)) from exc
         except (UpstreamError, TimeoutError) as exc:
-            if tap is not None:
+            if tap is not None and not self.closing:  # at shutdown the guard cut it: nothing to move
                 tap.interrupted = self._reason_of(exc, sent[0] if sent else None)
             if sent:
                 self._forget(sent[0])
@@ -249,7 +249,7 @@ class Relay:
             return "reset"
         if isinstance(exc, TimeoutError):
             return "silent"
-        return "closed" if exc is None or isinstance(exc, UpstreamError) else "stream_error"
+        return "closed" if exc is None or isinstance(exc, Disconnected) else "stream_error"  # garbage: stream_error
 
     def resumable(self, upstream: Answer, tap: ResumeTap | None) -> bool:
         """A broken answer the request may move on from: resumable, neither revoked nor cut by shutdown."""
