@@ -76,6 +76,9 @@ class Slo(Strict):
     tpot_ms: float | None = Field(None, gt=0)
 
 
+PriorityClass = Literal["critical", "standard", "sheddable"]
+
+
 class Lane(Strict):
     """A class of work inside a tenant: lower ``priority`` is served first; ``timeout`` bounds queueing.
     ``priority_class`` orders lanes across tenants (critical first, then by fairness) and says what a lane
@@ -87,7 +90,16 @@ class Lane(Strict):
     sheddable: bool = False  # in pressure mode, served by a fallback first
     on_degraded: Literal["fallback", "reject"] = "fallback"
     slo: Slo | None = None
-    priority_class: Literal["critical", "standard", "sheddable"] = "standard"
+    priority_class: PriorityClass = "standard"
+
+
+class NamedObjective(Strict):
+    """A tenant's named objective, selected per request by ``x-gateway-inference-objective: NAME``
+    (guard/admission/classes.py): its class and its latency objective, in place of the lane's. Set by the
+    operator, so its class need not be in the tenant's ``priority_classes``."""
+
+    priority_class: PriorityClass
+    slo: Slo | None = None
 
 
 DEFAULT_LANES = {
@@ -113,6 +125,10 @@ class Tenant(Strict):
     # The models (base ids and LoRA adapter names) the tenant may use; None: every model. Any other answers
     # 404 model_not_found exactly as an unknown model does (guard/http/models.py).
     models: list[Annotated[str, Field(min_length=1)]] | None = None
+    # The classes its requests may pick with X-Priority-Class (guard/admission/classes.py); None: its lane's
+    # class only.
+    priority_classes: list[PriorityClass] | None = None
+    objectives: dict[Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:/-]+$")], NamedObjective] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _has_a_key(self) -> Tenant:

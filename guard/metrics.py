@@ -65,8 +65,9 @@ class GuardMetrics:
     def _slo_series(self, r: CollectorRegistry) -> None:
         """Latency objectives (guard/admission/slo.py, guard/http/objectives.py)."""
         self.slo_requests = Counter("guard_slo_requests_total", "Requests with a latency objective, by lane, "
-                                    "objective (ttft, tpot) and whether it was met; refusals miss it.",
-                                    ["lane", "objective", "met"], registry=r)
+                                    "the request's priority class, objective (ttft, tpot) and whether it was "
+                                    "met; refusals miss it.", ["lane", "priority_class", "objective", "met"],
+                                    registry=r)
         self.ttft_predicted = LoopHistogram("guard_ttft_predicted_seconds", "Predicted arrival to first token of "
                                             "requests with an objective.", ["lane"], LATENCY_BUCKETS, r)
         self.ttft_prediction_error = LoopHistogram("guard_ttft_prediction_error_seconds", "Absolute error of the "

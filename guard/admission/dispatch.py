@@ -122,7 +122,7 @@ class Dispatcher:
         if not self.fair.queued:
             return 0  # the usual case, asked on every request
         return sum(t.blocks for q in self.fair.tenants.values() for lane in q.lanes.values() for t in lane
-                   if priority_class is None or t.lane.priority_class == priority_class)
+                   if priority_class is None or t.priority_class == priority_class)
 
     def blocks_ahead_of(self, ticket: Ticket) -> int:
         """Blocks queued that this ticket surely waits for: its own tenant's, in lanes served before or with
@@ -136,10 +136,10 @@ class Dispatcher:
         critical tickets (they go first), a standard one for those and ``blocks_ahead_of`` it, a sheddable
         one for the sheddable tickets queued (the pace it is judged by has critical work in it already),
         since the oldest of them queued."""
-        priority_class = ticket.lane.priority_class
+        priority_class = ticket.priority_class
         if priority_class == slo.SHEDDABLE:
             queued = [t for q in self.fair.tenants.values() for lane in q.lanes.values() for t in lane
-                      if t.lane.priority_class == slo.SHEDDABLE] if self.fair.queued else []
+                      if t.priority_class == slo.SHEDDABLE] if self.fair.queued else []
             return slo.Backlog(sum(t.blocks for t in queued), min((t.enqueued_at for t in queued), default=None))
         critical = self.blocks_queued(slo.CRITICAL)
         return slo.Backlog(critical if priority_class == slo.CRITICAL else critical + self.blocks_ahead_of(ticket))
@@ -158,7 +158,7 @@ class Dispatcher:
                 return
         ahead = self.blocks_ahead_of(ticket) + ticket.blocks
         # What others borrowed is room for a critical ticket: it reclaims it (guard/pool/gate.py).
-        held = self.pool.committed() - (self.pool.borrowed() if ticket.lane.priority_class == slo.CRITICAL else 0)
+        held = self.pool.committed() - (self.pool.borrowed() if ticket.priority_class == slo.CRITICAL else 0)
         wait = self.pool.expected_wait(max(0, held + ahead - self.pool.budget()))
         if wait is not None and wait > ticket.lane.timeout:
             raise GuardError(503, f"the expected queueing time ({wait:.1f} s) exceeds this lane's timeout "
@@ -273,7 +273,7 @@ class Dispatcher:
         """The priority band before fairness: the tenants whose next ticket is critical, by VTC among them,
         go before the rest (by VTC)."""
         critical = [q for q in self.fair.backlogged() if q.name not in skip
-                    and (head := q.head()) is not None and head.lane.priority_class == slo.CRITICAL]
+                    and (head := q.head()) is not None and head.priority_class == slo.CRITICAL]
         if not critical:
             return self.fair.next_tenant(skip)
         return min(critical, key=lambda q: q.counter)
@@ -328,7 +328,7 @@ class Dispatcher:
         """Of ``blocks`` more for the ticket, those it borrows: none for a critical one (it reclaims what
         others borrowed), all for a sheddable one (lent, so critical work reclaims it and the engine preempts
         it first), past its tenant's guarantee for the rest."""
-        priority_class = ticket.lane.priority_class
+        priority_class = ticket.priority_class
         if priority_class == slo.CRITICAL:
             return 0
         return blocks if priority_class == slo.SHEDDABLE else self._borrowed(ticket.tenant, blocks, budget)
@@ -349,7 +349,7 @@ class Dispatcher:
     def _admitted(self, queue: TenantQueue[Ticket], ticket: Ticket) -> None:
         """The ticket's reservation is committed: charge its input and wake its request."""
         self.fair.charge(queue, input_tokens=ticket.prompt_tokens)
-        if ticket.enqueued_at and ticket.lane.priority_class == slo.SHEDDABLE:  # (0: admitted without queueing)
+        if ticket.enqueued_at and ticket.priority_class == slo.SHEDDABLE:  # (0: admitted without queueing)
             self.departures.sheddable.left(ticket.enqueued_at, ticket.blocks)
         ticket.state = TicketState.ADMITTED
         if ticket.replica is not None:  # the prefill now ahead of later requests there (guard/pool/latency.py)
@@ -465,5 +465,5 @@ class Dispatcher:
                                                                     ticket.lane.priority, ticket):
             ticket.state = TicketState.DONE
             self.departures.add(ticket.blocks)
-            if ticket.lane.priority_class == slo.SHEDDABLE:
+            if ticket.priority_class == slo.SHEDDABLE:
                 self.departures.sheddable.left(ticket.enqueued_at, 0)

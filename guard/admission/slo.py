@@ -1,7 +1,8 @@
 """Latency objectives: what a request was promised, what it is predicted to get, and refusing it early.
 
-A request's ``Objective`` is its lane's ``slo`` (guard/config.py), tightened (never loosened) by the
-headers ``X-SLO-TTFT-Ms`` and ``X-SLO-TPOT-Ms``, with its lane's ``priority_class``.
+A request's ``Objective`` is its lane's ``slo`` (guard/config.py), or the tenant's named objective it
+selected (guard/admission/classes.py), tightened (never loosened) by the headers ``X-SLO-TTFT-Ms`` and
+``X-SLO-TPOT-Ms``, with the request's class (its lane's unless it picked another: classes.py).
 
 Its TTFT is predicted when it reaches the dispatcher, as
 
@@ -43,7 +44,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
-from guard.config import Lane
+from guard.config import Lane, Slo
 from guard.errors import GuardError, Outcome
 from guard.pool.gate import engine_priority
 from guard.pool.latency import LogRatioMean
@@ -71,6 +72,7 @@ class Objective:
     ttft_s: float | None
     tpot_s: float | None
     priority_class: str
+    name: str | None = None  # the tenant's named objective it came from (None: its lane's)
 
     def as_record(self) -> dict:
         return {"ttft_ms": None if self.ttft_s is None else round(1e3 * self.ttft_s, 3),
@@ -78,17 +80,19 @@ class Objective:
                 "priority_class": self.priority_class}
 
 
-def objective_for(lane: Lane, headers: Mapping[str, str]) -> Objective | None:
-    """The lane's objective tightened by the request's headers; None when neither sets one. A header that is
-    not a positive number of milliseconds is a 400 naming it; one looser than the lane's is ignored."""
-    slo = lane.slo
+def objective_for(lane: Lane, headers: Mapping[str, str],
+                  selected: tuple[str, str | None, Slo | None] | None = None) -> Objective | None:
+    """The lane's objective, or the request's ``selected`` (class, objective name, slo:
+    guard/admission/classes.py), tightened by the request's headers; None when neither sets one. A header
+    that is not a positive number of milliseconds is a 400 naming it; one looser than the objective is ignored."""
+    priority_class, name, slo = selected if selected is not None else (lane.priority_class, None, lane.slo)
     ttft = slo.ttft_ms if slo is not None else None
     tpot = slo.tpot_ms if slo is not None else None
     ttft, tpot = _tighten(ttft, headers, "ttft"), _tighten(tpot, headers, "tpot")
     if ttft is None and tpot is None:
         return None
     return Objective(None if ttft is None else ttft / 1e3, None if tpot is None else tpot / 1e3,
-                     lane.priority_class)
+                     priority_class, name)
 
 
 def _tighten(lane_ms: float | None, headers: Mapping[str, str], which: str) -> float | None:
@@ -110,6 +114,7 @@ class Judged(Protocol):
     """What judging reads of a ticket (guard/admission/dispatch.py) and writes into it."""
 
     lane: Lane
+    priority_class: str
     objective: Objective | None
     blocks: int
     prompt_tokens: int
@@ -260,9 +265,9 @@ class WaitCorrection:
 def queue_wait(pool: ReplicaPool, departures: Departures, ticket: Judged, ahead: Backlog) -> float | None:
     """The ticket's queue wait as the pace or the drain predicts it, before the correction (None: nothing
     measured to predict it from), with ``ahead`` queued to be admitted before it; sets its ``wait_key``."""
-    sheddable = ticket.lane.priority_class == SHEDDABLE
-    rate = departures.rate(ticket.lane.priority_class, ahead.since) if ahead.blocks else 0.0
-    ticket.wait_key = (ticket.lane.priority_class, rate > 0)
+    sheddable = ticket.priority_class == SHEDDABLE
+    rate = departures.rate(ticket.priority_class, ahead.since) if ahead.blocks else 0.0
+    ticket.wait_key = (ticket.priority_class, rate > 0)
     if rate > 0:  # a sheddable ticket at the head still waits for its own blocks to be free
         return (ahead.blocks + (ticket.blocks if sheddable else 0)) / rate
     # What others borrowed is reclaimed by a ticket that does not borrow itself (guard/pool/gate.py).
@@ -283,7 +288,7 @@ def predicted_ttft(pool: ReplicaPool, departures: Departures, ticket: Judged, ah
     ticket.predicted_wait = wait = queue_wait(pool, departures, ticket, ahead)
     if wait is not None:
         wait = correction.correct(ticket.wait_key, wait)
-    priority = engine_priority(ticket.lane.priority, ticket.lane.priority_class == SHEDDABLE)
+    priority = engine_priority(ticket.lane.priority, ticket.priority_class == SHEDDABLE)
     engine = min((r.latency.predict_ttft(priority, ticket.prompt_tokens, r.in_flight) for r in pool.replicas
                   if r.usable()), default=0.0)
     ticket.predicted_queue = queue = time.monotonic() - ticket.arrived + (wait or 0.0)

@@ -64,3 +64,10 @@ class Ticket:
     work: int = 0  # prefill tokens ahead of it on its replica when admitted, its own included
     priority: int = 0  # the engine priority it runs at, once admitted
     sent: Sent | None = None  # its load band and the requests running there when admitted (guard/pool/latency.py)
+    # Its class (guard/admission/classes.py): what admission orders, lends and sheds it by ("": its lane's).
+    priority_class: str = ""
+    objective_name: str | None = None  # the tenant's named objective it selected (None: none)
+
+    def __post_init__(self) -> None:
+        if not self.priority_class:
+            self.priority_class = self.lane.priority_class

@@ -76,9 +76,10 @@ def make_ticket(ex: Exchange) -> Entry:
     lora = adapter_of(parsed.model.model, state.pool)
     hashes = ([prompt_block_hashes(ids, sizing.block_size, salt, lora) for ids in limits.ids]
               if state.profile.needs_hashes and len(state.pool) > 1 and limits.ids is not None else [])
+    priority_class, named, objective = objectives.resolve(ex, sizing.lane)
     ticket = Ticket(ex.request_id, tenant, sizing.lane, limits.prompt_tokens, sizing.reserve, sizing.blocks, hashes,
-                    on_revoke=ex.revoke, arrived=ex.arrived, objective=objectives.resolve(ex, sizing.lane),
-                    lora=lora, model=parsed.model.model)
+                    on_revoke=ex.revoke, arrived=ex.arrived, objective=objective, lora=lora,
+                    model=parsed.model.model, priority_class=priority_class, objective_name=named)
     growth = Growth(sizing, state.dispatcher, ticket) if not sizing.declared else None
     return Entry(ticket, observe(ex, ticket, growth), growth, salt)
 

@@ -37,6 +37,7 @@ def build_record(ex: Exchange, response: web.StreamResponse | None, refused: Gua
         ex.laps, ticket.candidates if ticket is not None else (), time=time.time())
     if ticket is not None:
         record.blocks, record.tokens, record.borrowed = ticket.blocks, ticket.max_tokens, ticket.borrowed
+        record.priority_class, record.objective = ticket.priority_class, ticket.objective_name
         record.predicted_hit_tokens = ticket.hit_blocks * ex.sizing.block_size if ticket.replica is not None else None
         if entry.growth is not None:
             record.growths = entry.growth.granted

@@ -1,8 +1,8 @@
 """A request's latency objective on the HTTP side: read from its lane and headers, and judged at its end.
 
 The objective itself, the prediction and early shedding are guard/admission/slo.py's. Here, once the request
-has ended (an end-of-request hook of guard/http/pipeline.py), its verdicts are counted: ``guard_slo_requests_total{lane, objective,
-met}`` once per objective it has, with
+has ended (an end-of-request hook of guard/http/pipeline.py), its verdicts are counted: ``guard_slo_requests_total{lane, priority_class,
+objective, met}`` once per objective it has (``priority_class``: the request's, guard/admission/classes.py), with
 
 - TTFT met when the first token reached the client within the objective of its arrival. A unary answer's
   first token is the whole answer, so its TTFT is its end-to-end time, as its client sees it;
@@ -21,15 +21,20 @@ from __future__ import annotations
 
 import time
 
+from guard.admission.classes import select
 from guard.admission.slo import Objective, objective_for
 from guard.config import Lane
 from guard.errors import Outcome
 from guard.http.exchange import Exchange
 
 
-def resolve(ex: Exchange, lane: Lane) -> Objective | None:
-    """The request's objective: its lane's, tightened by its headers (400 for a malformed one)."""
-    return objective_for(lane, ex.request.headers)
+def resolve(ex: Exchange, lane: Lane) -> tuple[str, str | None, Objective | None]:
+    """The request's class, named objective and latency objective: its lane's, or those its headers select
+    among its tenant's (guard/admission/classes.py), tightened by its X-SLO-* headers (400 or 403 for what
+    it may not ask)."""
+    headers = ex.request.headers
+    selected = select(ex.caller.tenant, lane, headers)
+    return selected.priority_class, selected.objective, objective_for(lane, headers, selected)
 
 
 def account(ex: Exchange) -> None:
@@ -57,7 +62,7 @@ def account(ex: Exchange) -> None:
         elif ttft is None:
             verdicts["tpot"] = False
     for which, met in verdicts.items():
-        metrics.child(metrics.slo_requests, lane, which, "true" if met else "false").inc()
+        metrics.child(metrics.slo_requests, lane, ticket.priority_class, which, "true" if met else "false").inc()
     ticket.verdicts = verdicts
     if ticket.predicted_ttft is not None:
         metrics.child(metrics.ttft_predicted, lane).observe(ticket.predicted_ttft)

@@ -54,6 +54,9 @@ class DecisionRecord:
     time: float = 0.0  # when it ended (Unix seconds)
     # Its latency objective, what was predicted for it and the verdicts (guard/admission/slo.py); None: none.
     slo: dict[str, Any] | None = None
+    # Its class and the tenant's named objective it selected (guard/admission/classes.py); None: not got that far.
+    priority_class: str | None = None
+    objective: str | None = None
 
     @property
     def queue_ms(self) -> float | None:
@@ -74,7 +77,7 @@ class DecisionRecord:
     def to_dict(self) -> dict[str, Any]:
         return {
             "request_id": self.request_id, "tenant": self.tenant, "lane": self.lane, "model": self.model,
-            "status": self.status, "outcome": self.outcome, "replica": self.replica,
+            "priority_class": self.priority_class, "objective": self.objective, "status": self.status, "outcome": self.outcome, "replica": self.replica,
             "replicas": list(self.replicas) or ([self.replica] if self.replica is not None else []),
             "queue_ms": self.queue_ms, "ttft_ms": self.ttft_ms, "time": round(self.time, 3),
             "stages": self.stages(),
@@ -91,7 +94,8 @@ class DecisionRecord:
 
     def summary(self) -> dict[str, Any]:
         """The fields a list of recent requests shows."""
-        return {"request_id": self.request_id, "tenant": self.tenant, "lane": self.lane, "status": self.status,
+        return {"request_id": self.request_id, "tenant": self.tenant, "lane": self.lane,
+                "priority_class": self.priority_class, "objective": self.objective, "status": self.status,
                 "outcome": self.outcome, "replica": self.replica, "ttft_ms": self.ttft_ms,
                 "time": round(self.time, 3)}
 

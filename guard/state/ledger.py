@@ -84,7 +84,7 @@ class RedisLedger:
         charge = (INPUT_COST * ticket.prompt_tokens + OUTPUT_COST * ticket.max_tokens) / ticket.tenant.weight
         # The priority band goes before fairness (guard/admission/dispatch.py ``_next_tenant``): a critical
         # ticket is never told it is another tenant's turn.
-        slack = CRITICAL_SLACK if ticket.lane.priority_class == slo.CRITICAL else SLACK_TOKENS / ticket.tenant.weight
+        slack = CRITICAL_SLACK if ticket.priority_class == slo.CRITICAL else SLACK_TOKENS / ticket.tenant.weight
         for candidate in ranked:
             threshold_room, pool_room = candidate.replica.gate.rooms()
             deciding = self.shared.ask(

@@ -31,7 +31,7 @@ from guard.server.app import create_app
 from guard.server.reload import restart_only_changes
 
 KEYS = {"request_id", "tenant", "lane", "model", "status", "outcome", "replica", "replicas", "queue_ms", "ttft_ms", "stages",
-        "candidates", "reservation", "prefix", "usage", "shed", "time", "slo"}
+        "candidates", "reservation", "prefix", "usage", "shed", "time", "slo", "priority_class", "objective"}
 POOL_STAGES = ["auth", "validate", "route", "count", "size", "ticket", "limits", "queue", "forward"]
 PROMPT = "a decision record keeps names and numbers, never the words of a prompt. " * 6  # 408 tokens
 

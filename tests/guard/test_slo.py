@@ -282,7 +282,7 @@ async def test_live_objectives_answers_series_and_decision_record(engine: Engine
             assert status == 503 and b"slo_unattainable" in raw and 1 <= int(headers["Retry-After"]) <= 60
             async with session.get(guard.url + "/metrics") as answer:
                 metrics = await answer.text()
-    assert 'guard_slo_requests_total{lane="interactive",met="true",objective="ttft"} 3.0' in metrics
-    assert 'guard_slo_requests_total{lane="batch",met="false",objective="ttft"} 1.0' in metrics
+    assert 'guard_slo_requests_total{lane="interactive",met="true",objective="ttft",priority_class="critical"} 3.0' in metrics
+    assert 'guard_slo_requests_total{lane="batch",met="false",objective="ttft",priority_class="sheddable"} 1.0' in metrics
     assert 'guard_ttft_predicted_seconds_count{lane="interactive"} 3' in metrics
     assert 'guard_ttft_prediction_error_seconds_count{lane="interactive"} 3' in metrics

@@ -214,6 +214,7 @@ let selected = null;
 function requestRow(r) {
   const row = el("tr", { "data-request": r.request_id },
     el("td", { text: r.request_id }), el("td", { text: r.tenant ?? "–" }), el("td", { text: r.lane ?? "–" }),
+    el("td", { text: r.priority_class ?? "–" }), el("td", { text: r.objective ?? "–" }),
     el("td", { class: "num", text: String(r.status ?? "–") }), el("td", { text: r.outcome }),
     el("td", { text: r.replica ?? "–" }), el("td", { class: "num", text: r.ttft_ms == null ? "–" : r.ttft_ms.toFixed(1) }));
   if (r.request_id === selected) row.classList.add("selected");

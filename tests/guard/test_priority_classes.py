@@ -1,0 +1,146 @@
+"""Classes and named objectives per request (guard/admission/classes.py), through a real guard in front of a
+real tiny engine, on both state backends: ``X-Priority-Class`` within the tenant's ``priority_classes``
+(403 outside them, 400 for no class), ``x-gateway-inference-objective`` selecting a named objective (400
+when unknown), which ``X-Priority-Class`` may lower but not raise; and the request's class, not its lane's,
+deciding admission (a sheddable request's blocks are lent, and it alone is shed for its objective)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+
+import pytest
+from support.admission_backends import BACKENDS, flush
+from support.engine_server import ServerThread
+from support.guard_server import GuardThread, guard_config
+from support.net import request
+from support.redis_server import RedisServer
+from support.wait import wait_for
+
+from guard.admission.classes import select
+from guard.config import Lane, Tenant
+from guard.console.app import CONSOLE
+from guard.errors import GuardError
+
+OBJECTIVES = {"chat": {"priority_class": "critical", "slo": {"ttft_ms": 60000}},
+              "offline": {"priority_class": "sheddable"}}
+TENANTS = [{"name": "acme", "api_keys": ["sk-acme"], "lane": "interactive",
+            "priority_classes": ["standard", "sheddable"], "objectives": OBJECTIVES},
+           {"name": "plain", "api_keys": ["sk-plain"], "lane": "interactive"}]
+LANES = {"interactive": {"priority": 1}}  # standard, no objective of its own
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[ServerThread]:
+    with ServerThread(num_blocks=128) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    with RedisServer(tmp_path_factory.mktemp("redis")) as server:
+        yield server
+
+
+@contextlib.contextmanager
+def guard_on(backend: str, engine: ServerThread, redis: RedisServer) -> Iterator[GuardThread]:
+    extra = {}
+    if backend == "redis":
+        flush(redis)
+        extra["shared_state"] = {"redis_url": redis.url}
+    config = guard_config(engine.url, tenants=TENANTS, lanes=LANES, admin={"host": "127.0.0.1", "port": 0}, **extra)
+    with GuardThread(config) as guard:
+        wait_for(lambda: guard.call(guard.state.pool.any_usable), bool, 10)
+        if backend == "redis":
+            wait_for(lambda: guard.call(lambda: guard.state.shared.up), bool, 10)
+        yield guard
+
+
+def post(guard: GuardThread, key: str, rid: str, headers: dict[str, str] | None = None) -> tuple[int, dict]:
+    body = {"model": "tiny", "prompt": "which class am I?", "max_tokens": 4, "ignore_eos": True}
+    status, raw = request(guard.url + "/v1/completions", json.dumps(body).encode(),
+                          {"Authorization": f"Bearer {key}", "X-Request-Id": rid, **(headers or {})})
+    return status, json.loads(raw)
+
+
+def record(guard: GuardThread, rid: str) -> dict:
+    status, raw = request(f"{guard.app[CONSOLE].url}/requests/{rid}")
+    assert status == 200
+    return json.loads(raw)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_class_and_objective_headers_through_a_guard(backend: str, engine: ServerThread, redis: RedisServer) -> None:
+    cases = [  # (request id, key, headers, status, error code or (class, objective) in its record)
+        ("lane", "sk-acme", {}, 200, ("standard", None)),
+        ("picked", "sk-acme", {"X-Priority-Class": "sheddable"}, 200, ("sheddable", None)),
+        ("not-allowed", "sk-acme", {"X-Priority-Class": "critical"}, 403, "priority_class_not_allowed"),
+        ("plain-lane-only", "sk-plain", {"X-Priority-Class": "sheddable"}, 403, "priority_class_not_allowed"),
+        ("no-class", "sk-acme", {"X-Priority-Class": "urgent"}, 400, "invalid_priority_class"),
+        ("chat", "sk-acme", {"x-gateway-inference-objective": "chat"}, 200, ("critical", "chat")),
+        ("unknown", "sk-acme", {"x-gateway-inference-objective": "nope"}, 400, "unknown_objective"),
+        ("lowered", "sk-acme", {"x-gateway-inference-objective": "chat", "X-Priority-Class": "sheddable"}, 200,
+         ("sheddable", "chat")),
+        ("raised", "sk-acme", {"x-gateway-inference-objective": "offline", "X-Priority-Class": "standard"}, 403,
+         "priority_class_not_allowed"),
+    ]
+    with guard_on(backend, engine, redis) as guard:
+        for rid, key, headers, status, expected in cases:
+            got, body = post(guard, key, rid, headers)
+            assert got == status, (rid, body)
+            kept = record(guard, rid)
+            if isinstance(expected, str):
+                assert body["error"]["code"] == expected, rid
+                param = body["error"]["param"]
+                assert param == ("x-gateway-inference-objective" if expected == "unknown_objective"
+                                 else "X-Priority-Class"), rid
+                assert kept["shed"]["code"] == expected and kept["priority_class"] is None
+                continue
+            assert (kept["priority_class"], kept["objective"]) == expected, rid
+            reservation = kept["reservation"]
+            if expected[0] == "sheddable":  # a sheddable request's blocks are lent whole, whatever its lane
+                assert reservation["borrowed"] == reservation["blocks"] > 0, rid
+            else:
+                assert reservation["borrowed"] == 0, rid
+        chat = record(guard, "chat")["slo"]
+        assert chat["ttft_ms"] == 60000 and chat["priority_class"] == "critical" and chat["met"] == {"ttft": True}
+        status, raw = request(guard.url + "/metrics")
+        metrics = raw.decode()
+        assert ('guard_slo_requests_total{lane="interactive",met="true",objective="ttft",priority_class="critical"} 1.0'
+                in metrics), "the objective's verdict counted under the request's class"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_only_a_request_of_the_sheddable_class_is_shed(backend: str, engine: ServerThread, redis: RedisServer) -> None:
+    """The same tenant, lane and objective: asked as sheddable, a request predicted late is refused at
+    arrival; asked as standard (its lane's class), it is served."""
+    tight = {"X-SLO-TTFT-Ms": "1"}  # no engine answers in 1 ms
+    with guard_on(backend, engine, redis) as guard:
+        for i in range(3):  # served; the pool drains, so a wait can be predicted
+            assert post(guard, "sk-acme", f"warm-{i}")[0] == 200
+        wait_for(lambda: guard.call(lambda: guard.state.pool.expected_wait(1)), lambda w: w is not None, 10)
+        status, body = post(guard, "sk-acme", "shed", {**tight, "X-Priority-Class": "sheddable"})
+        assert status == 503 and body["error"]["code"] == "slo_unattainable"
+        assert record(guard, "shed")["priority_class"] == "sheddable"
+        status, _ = post(guard, "sk-acme", "kept", tight)
+        assert status == 200 and record(guard, "kept")["slo"]["met"] == {"ttft": False}
+
+
+def test_select_rules_without_a_guard() -> None:
+    """The rules alone, on the config's own objects: the default is the lane's class and objective."""
+    lane = Lane(priority_class="standard", slo={"ttft_ms": 900})
+    tenant = Tenant(name="t", api_keys=["k"], priority_classes=["sheddable", "standard"], objectives=OBJECTIVES)
+    assert select(tenant, lane, {}) == ("standard", None, lane.slo)
+    assert select(tenant, lane, {"X-Priority-Class": "sheddable"}).priority_class == "sheddable"
+    chat = select(tenant, lane, {"x-gateway-inference-objective": "chat"})
+    assert chat.priority_class == "critical" and chat.slo is not None and chat.slo.ttft_ms == 60000
+    offline = select(tenant, lane, {"x-gateway-inference-objective": "offline"})
+    assert offline == ("sheddable", "offline", None), "a named objective's slo replaces the lane's, even none"
+    assert select(tenant, lane, {"x-gateway-inference-objective": "chat", "X-Priority-Class": "critical"}
+                  ).priority_class == "critical", "asking for the objective's own class is no raise"
+    lane_only = Tenant(name="u", api_keys=["k2"])
+    with pytest.raises(GuardError) as refused:
+        select(lane_only, lane, {"X-Priority-Class": "critical"})
+    assert refused.value.status == 403
+    assert select(lane_only, lane, {"X-Priority-Class": "standard"}).priority_class == "standard"
