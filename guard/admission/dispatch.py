@@ -125,11 +125,12 @@ class Dispatcher:
                    if priority_class is None or t.priority_class == priority_class)
 
     def blocks_ahead_of(self, ticket: Ticket) -> int:
-        """Blocks queued that this ticket surely waits for: its own tenant's, in lanes served before or with
-        its own. Other tenants' backlogs are not ahead of it: VTC serves the tenant with the least service."""
+        """Blocks queued that this ticket surely waits for: its own tenant's, of the classes and lanes served
+        before or with its own (``Ticket.order``). Other tenants' backlogs are not ahead of it: VTC serves the
+        tenant with the least service."""
         queue = self.queue_of(ticket.tenant)
-        return sum(t.blocks for priority, lane in queue.lanes.items() if priority <= ticket.lane.priority
-                   for t in lane)
+        order = ticket.order
+        return sum(t.blocks for key, lane in queue.lanes.items() if key <= order for t in lane)
 
     def blocks_before(self, ticket: Ticket) -> slo.Backlog:
         """What is queued to be admitted before the ticket, by its class: a critical one waits only for the
@@ -165,7 +166,7 @@ class Dispatcher:
                              f"({ticket.lane.timeout:g} s)", code="overloaded", retry_after=self.pool.retry_after(ahead))
         ticket.enqueued_at = time.monotonic()
         ticket.state = TicketState.QUEUED
-        self.fair.push(queue, ticket.lane.priority, ticket)
+        self.fair.push(queue, ticket.order, ticket)
         self.pump()
         if ticket.state is TicketState.QUEUED and len(queue) > ticket.tenant.max_queue:
             self._dequeue(ticket)  # max_queue counts waiting requests: one admitted at once never waited
@@ -212,7 +213,7 @@ class Dispatcher:
                 continue
             placed = yield queue, ticket, budget
             if placed == "admitted":
-                self.fair.remove(queue, ticket.lane.priority, ticket)
+                self.fair.remove(queue, ticket.order, ticket)
                 self.departures.add(ticket.blocks)
                 self.correction.observe(ticket.wait_key, ticket.predicted_wait, time.monotonic() - ticket.enqueued_at)
                 self._admitted(queue, ticket)
@@ -462,7 +463,7 @@ class Dispatcher:
 
     def _dequeue(self, ticket: Ticket) -> None:
         if ticket.state is TicketState.QUEUED and self.fair.remove(self.queue_of(ticket.tenant),
-                                                                    ticket.lane.priority, ticket):
+                                                                    ticket.order, ticket):
             ticket.state = TicketState.DONE
             self.departures.add(ticket.blocks)
             if ticket.priority_class == slo.SHEDDABLE:

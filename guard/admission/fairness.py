@@ -4,7 +4,8 @@ A tenant's *service* is its tokens weighted by cost, ``input + 2 * output``; its
 service divided by the tenant's weight. The next
 admission goes to the backlogged tenant with the lowest counter. A tenant that becomes backlogged after
 idling is lifted to the lowest counter among the backlogged tenants, so idle time banks no credit.
-Inside a tenant, lanes order the work (lower lane priority first), FIFO within a lane.
+Inside a tenant, an order key orders the work (lower first: the dispatcher's is the request's class, then
+its lane's priority), FIFO within a key.
 
 Invariant: a tenant is *backlogged* iff it has at least one queued item; only backlogged tenants compete.
 """
@@ -22,6 +23,7 @@ OUTPUT_COST = 2.0
 JAIN_WINDOW_S = 30.0  # the longest window the fairness index looks back over
 
 Item = TypeVar("Item")
+Order = int | tuple[int, int]  # what orders the work inside a tenant: lower first
 
 
 @dataclass(slots=True)
@@ -30,7 +32,7 @@ class TenantQueue(Generic[Item]):
     weight: float
     counter: float = 0.0  # virtual token counter: service / weight, lifted after idling
     service: float = 0.0  # input + 2 * output tokens actually served, never lifted
-    lanes: dict[int, deque[Item]] = field(default_factory=dict)  # lane priority -> FIFO
+    lanes: dict[Order, deque[Item]] = field(default_factory=dict)  # order key -> FIFO
     queued: int = 0  # items in all lanes; changed only by FairQueue's push, pop and remove (as is its total)
 
     def __len__(self) -> int:
@@ -70,7 +72,7 @@ class FairQueue(Generic[Item]):
     def backlogged(self) -> Iterator[TenantQueue[Item]]:
         return (t for t in self.tenants.values() if len(t))
 
-    def push(self, tenant: TenantQueue[Item], lane_priority: int, item: Item) -> None:
+    def push(self, tenant: TenantQueue[Item], lane_priority: Order, item: Item) -> None:
         if not len(tenant):
             counters = [t.counter for t in self.backlogged()]
             if counters:
@@ -81,7 +83,7 @@ class FairQueue(Generic[Item]):
         if self.on_backlog is not None:
             self.on_backlog(tenant.name, 1)
 
-    def remove(self, tenant: TenantQueue[Item], lane_priority: int, item: Item) -> bool:
+    def remove(self, tenant: TenantQueue[Item], lane_priority: Order, item: Item) -> bool:
         """Drop a queued item (its client left, or its deadline passed). False if it was not queued."""
         lane = tenant.lanes.get(lane_priority)
         if lane is None or item not in lane:

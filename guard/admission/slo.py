@@ -52,6 +52,7 @@ from guard.pool.pool import ReplicaPool
 
 HEADERS = {"ttft": "X-SLO-TTFT-Ms", "tpot": "X-SLO-TPOT-Ms"}
 CRITICAL, STANDARD, SHEDDABLE = "critical", "standard", "sheddable"
+ORDER = {CRITICAL: 0, STANDARD: 1, SHEDDABLE: 2}  # the order classes are served in, inside a tenant
 DEPARTURE_WINDOW_S = 5.0
 # A sheddable request is queued only when predicted within (1 - QUEUE_MARGIN) of its objective: once queued
 # it is served, so the gap is what lets the pace fall under it (to half) with the request still on time;

@@ -11,7 +11,7 @@ import json
 from collections.abc import Iterator
 
 import pytest
-from support.admission_backends import BACKENDS, flush
+from support.admission_backends import BACKENDS, FakeClock, Script, admission, flush
 from support.engine_server import ServerThread
 from support.guard_server import GuardThread, guard_config
 from support.net import request
@@ -19,7 +19,8 @@ from support.redis_server import RedisServer
 from support.wait import wait_for
 
 from guard.admission.classes import select
-from guard.config import Lane, Tenant
+from guard.admission.ticket import TicketState
+from guard.config import GuardConfig, Lane, Tenant
 from guard.console.app import CONSOLE
 from guard.errors import GuardError
 
@@ -29,6 +30,13 @@ TENANTS = [{"name": "acme", "api_keys": ["sk-acme"], "lane": "interactive",
             "priority_classes": ["standard", "sheddable"], "objectives": OBJECTIVES},
            {"name": "plain", "api_keys": ["sk-plain"], "lane": "interactive"}]
 LANES = {"interactive": {"priority": 1}}  # standard, no objective of its own
+# For the admission core alone (tests/support/admission_backends.py): two replicas, no engines behind them.
+BACKEND_CONFIG = GuardConfig.model_validate({
+    "engines": [{"name": "e0", "url": "http://127.0.0.1:9000"}, {"name": "e1", "url": "http://127.0.0.1:9001"}],
+    "secret": "s", "lanes": {"chat": {"priority": 1}, "other": {"priority": 2}},
+    "tenants": [{"name": "idle", "api_keys": ["sk-i"], "lane": "other"},
+                {"name": "std", "api_keys": ["sk-s"], "lane": "chat", "priority_classes": ["standard", "critical"]}]})
+BACKEND_BLOCKS = (96, 80)
 
 
 @pytest.fixture(scope="module")
@@ -144,3 +152,35 @@ def test_select_rules_without_a_guard() -> None:
         select(lane_only, lane, {"X-Priority-Class": "critical"})
     assert refused.value.status == 403
     assert select(lane_only, lane, {"X-Priority-Class": "standard"}).priority_class == "standard"
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    clock = FakeClock()
+    clock.install(monkeypatch)
+    return clock
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_a_critical_request_goes_before_its_own_tenants_standard_ones(
+        backend: str, clock: FakeClock, redis: RedisServer) -> None:
+    """A tenant whose lane is standard fills the pool and queues three more standard requests; its one
+    critical request, arriving after them, is admitted first, on both backends (the class, not the lane,
+    orders the tenant's queue: the critical band sees it at once)."""
+    if backend == "redis":
+        flush(redis)
+    async with admission(backend, BACKEND_CONFIG, BACKEND_BLOCKS, redis.url) as (dispatcher,):
+        script = Script(dispatcher, clock)
+        try:
+            filling = [await script.arrive(1, 8) for _ in range(18)]  # 144 of the 149 blocks' budget
+            assert all(script.tickets[rid].state is TicketState.ADMITTED for rid in filling)
+            queued = [await script.arrive(1, 8) for _ in range(3)]
+            assert all(script.tickets[rid].state is TicketState.QUEUED for rid in queued)
+            urgent = await script.arrive(1, 8, priority_class="critical")
+            await script.end(filling[0], 4)
+            await script.end(filling[1], 4)
+            admitted = [d[0] for d in script.decisions if d[1] == "admitted" and d[0] not in filling]
+            assert admitted and admitted[0] == urgent, script.decisions
+            assert script.tickets[urgent].borrowed == 0, "a critical request never borrows"
+        finally:
+            await script.close()

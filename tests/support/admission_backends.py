@@ -146,13 +146,16 @@ class Script:
     waiting: dict[str, asyncio.Task] = field(default_factory=dict)
     ids: itertools.count = field(default_factory=itertools.count)
 
-    async def arrive(self, tenant: int, blocks: int, prompt_tokens: int = 64, max_tokens: int = 32) -> str:
+    async def arrive(self, tenant: int, blocks: int, prompt_tokens: int = 64, max_tokens: int = 32,
+                     priority_class: str = "") -> str:
+        """A request of ``config.tenants[tenant]`` in its lane, of ``priority_class`` ("": its lane's)."""
         config = self.dispatcher.config
         who = config.tenants[tenant]
         lane = config.lanes[who.lane]
         rid = f"r{next(self.ids)}"
         ticket = Ticket(rid, who, lane, prompt_tokens, max_tokens, blocks, arrived=self.clock.now,
-                        objective=slo.objective_for(lane, {}))
+                        objective=slo.objective_for(lane, {}, (priority_class or lane.priority_class, None, lane.slo)),
+                        priority_class=priority_class)
         self.tickets[rid] = ticket
         self.waiting[rid] = asyncio.create_task(self.dispatcher.submit(ticket))
         await self.settle()
