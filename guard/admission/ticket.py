@@ -67,12 +67,15 @@ class Ticket:
     # Its class (guard/admission/classes.py): what admission orders, lends and sheds it by ("": its lane's).
     priority_class: str = ""
     objective_name: str | None = None  # the tenant's named objective it selected (None: none)
-    # Its place inside its tenant's queue (lower first): its class (critical first), then its lane's priority.
-    # A request's class may differ from its lane's, so the class goes first: the critical band
-    # (guard/admission/dispatch.py) sees a tenant's critical request before its standard ones.
-    order: tuple[int, int] = (0, 0)
 
     def __post_init__(self) -> None:
         if not self.priority_class:
             self.priority_class = self.lane.priority_class
-        self.order = (slo.ORDER[self.priority_class], self.lane.priority)
+
+    @property
+    def order(self) -> tuple[int, int]:
+        """Its place inside its tenant's queue (lower first): its class (critical first), then its lane's
+        priority. A request's class may differ from its lane's, so the class goes first: the critical band
+        (guard/admission/dispatch.py) sees a tenant's critical request before its standard ones. (Computed
+        when asked: most tickets are admitted without queueing and never need it.)"""
+        return slo.ORDER[self.priority_class], self.lane.priority
