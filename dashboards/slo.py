@@ -106,10 +106,13 @@ def objective_panels() -> list:
         timeseries("Goodput per lane", "Requests whose first token came within their TTFT objective, per "
                    "second and lane: the work that counted.", "reqps",
                    Target(f"sum by (lane) ({rate(on_time)})", "{{lane}}")),
-        timeseries("Objective burn rate", "Missed verdicts over all verdicts per lane, over the 99 % "
-                   "attainment objective's budget (0.01): 1 spends it in 30 days. SLOBurnRateFast pages at "
-                   "14.4 over 1 h (and 5 m), SLOBurnRateSlow opens a ticket at 6 over 6 h (and 30 m).", "none",
-                   *(Target(f"{miss_ratio(window)} / 0.01", f"{{{{lane}}}} {window}") for window in ("5m", "1h")),
+        timeseries("Objective burn rate per class", "Missed verdicts over all verdicts per request class, "
+                   "over the 99 % attainment objective's budget (0.01): 1 spends it in 30 days. For the "
+                   "critical and standard classes SLOBurnRateFast pages at 14.4 over 1 h (and 5 m) and "
+                   "SLOBurnRateSlow opens a ticket at 6 over 6 h (and 30 m); the sheddable class is shed by "
+                   "design and alerts nobody.", "none",
+                   *(Target(f"{miss_ratio(window)} / 0.01", f"{{{{priority_class}}}} {window}")
+                     for window in ("5m", "1h")),
                    thresholds=[(6, "orange"), (14.4, "red")]),
         timeseries("Predicted TTFT", "The TTFT admission predicted for requests with an objective (queue "
                    "wait plus the best replica's engine TTFT), p50 and p95 per lane: set against Time to "
@@ -125,10 +128,11 @@ def objective_panels() -> list:
 
 
 def miss_ratio(window: str) -> str:
-    """Missed over all latency-objective verdicts per lane over ``window``."""
+    """Missed over all latency-objective verdicts per request class over ``window`` (as the alerts burn it)."""
     missed = rate(sel("guard_slo_requests_total", 'met="false"'), window)
     verdicts = rate(sel("guard_slo_requests_total"), window)
-    return f"({ratio(zero_filled(f'sum by (lane) ({missed})', f'sum by (lane) ({verdicts})'), f'sum by (lane) ({verdicts})')})"
+    by = "sum by (priority_class)"
+    return f"({ratio(zero_filled(f'{by} ({missed})', f'{by} ({verdicts})'), f'{by} ({verdicts})')})"
 
 
 def percentile_legend(q: float) -> str:
