@@ -61,6 +61,10 @@ class Signals:
     slots_per_replica: int | None
 
 
+# Without max_replicas, the count the queueing model may ask for: bounds its search (queueing.replicas_for_wait)
+# on a reading of a huge arrival rate or service time, which once held the guard's event loop for seconds.
+SEARCH_LIMIT = 1024
+
 class LivePlanner:
     """Feed it a `Reading` every few seconds (`update`); it answers the `Signals` of the pool."""
 
@@ -130,7 +134,8 @@ class LivePlanner:
         per_replica = reading.budget_blocks / reading.replicas
         count = max(self.min_replicas, math.ceil((reading.committed_blocks + reading.queued_blocks) / per_replica))
         if rate > 0 and slots is not None and self.service_s is not None:
-            count = max(count, replicas_for_wait(slots, rate, self.service_s, max_wait_s))
+            limit = self.max_replicas or SEARCH_LIMIT
+            count = max(count, replicas_for_wait(slots, rate, self.service_s, max_wait_s, limit))
         return count if self.max_replicas is None else min(count, self.max_replicas)
 
     def _stabilize(self, now: float, raw: int) -> None:

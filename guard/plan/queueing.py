@@ -55,11 +55,23 @@ def queue_row(replicas: int, slots_per_replica: int, rate_per_s: float, mean_ser
                     mean_wait(servers, offered, mean_service_s))
 
 
-def replicas_for_wait(slots_per_replica: int, rate_per_s: float, mean_service_s: float, max_wait_s: float) -> int:
-    """The fewest replicas whose mean queue wait is at most ``max_wait_s``. Starts at the fewest that are
-    stable; the wait falls with every server added and tends to 0, so the search ends."""
+def replicas_for_wait(slots_per_replica: int, rate_per_s: float, mean_service_s: float, max_wait_s: float,
+                      limit: int | None = None) -> int:
+    """The fewest replicas whose mean queue wait is at most ``max_wait_s``, or ``limit`` if that is fewer.
+    Starts at the fewest that are stable; the wait falls with every server added and tends to 0, so the
+    search ends. Erlang B's recursion runs once over the servers, extended by one replica's slots per step
+    (not again from 1 for every count tried): O(servers), and O(limit x slots) at most with a limit, which
+    the guard's live signal sets (guard/plan/live.py), so that a huge reading never stalls its event loop."""
     offered = rate_per_s * mean_service_s
     replicas = max(1, math.floor(offered / slots_per_replica) + 1)
-    while mean_wait(replicas * slots_per_replica, offered, mean_service_s) > max_wait_s:
+    if limit is not None and replicas >= limit:
+        return limit
+    servers, blocking = 0, 1.0
+    while True:
+        for k in range(servers + 1, replicas * slots_per_replica + 1):
+            blocking = offered * blocking / (k + offered * blocking)
+        servers = replicas * slots_per_replica
+        waiting = 0.0 if offered <= 0 else servers * blocking / (servers - offered * (1.0 - blocking))
+        if waiting * mean_service_s / (servers - offered) <= max_wait_s or replicas == limit:
+            return replicas
         replicas += 1
-    return replicas

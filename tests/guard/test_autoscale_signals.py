@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import math
 import pytest
 from pydantic import ValidationError
 from support.guard_server import guard_config
@@ -130,3 +131,16 @@ def test_the_config_refuses_bounds_out_of_order():
         Autoscaling(min_replicas=3, max_replicas=2)
     with pytest.raises(ValidationError, match="window_s"):
         Autoscaling(interval_s=5, window_s=1)
+
+
+def test_the_wait_search_extends_erlang_b_once_and_stops_at_its_limit() -> None:
+    """The incremental search gives what trying each count with mean_wait gives, and a huge reading (a
+    million arrivals a second for 30 s each) stops at the limit instead of walking millions of servers."""
+    for slots, rate, service_s, wait_s in [(10, 2.0, 4.0, 0.5), (4, 30.0, 2.0, 0.05), (1, 0.5, 1.0, 0.01)]:
+        tried = max(1, math.floor(rate * service_s / slots) + 1)
+        while mean_wait(tried * slots, rate * service_s, service_s) > wait_s:
+            tried += 1
+        assert replicas_for_wait(slots, rate, service_s, wait_s) == tried
+        assert replicas_for_wait(slots, rate, service_s, wait_s, limit=tried + 5) == tried
+    assert replicas_for_wait(8, 1e6, 30.0, 0.05, limit=64) == 64
+    assert replicas_for_wait(8, 20.0, 3.0, 1e-9, limit=3) == 3  # the wait never gets that low by 3
