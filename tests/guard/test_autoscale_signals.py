@@ -5,9 +5,9 @@ and guard under load, are tests/guard/test_autoscale_live.py."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
-import math
 import pytest
 from pydantic import ValidationError
 from support.guard_server import guard_config
