@@ -22,6 +22,9 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
+# Why a replica let a request down, as guard/wire/relay.py names it (guard_migrations_total{reason}).
+MIGRATION_REASONS = ("reset", "closed", "stream_error", "silent", "drain")
+
 class GuardMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
@@ -160,6 +163,8 @@ class GuardMetrics:
         self.migrations = Counter("guard_migrations_total", "Requests moved to another replica mid-answer, by why "
                                   "their replica let them down (reset, closed, stream_error, silent, drain).",
                                   ["reason"], registry=r)
+        for reason in MIGRATION_REASONS:  # each at 0 from the start: a dashboard's rate has data before a move
+            self.migrations.labels(reason)
 
     def _connection_series(self, r: CollectorRegistry) -> None:
         """Client connections, rate limits and the config."""
