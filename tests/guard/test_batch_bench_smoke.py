@@ -9,10 +9,14 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 from support import ROOT
 from support.processes import run_command
 
 
+# Slow (18 s of the suite's 15-minute budget): the report's shape only; the Batch API's behaviour is
+# test_batch_api.py's, in seconds. `make test-slow` runs it.
+@pytest.mark.slow
 def test_batch_bench_quick(tmp_path: Path) -> None:
     result = tmp_path / "batch.json"
     done = run_command(sys.executable, ROOT / "bench" / "batch.py", "--quick", "--json", result, timeout=180)
