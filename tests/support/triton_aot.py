@@ -22,7 +22,15 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
-from engine.kernels import triton_decode, triton_lora, triton_norm, triton_prefill, triton_rope, triton_silu, triton_store
+from engine.kernels import (
+    triton_decode,
+    triton_lora,
+    triton_norm,
+    triton_prefill,
+    triton_rope,
+    triton_silu,
+    triton_store,
+)
 
 TRITON_DTYPES = {"bfloat16": ("bf16", 2), "float16": ("fp16", 2), "float32": ("fp32", 4)}
 # Pointer element types by argument name; the activation and cache pointers take the dtype under test.
