@@ -99,9 +99,11 @@ def busiest(guard: GuardThread) -> str:
 
 
 def migrations(guard: GuardThread) -> dict[str, float]:
+    """The moves counted so far, by reason: those that happened (every reason's series starts at 0)."""
     _, raw = request(guard.url + "/metrics")
-    return {line.split('reason="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
-            for line in raw.decode().splitlines() if line.startswith("guard_migrations_total{")}
+    counted = {line.split('reason="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+               for line in raw.decode().splitlines() if line.startswith("guard_migrations_total{")}
+    return {reason: count for reason, count in counted.items() if count > 0}
 
 
 async def run_through(guard: GuardThread, tally: Tally, jobs: list[tuple[int, bool, str]], act) -> list[Answer]:
