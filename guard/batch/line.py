@@ -23,6 +23,7 @@ from multidict import CIMultiDict
 
 from guard.config import GuardConfig, Lane, Tenant
 from guard.http.pipeline import INTERNAL, completion
+from guard.wire.front_request import RequestItems
 from guard.wire.stamp import REQUEST_ID
 
 QUEUE_S = 600.0  # a line's queueing timeout: the pacer (pace.py) keeps at most one of a guard's lines waiting
@@ -38,7 +39,7 @@ def batch_lane(config: GuardConfig) -> Lane:
     return Lane(priority=lowest, timeout=QUEUE_S, sheddable=True, on_degraded="reject", priority_class="sheddable")
 
 
-class InternalRequest:
+class InternalRequest(RequestItems):
     """What guard/http/pipeline.py reads of a request, for a request the guard makes itself."""
 
     method = "POST"
@@ -53,18 +54,6 @@ class InternalRequest:
         self.content_length = len(body)
         self.headers = CIMultiDict({"Content-Type": "application/json", "X-Request-Id": request_id})
         self.items: dict[Any, Any] = {INTERNAL: (tenant, lane), REQUEST_ID: request_id}
-
-    def __getitem__(self, key: Any) -> Any:
-        return self.items[key]
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        self.items[key] = value
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.items
-
-    def get(self, key: Any, default: Any = None) -> Any:
-        return self.items.get(key, default)
 
     @property
     def content(self) -> InternalRequest:

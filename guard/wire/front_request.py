@@ -67,7 +67,28 @@ class Flow:
                 waiter.set_exception(exc)
 
 
-class FrontRequest:
+class RequestItems:
+    """A request's keys, as on a ``web.Request`` (``request[KEY]``), kept in its ``items`` dict: shared by the
+    front's requests and the ones the guard makes itself (guard/batch/line.py). No slots of its own, so a
+    slotted subclass stays slotted."""
+
+    __slots__ = ()
+    items: dict[Any, Any]
+
+    def __getitem__(self, key: Any) -> Any:
+        return self.items[key]
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.items[key] = value
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.items
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        return self.items.get(key, default)
+
+
+class FrontRequest(RequestItems):
     """One request on a front connection: what the pipeline reads of a ``web.Request`` (see the module)."""
 
     __slots__ = (
@@ -107,19 +128,6 @@ class FrontRequest:
         self.too_large = False
         self.waiter: asyncio.Future[None] | None = None
         self.written = 0  # bytes of the answer handed to the transport
-
-    # -- the request's keys, as on a web.Request ----------------------------------------------------------
-    def __getitem__(self, key: Any) -> Any:
-        return self.items[key]
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        self.items[key] = value
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.items
-
-    def get(self, key: Any, default: Any = None) -> Any:
-        return self.items.get(key, default)
 
     # -- headers ------------------------------------------------------------------------------------------
     @property
