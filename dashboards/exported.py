@@ -1,5 +1,6 @@
 """The series our code exports, read from the metric definitions in ``engine/server/metrics.py`` and
-``guard/metrics.py``.
+``guard/metrics.py``, and the Batch API's in ``guard/batch/metrics.py`` (on the guard's registry when
+``batch`` is configured).
 
 Read with ``ast`` rather than imported: the engine's state metrics exist only while a scrape renders them,
 and importing the engine would pull in torch. A definition is any call that names a ``prometheus_client``
@@ -13,7 +14,8 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = (ROOT / "engine" / "server" / "metrics.py", ROOT / "guard" / "metrics.py")
+SOURCES = (ROOT / "engine" / "server" / "metrics.py", ROOT / "guard" / "metrics.py",
+           ROOT / "guard" / "batch" / "metrics.py")
 
 COUNTER, GAUGE = "counter", "gauge"
 # What each class exports, as (suffix, kind). A counter family's name drops its "_total" and the exposition

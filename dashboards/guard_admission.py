@@ -1,8 +1,8 @@
 """Guard admission & fairness: what happened to each tenant's requests, how much of its rate limits each
 tenant uses, how long they queued, how much of the KV budget the guard has committed (and how much of it is
 borrowed beyond the tenants' guaranteed shares), whether service follows the weights, whether the guards
-share their state (Redis), which mode the guard is in, and the guard process itself: client connections and
-config reloads."""
+share their state (Redis), which mode the guard is in, the guard process itself (client connections and
+config reloads), and the Batch API's batches and lines (guard/batch/metrics.py)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ REJECTED = 'outcome=~"rejected_quota|rejected_overload"'
 MODES = {0: ("normal", "green"), 1: ("pressure", "orange"), 2: ("degraded", "red")}
 UP_DOWN = {0: ("unhealthy", "red"), 1: ("healthy", "green")}
 PRESSURE, DEGRADED = 'mode="pressure"', 'mode="degraded"'
+RETRIED = 'status="retried"'  # guard_batch_requests_total's lines that run again
 # guard_shared_state_up + (guard_shared_state_guards > 0): a guard without shared_state exports 0 for both.
 SHARED = {0: ("alone (no shared_state)", "blue"), 1: ("Redis down: admitting alone", "red"), 2: ("shared", "green")}
 REFUSALS = "guard_ratelimit_rejections_total"
@@ -54,7 +55,8 @@ def build() -> dict:
         UID, "kvguard / Guard admission & fairness",
         "Outcomes per tenant, rate limits, the guard's queues, KV blocks reserved against the admission "
         "budget and the tenants' guaranteed shares, weighted service and Jain's index, shared state, the "
-        "guard's mode and its backends, client connections and config reloads.",
+        "guard's mode and its backends, client connections and config reloads, and the Batch API's batches "
+        "and lines.",
         scope_variables(TENANTS),
         [
             Row("Outcomes", [
@@ -230,5 +232,39 @@ def build() -> dict:
                      "none", Target(f"count (count by (hash) ({sel('guard_config_info')}))"),
                      thresholds=[(2, "orange")]),
             ]),
+            batch_row(),
         ],
     )
+
+
+def batch_row() -> Row:
+    """The Batch API (guard/batch/metrics.py): batches by status, lines by how their run ended, lines still
+    to run. ``guard_batches`` counts the whole store, which guards sharing Redis all see: max, not sum."""
+    lines = rate(sel("guard_batch_requests_total", tenant=True))
+    all_lines = f"sum by (tenant) ({lines})"
+    retried = f"sum by (tenant) ({rate(sel('guard_batch_requests_total', RETRIED, tenant=True))})"
+    return Row("Batch API", [
+        timeseries("Batches by status",
+                   "Batches in the store by status (every guard's, with shared_state). validating and "
+                   "in_progress are open: a guard runs each under its lease; one that stays in_progress with no "
+                   "lines completing has no capacity left to it (interactive work takes it first) or no guard "
+                   "holding its lease.", "short",
+                   Target(f"max by (status) ({sel('guard_batches')})", "{{status}}"), width=6, min=0),
+        timeseries("Batch lines per tenant and result",
+                   "Batch lines run, by how their run ended: completed (an output line), failed (an error "
+                   "line: the line's own fault), retried (refused for capacity or time, or a failing engine: "
+                   "the line runs again later). Lines run only in capacity other work leaves, so this rate "
+                   "falls while interactive load rises.", "reqps",
+                   Target(f"sum by (tenant, status) ({lines})", "{{tenant}} {{status}}"), width=6),
+        timeseries("Batch lines retried share",
+                   "Retried lines over all lines run, per tenant. Near 0 when the pacer starts lines only "
+                   "where they fit; a steady climb is capacity taken back under the batch (its blocks are "
+                   "lent, and critical work reclaims them) or an engine failing its lines.", "percentunit",
+                   Target(ratio(zero_filled(retried, all_lines), all_lines), "{{tenant}}"), width=6, min=0, max=1),
+        timeseries("Batch lines pending per tenant",
+                   "Lines not yet done of the batches the guards run now. It falls as the batch runs; flat "
+                   "while interactive work leaves no room, and the batch's completion_window may expire it "
+                   "(partial output).", "short",
+                   Target(f"sum by (tenant) ({sel('guard_batch_lines_pending', tenant=True)})", "{{tenant}}"),
+                   width=6, stacked=True),
+    ])

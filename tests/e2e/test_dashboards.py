@@ -16,6 +16,7 @@ from dashboards.__main__ import DASHBOARDS, check
 from dashboards.exported import exported_series
 from dashboards.lint import lint
 from engine.server.metrics import EngineMetrics, EngineReading
+from guard.batch.metrics import BatchMetrics
 from guard.metrics import GuardMetrics
 
 # The sample names each family type exposes (the "_created" timestamps, which no query reads, left out).
@@ -44,9 +45,12 @@ def test_every_query_is_valid_promql(tmp_path) -> None:
 
 
 def test_the_inventory_matches_what_the_code_exports(llm) -> None:
-    """The parsed inventory equals the families a guard registry and a rendered engine scrape declare."""
+    """The parsed inventory equals the families a guard registry (with the Batch API's series, which a guard
+    with ``batch`` adds) and a rendered engine scrape declare."""
     rendered = EngineMetrics().render(EngineReading.of(llm.core, True, 0)).decode()
-    families = [*GuardMetrics().registry.collect(), *text_string_to_metric_families(rendered)]
+    guard = GuardMetrics()
+    BatchMetrics(guard)
+    families = [*guard.registry.collect(), *text_string_to_metric_families(rendered)]
     declared = {family.name + suffix for family in families for suffix in SUFFIXES[family.type]
                 if not family.name.endswith("_created")}
     assert declared == exported_series().keys() - {"up"}

@@ -41,6 +41,8 @@ EVENT_ONLY = {
     "guard_slo_requests_total": "latency objectives: the stack's lanes set no slo",
     "guard_ttft_predicted_seconds_bucket": "latency objectives: the stack's lanes set no slo",
     "guard_ttft_prediction_error_seconds_bucket": "latency objectives: the stack's lanes set no slo",
+    "guard_batch_requests_total": "batch lines: the stack's guard serves the Batch API but runs no batch",
+    "guard_batch_lines_pending": "batch lines: the stack's guard serves the Batch API but runs no batch",
 }
 STEP_S = 1
 # Grafana's $__rate_interval: max($__interval + scrape interval, 4 x scrape interval).

@@ -100,7 +100,8 @@ def write_configs(root: Path, ports: Ports) -> dict[str, Path]:
     # A list of URLs is a pool of replicas named e0, e1, ... (writes root / "guard.yaml").
     guard_config([f"http://127.0.0.1:{port}" for port in ports.engines.values()], root,
                  listen={"host": "127.0.0.1", "port": ports.guard}, secret="live-test-secret",
-                 tenants=tenants, fallbacks=[{"name": "static", "message": "degraded; retry shortly"}])
+                 tenants=tenants, fallbacks=[{"name": "static", "message": "degraded; retry shortly"}],
+                 batch={"store": str(root / "batches")})  # the Batch API's series (no batch runs)
     paths["prometheus"].write_text(yaml.safe_dump(prometheus_config(ports, rules_dir)))
     paths["alertmanager"].write_text(yaml.safe_dump(alertmanager_config(ports)))
     return paths
