@@ -93,6 +93,7 @@ class EngineStats:
             bandwidth_utilization=min(1.0, bytes_per_s / peak) if peak > 0 else 0.0,
             healthy=healthy,
             tenants=self._tenant_usage(load),
+            prefill_tokens=load.prefill_tokens,
         )
 
     def _tenant_usage(self, load: SchedulerLoad) -> dict[str, TenantUsage]:

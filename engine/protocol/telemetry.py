@@ -74,6 +74,10 @@ class TelemetrySnapshot(BaseModel):
                              "or off (engine/kernels/native/library.py)")
     native_reason: str = Field(default="", description="why that path, and whether the decode step is native "
                                "(a failed build names its first error line)")
+    prefill_tokens: dict[int, int] = Field(
+        default_factory=dict, description="engine priority (lower first) -> prompt tokens still to prefill: "
+        "waiting sequences' (a cached prefix counted whole) and running ones' not yet computed; what the "
+        "guard's latency model reads other guards' and direct clients' work ahead from")
     draining: bool = Field(default=False, description="told to stop (SIGTERM): admits nothing new, finishes what "
                            "runs within its drain timeout, then exits")
 

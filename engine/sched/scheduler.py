@@ -174,19 +174,25 @@ class Scheduler:
         seq.finish_reason = reason
 
     def load(self) -> SchedulerLoad:
-        """Queue lengths, and per tenant its running and queued sequences and the device blocks they hold."""
+        """Queue lengths, the tokens still to prefill per priority, and per tenant its running and queued sequences
+        and the device blocks they hold."""
         tenants: dict[str, TenantLoad] = {}
         blocks: dict[str, set[int]] = {}
+        prefill: dict[int, int] = {}
         for seq in self.running:
             if (name := seq.request.tenant) is not None:
                 tenants.setdefault(name, TenantLoad()).running += 1
                 blocks.setdefault(name, set()).update(self.kv.block_ids(seq))
+            if (left := seq.num_uncomputed_tokens) > 1:  # a prefill in progress (a decode computes one)
+                prefill[seq.request.priority] = prefill.get(seq.request.priority, 0) + left
+        for seq in self.waiting:
+            prefill[seq.request.priority] = prefill.get(seq.request.priority, 0) + seq.num_uncomputed_tokens
         for seq in self.waiting + self.swapped:
             if (name := seq.request.tenant) is not None:
                 tenants.setdefault(name, TenantLoad()).waiting += 1
         for name, ids in blocks.items():
             tenants[name].blocks = len(ids)
-        return SchedulerLoad(len(self.running), len(self.waiting), len(self.swapped), tenants)
+        return SchedulerLoad(len(self.running), len(self.waiting), len(self.swapped), tenants, prefill)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         self.running.sort(key=_sort_key)

@@ -58,3 +58,6 @@ class SchedulerLoad:
     num_waiting: int
     num_swapped: int
     tenants: dict[str, TenantLoad]  # tenants with a live sequence, in order of first appearance
+    # Engine priority -> tokens still to prefill: waiting sequences' uncomputed tokens (a cached prefix
+    # counted whole: it is looked up only at admission) and running ones' past a decode's one.
+    prefill_tokens: dict[int, int] = field(default_factory=dict)

@@ -8,6 +8,7 @@ from support.invariants import assert_all_blocks_back, check_block_accounting
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.protocol import TelemetrySnapshot
 from engine.sampling_params import SamplingParams
 
 
@@ -49,3 +50,20 @@ def test_a_chunked_prefill_then_a_fork_through_the_step_contract() -> None:
         check_block_accounting(core)
     assert [len(s.output_token_ids) for s in request.seqs] == [3, 3]
     assert_all_blocks_back(core)
+
+
+def test_telemetry_counts_the_tokens_still_to_prefill_per_priority() -> None:
+    """``TelemetrySnapshot.prefill_tokens``: a waiting prompt's tokens, then what its chunked prefill has
+    left, per engine priority; a decode counts nothing; the field survives the wire."""
+    core = EngineCore(EngineConfig(model="tiny", device="cpu", block_size=4, num_blocks=32,
+                                   max_num_batched_tokens=8))
+    core.add(core.make_request(list(range(1, 11)), SamplingParams(max_tokens=2, temperature=0.0), priority=0))
+    core.add(core.make_request(list(range(20, 26)), SamplingParams(max_tokens=2, temperature=0.0), priority=3))
+    assert core.telemetry().prefill_tokens == {0: 10, 3: 6}
+    core.step()  # 8 of the first prompt's 10 tokens; the second waits (the budget is spent)
+    snapshot = core.telemetry()
+    assert snapshot.prefill_tokens == {0: 2, 3: 6}
+    assert TelemetrySnapshot.model_validate_json(snapshot.model_dump_json()).prefill_tokens == {0: 2, 3: 6}
+    while core.has_unfinished:
+        core.step()
+    assert core.telemetry().prefill_tokens == {}
