@@ -57,13 +57,14 @@ from guard.pool.scheduling import Candidate, Profiles, Request
 
 def ranking_request(ticket: Ticket) -> Request:
     """The ticket as the scheduling profile ranks for it now: what its TTFT objective leaves after its wait
-    so far, and the engine priority its borrowing gives it."""
+    so far, its TPOT objective, and the engine priority its borrowing gives it."""
     objective = ticket.objective
     ttft_left = None if objective is None or objective.ttft_s is None else \
         objective.ttft_s - (time.monotonic() - ticket.arrived)
     return Request(ticket.blocks, ticket.hashes, ticket.prompt_tokens, ttft_left,
+                   None if objective is None else objective.tpot_s,
                    engine_priority(ticket.lane.priority, ticket.borrowed), ticket.lora, ticket.tenant.name,
-                   ticket.model)
+                   ticket.model, ticket.objective_name)
 
 
 RETRY_S = 0.02  # with a ledger: how soon a blocked head is tried again (other guards' releases send no word)
@@ -360,7 +361,10 @@ class Dispatcher:
             ticket.uncached = max(0, ticket.prompt_tokens - cached)
             ticket.priority = engine_priority(ticket.lane.priority, ticket.borrowed)
             ticket.work, ticket.sent = ticket.replica.latency.admitted(  # in_flight has it since its reservation
-                ticket.priority, ticket.uncached, ticket.replica.in_flight - 1)
+                ticket.priority, ticket.uncached, ticket.prompt_tokens, ticket.replica.in_flight - 1)
+            ticket.prefilling = True
+            if ticket.objective is not None:
+                slo.placed(ticket)
         self.running.setdefault(queue.name, set()).add(ticket)
         if ticket.admitted is not None:  # None while submit is admitting it itself
             ticket.admitted.set_result(None)
@@ -383,13 +387,14 @@ class Dispatcher:
     def started(self, ticket: Ticket, after_s: float | None = None) -> None:
         """The ticket's first token came ``after_s`` seconds after its admission (None: it ended without
         one): its replica's latency model learns it, and its prefill leaves the work ahead there. Once."""
-        if ticket.replica is None or not ticket.uncached and not ticket.work:
+        if ticket.replica is None or not ticket.prefilling:
             return
         latency = ticket.replica.latency
-        latency.started(ticket.priority, ticket.uncached)
+        latency.started(ticket.priority, ticket.uncached, ticket.prompt_tokens)
         if after_s is not None:
             latency.observe_ttft(ticket.priority, ticket.work, after_s, ticket.sent)
         ticket.uncached = ticket.work = 0
+        ticket.prefilling = False
 
     def charge_output(self, ticket: Ticket, output_tokens: int) -> None:
         ticket.output_tokens = output_tokens

@@ -24,15 +24,29 @@ nothing on a replica, so it does not count in the pace. The pace is the lower of
 oldest queued ticket's wait so far included): a drop shows within a few admissions, a rise only as the long
 window sees it (``BacklogPace``).
 
-A sheddable request predicted to miss its TTFT objective (less ``QUEUE_MARGIN``) is refused at once
+Every figure is a median and a p90 (``Prediction``). The engine's part and the TPOT come from each
+replica's latency model (guard/pool/latency.py). The queue wait's median is the pace's or the drain's
+figure times ``WaitCorrection``'s learned ratio (how the waits that queued tickets really had compared with
+their predictions); its p90 is that median times the 0.9 quantile of the same tickets' actual / corrected
+wait, learned per class and way of predicting once ``MIN_MARGIN_SEEN`` tickets have taught it (until then,
+``PRIOR_P90_RATIO``: twice the median, the 50% margin issue 31 settled on, under which the pace may halve
+with the ticket still on time). That ratio is the queue margin, learned: what the objective must leave
+above the median wait for nine in ten queued tickets to be admitted in time. The TTFT's p90 adds the
+queue's and the engine's excesses over their medians in quadrature (two parts that vary apart:
+``combine``). When the request is placed, its engine part and TPOT are predicted again for the replica it
+is placed on, with the prefix hits and the batch it meets there: what its decision record shows.
+
+A sheddable request whose p90 TTFT is past its TTFT objective, or whose p90 TPOT on every replica is past
+its TPOT objective (the decode batch it would join there is too large), is refused at once
 (``slo_unattainable``, with ``Retry-After`` from the predicted wait): waiting would only make it late and
 hold blocks that requests still on time need. One that is queued is served, late if need be (it then
 counts as a missed objective), or leaves at its lane's timeout like any request: a refusal is an answer
 given at arrival, never after a wait. (Judging queued tickets again and refusing those predicted late
 answered some refusals 4-8 s after arrival, once the sheddable pace halved under tickets queued on it.)
 Critical and standard requests are never refused for their objective: they are served and counted
-(``guard_slo_requests_total``). Before anything has drained there is no pace to predict a wait from, and
-nothing is refused.
+(``guard_slo_requests_total``); placement holds back the replicas predicted to break either objective (the
+``slo`` filter, guard/pool/scheduling/filters.py). Before anything has drained there is no pace to predict
+a wait from, and nothing is refused for its TTFT; before a replica has stepped, nothing for its TPOT.
 """
 
 from __future__ import annotations
@@ -46,19 +60,19 @@ from typing import NamedTuple, Protocol
 
 from guard.config import Lane, Slo
 from guard.errors import GuardError, Outcome
+from guard.pool.estimators import LogRatioMean, Quantile
 from guard.pool.gate import engine_priority
-from guard.pool.latency import LogRatioMean
+from guard.pool.latency import P90, Prediction, Sent
 from guard.pool.pool import ReplicaPool
 
 HEADERS = {"ttft": "X-SLO-TTFT-Ms", "tpot": "X-SLO-TPOT-Ms"}
 CRITICAL, STANDARD, SHEDDABLE = "critical", "standard", "sheddable"
 ORDER = {CRITICAL: 0, STANDARD: 1, SHEDDABLE: 2}  # the order classes are served in, inside a tenant
 DEPARTURE_WINDOW_S = 5.0
-# A sheddable request is queued only when predicted within (1 - QUEUE_MARGIN) of its objective: once queued
-# it is served, so the gap is what lets the pace fall under it (to half) with the request still on time;
-# it costs no goodput while the queue stays long enough never to run dry (its throughput is the
-# replicas', not the queue's length).
-QUEUE_MARGIN = 0.5
+# The queue wait's p90 over its median until ``MIN_MARGIN_SEEN`` queued tickets have taught it (see the
+# module docstring): a sheddable ticket queued then stays on time while the pace falls to half.
+PRIOR_P90_RATIO = 2.0
+MIN_MARGIN_SEEN = 8
 SHEDDABLE_WINDOW_S = 10.0
 RECENT_ADMISSIONS = 6  # the short sheddable pace: over this many admissions from the queue, and the backlog since
 BACKLOG_GAP_S = 1.0  # a sheddable backlog that begins this long after the last one ended is a new one
@@ -121,11 +135,16 @@ class Judged(Protocol):
     prompt_tokens: int
     arrived: float
     predicted_ttft: float | None
+    predicted_ttft_p90: float | None
     predicted_tpot: float | None
+    predicted_tpot_p90: float | None
     predicted_wait: float | None
     predicted_queue: float | None
+    predicted_queue_p90: float | None
     predicted_engine: float | None
+    predicted_engine_p90: float | None
     wait_key: tuple[str, bool] | None
+    sent: Sent | None
 
 
 class Pace:
@@ -246,20 +265,28 @@ class Departures:
 class WaitCorrection:
     """How the waits that queued tickets really had compare with their predictions: the pace of the queue
     is measured before the ticket arrives, critical work that arrives after it still goes first, and a
-    large reservation that must fit whole waits for a gap that small critical ones keep filling. An
-    exponentially weighted mean of log(actual / predicted) per class and per way of predicting (from the
-    queue's pace, with blocks ahead; from the replicas' drain, without), over the tickets admitted from the
-    queue, multiplies later predictions."""
+    large reservation that must fit whole waits for a gap that small critical ones keep filling. Per class
+    and way of predicting (from the queue's pace, with blocks ahead; from the replicas' drain, without),
+    over the tickets admitted from the queue: an exponentially weighted mean of log(actual / predicted)
+    multiplies later predictions (the median), and the 0.9 quantile of log(actual / that median) gives the
+    p90 (see the module docstring)."""
 
     def __init__(self) -> None:
         self._log_ratio = LogRatioMean(CORRECTION_DECAY, MAX_LOG_RATIO)
+        self._spread: dict[tuple[str, bool], Quantile] = {}
 
-    def correct(self, key: tuple[str, bool], predicted: float) -> float:
-        return self._log_ratio.correct(key, predicted)
+    def predict(self, key: tuple[str, bool], predicted: float) -> Prediction:
+        median = self._log_ratio.correct(key, predicted)
+        spread = self._spread.get(key)
+        learned = spread is not None and spread.seen >= MIN_MARGIN_SEEN
+        return Prediction(median, median * (math.exp(max(0.0, spread.value)) if learned else PRIOR_P90_RATIO))
 
     def observe(self, key: tuple[str, bool] | None, predicted: float | None, actual: float) -> None:
         if key is None or predicted is None or predicted < MIN_LEARNED_WAIT_S or actual <= 0:
             return  # predicted to be admitted at once: says nothing about the queue's pace
+        median = self._log_ratio.correct(key, predicted)
+        error = max(-MAX_LOG_RATIO, min(MAX_LOG_RATIO, math.log(actual / median)))
+        self._spread.setdefault(key, Quantile(P90)).observe(error)
         self._log_ratio.observe(key, predicted, actual)
 
 
@@ -281,38 +308,79 @@ def queue_wait(pool: ReplicaPool, departures: Departures, ticket: Judged, ahead:
     return wait
 
 
+def combine(queue: Prediction, engine: Prediction) -> Prediction:
+    """A TTFT from its queue part and its engine part: the medians add; the excesses of the p90s over them
+    add in quadrature, as two parts that vary apart do (the plain sum, as if the two were always late
+    together, would hold back every request the margin of both)."""
+    median = queue.median + engine.median
+    return Prediction(median, median + math.hypot(queue.p90 - queue.median, engine.p90 - engine.median))
+
+
 def predicted_ttft(pool: ReplicaPool, departures: Departures, ticket: Judged, ahead: Backlog,
-                   correction: WaitCorrection) -> tuple[float, float | None]:
-    """(predicted TTFT from the ticket's arrival, the queue wait in it; None when nothing has been measured
-    to predict a wait from), with ``ahead`` queued to be admitted before it. Sets the ticket's
-    ``predicted_wait`` (before the correction), ``predicted_queue`` and ``predicted_engine``."""
+                   correction: WaitCorrection) -> tuple[Prediction, float | None]:
+    """(predicted TTFT from the ticket's arrival, the queue wait in it before the correction; None when
+    nothing has been measured to predict a wait from), with ``ahead`` queued to be admitted before it, the
+    engine part on the best replica. Sets the ticket's ``predicted_wait`` (before the correction),
+    ``predicted_queue`` and ``predicted_engine`` and their p90s."""
     ticket.predicted_wait = wait = queue_wait(pool, departures, ticket, ahead)
+    elapsed = time.monotonic() - ticket.arrived
+    queue = Prediction(elapsed, elapsed)
     if wait is not None:
-        wait = correction.correct(ticket.wait_key, wait)
+        corrected = correction.predict(ticket.wait_key, wait)
+        queue = Prediction(elapsed + corrected.median, elapsed + corrected.p90)
     priority = engine_priority(ticket.lane.priority, ticket.priority_class == SHEDDABLE)
-    engine = min((r.latency.predict_ttft(priority, ticket.prompt_tokens, r.in_flight) for r in pool.replicas
-                  if r.usable()), default=0.0)
-    ticket.predicted_queue = queue = time.monotonic() - ticket.arrived + (wait or 0.0)
-    ticket.predicted_engine = engine
-    return queue + engine, wait
+    engines = [r.latency.predict_ttft(priority, ticket.prompt_tokens, r.in_flight) for r in pool.replicas
+               if r.usable()]
+    engine = Prediction(min((e.median for e in engines), default=0.0), min((e.p90 for e in engines), default=0.0))
+    ticket.predicted_queue, ticket.predicted_queue_p90 = queue
+    ticket.predicted_engine, ticket.predicted_engine_p90 = engine
+    return combine(queue, engine), wait
+
+
+def best_tpot(pool: ReplicaPool) -> Prediction | None:
+    """The lowest TPOT a stream sent now would see on a usable replica (None: no replica's is known, or
+    one that is usable has not stepped yet, so nothing says it would be slow)."""
+    predictions = [r.latency.predict_tpot(r.in_flight) for r in pool.replicas if r.usable()]
+    tpot = Prediction(min((p.median for p in predictions), default=0.0), min((p.p90 for p in predictions), default=0.0))
+    return tpot if tpot.median > 0 else None
 
 
 def judge(pool: ReplicaPool, departures: Departures, correction: WaitCorrection, ticket: Judged,
           ahead: Backlog) -> None:
-    """Predict the ticket's TTFT and TPOT into it; refuse a sheddable one that would miss its TTFT
-    objective (less ``QUEUE_MARGIN``). ``ahead``: what is queued to be admitted before it, by its class (see
-    the module docstring). The only time a ticket is judged: once queued, it is served."""
+    """Predict the ticket's TTFT and TPOT into it; refuse a sheddable one whose p90 TTFT is past its TTFT
+    objective, or whose p90 TPOT is past its TPOT objective on every replica. ``ahead``: what is queued to
+    be admitted before it, by its class (see the module docstring). The only time a ticket is judged: once
+    queued, it is served."""
     objective = ticket.objective
     assert objective is not None
-    ticket.predicted_ttft, wait = predicted_ttft(pool, departures, ticket, ahead, correction)
-    ticket.predicted_tpot = min((r.latency.predict_tpot() for r in pool.replicas if r.usable()), default=None)
-    if objective.priority_class != SHEDDABLE or objective.ttft_s is None or wait is None:
+    ttft, wait = predicted_ttft(pool, departures, ticket, ahead, correction)
+    ticket.predicted_ttft, ticket.predicted_ttft_p90 = ttft
+    tpot = best_tpot(pool)
+    ticket.predicted_tpot, ticket.predicted_tpot_p90 = tpot if tpot is not None else (None, None)
+    if objective.priority_class != SHEDDABLE:
         return
-    if ticket.predicted_ttft > (1 - QUEUE_MARGIN) * objective.ttft_s:
-        raise unattainable(objective, ticket.predicted_ttft, wait)
+    if objective.ttft_s is not None and wait is not None and ttft.p90 > objective.ttft_s:
+        raise unattainable(f"predicted time to first token {ttft.p90:.2f} s (p90)", f"{objective.ttft_s:g} s",
+                           wait)
+    if objective.tpot_s is not None and tpot is not None and tpot.p90 > objective.tpot_s:
+        raise unattainable(f"predicted time per output token {1e3 * tpot.p90:.0f} ms (p90) on every replica",
+                           f"{1e3 * objective.tpot_s:g} ms", 1.0)
 
 
-def unattainable(objective: Objective, predicted: float, wait: float) -> GuardError:
-    return GuardError(503, f"predicted time to first token {predicted:.2f} s exceeds this request's objective "
-                      f"({objective.ttft_s:g} s); the lane is sheddable", code="slo_unattainable",
-                      retry_after=max(1, min(60, math.ceil(wait))), outcome=Outcome.REJECTED_OVERLOAD)
+def placed(ticket: Judged) -> None:
+    """The judged ticket is placed (``ticket.sent``: what its replica's latency model predicted for it
+    there): its engine part and TPOT are that replica's, its TTFT its queue part plus that engine part."""
+    sent = ticket.sent
+    if sent is None or ticket.predicted_queue is None or ticket.predicted_queue_p90 is None:
+        return
+    ticket.predicted_engine, ticket.predicted_engine_p90 = sent.ttft
+    ticket.predicted_ttft, ticket.predicted_ttft_p90 = combine(
+        Prediction(ticket.predicted_queue, ticket.predicted_queue_p90), sent.ttft)
+    if sent.tpot.median > 0:
+        ticket.predicted_tpot, ticket.predicted_tpot_p90 = sent.tpot
+
+
+def unattainable(predicted: str, objective: str, wait: float) -> GuardError:
+    return GuardError(503, f"{predicted} exceeds this request's objective ({objective}); the lane is sheddable",
+                      code="slo_unattainable", retry_after=max(1, min(60, math.ceil(wait))),
+                      outcome=Outcome.REJECTED_OVERLOAD)

@@ -52,18 +52,27 @@ class Ticket:
     objective: slo.Objective | None = None  # its latency objective (guard/admission/slo.py), if it has one
     lora: str | None = None  # the LoRA adapter it names (None: the base model); its hashes include it
     model: str = ""  # the model id its client asked for (a profile may be chosen by it)
-    predicted_ttft: float | None = None  # seconds from arrival, predicted when it reached the dispatcher
-    predicted_tpot: float | None = None  # seconds per output token on the best replica, predicted then too
+    # Its predictions (guard/admission/slo.py), medians and p90s in seconds: at arrival for the best
+    # replica, the engine's part and TPOT predicted again for the replica it is placed on when it is.
+    predicted_ttft: float | None = None  # from arrival: predicted_queue + predicted_engine
+    predicted_ttft_p90: float | None = None
+    predicted_tpot: float | None = None  # seconds per output token
+    predicted_tpot_p90: float | None = None
     predicted_wait: float | None = None  # of predicted_ttft, the queue wait before its correction
     predicted_queue: float | None = None  # of predicted_ttft, arrival to admission (corrected)
+    predicted_queue_p90: float | None = None
     predicted_engine: float | None = None  # of predicted_ttft, admission to the first token
+    predicted_engine_p90: float | None = None
     wait_key: tuple[str, bool] | None = None  # the correction that applied to it (guard/admission/slo.py)
     verdicts: dict[str, bool] | None = None  # objective ("ttft", "tpot") -> met, once it ended
     admitted_at: float = 0.0  # time.monotonic() of its admission
     uncached: int = 0  # its prompt tokens the replica has to prefill, until its first token (latency model)
     work: int = 0  # prefill tokens ahead of it on its replica when admitted, its own included
     priority: int = 0  # the engine priority it runs at, once admitted
-    sent: Sent | None = None  # its load band and the requests running there when admitted (guard/pool/latency.py)
+    # Its load band, the sequences running there and what was predicted for it there when admitted
+    # (guard/pool/latency.py); ``prefilling`` while its prompt counts in that replica's latency model.
+    sent: Sent | None = None
+    prefilling: bool = False
     # Its class (guard/admission/classes.py): what admission orders, lends and sheds it by ("": its lane's).
     priority_class: str = ""
     objective_name: str | None = None  # the tenant's named objective it selected (None: none)

@@ -56,13 +56,14 @@ def build_record(ex: Exchange, response: web.StreamResponse | None, refused: Gua
 
 
 def slo_record(ticket: Ticket) -> dict:
-    """The objective, the predictions it was judged by (a refusal's ``shed`` says the rest) and the verdicts."""
+    """The objective, the predictions (medians, and the p90s admission judges by: guard/admission/slo.py;
+    a refusal's ``shed`` says the rest) and the verdicts."""
     assert ticket.objective is not None
     return {**ticket.objective.as_record(),
-            "predicted_ttft_ms": _ms(ticket.predicted_ttft),
+            "predicted_ttft_ms": _ms(ticket.predicted_ttft), "predicted_ttft_p90_ms": _ms(ticket.predicted_ttft_p90),
             # of it: arrival to admission (the guard's queue), admission to the first token (the replica)
             "predicted_queue_ms": _ms(ticket.predicted_queue), "predicted_engine_ms": _ms(ticket.predicted_engine),
-            "predicted_tpot_ms": _ms(ticket.predicted_tpot),
+            "predicted_tpot_ms": _ms(ticket.predicted_tpot), "predicted_tpot_p90_ms": _ms(ticket.predicted_tpot_p90),
             "met": ticket.verdicts}
 
 

@@ -58,7 +58,7 @@ def account(ex: Exchange) -> None:
             tpot = (observer.last_at - observer.first_at) / gaps
             verdicts["tpot"] = tpot <= objective.tpot_s
             if ticket.replica is not None:
-                ticket.replica.latency.observe_tpot(tpot)
+                ticket.replica.latency.observe_tpot(tpot, ticket.sent)
         elif ttft is None:
             verdicts["tpot"] = False
     for which, met in verdicts.items():

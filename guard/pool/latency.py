@@ -1,32 +1,38 @@
-"""A replica's latency model, learned online: what TTFT and TPOT a request sent there now would see.
+"""A replica's latency model, learned online: the TTFT and TPOT a request sent there now would see, as a
+median and a p90 (``Prediction``), from the replica's live telemetry and the guard's own bookkeeping.
 
     engine TTFT = base + per_token x (prefill tokens ahead + the request's uncached prompt tokens)
-                       + per_running x requests running here (``Replica.in_flight``: the guard's)
+                       + per_running x sequences on the replica
+    TPOT        = decode step at (sequences on the replica + 1)
 
-``prefill tokens ahead`` are the uncached prompt tokens of the guard's requests already sent to the replica
-that have no first token yet and run at the same engine priority or a higher one (the engine prefills
-waiting requests in priority order, engine/sched/scheduler.py); the guard knows them exactly, ``admitted``
-and ``started`` keep the count per priority. A unary request's first token is not seen: its prompt counts
-until it ends.
-``running`` is the engine's batch as the guard sees it: each step and each stream's relay costs more per
-sequence in it. In bench/slo.py's decision logs the engine part of an interactive TTFT went from ~10 ms
-with 0-4 requests running at its admission to ~40 ms with 20, a term the prefill tokens do not carry (an
-interactive prompt's are the same at every load, so their slope has no spread to be fitted from).
-``base`` (the relay and a step), ``per_token`` (the inverse of the measured prefill rate) and
-``per_running`` are fitted to the guard's own observations, each request's admission-to-first-token time
-against the work that was ahead of it and the requests already running there, by exponentially weighted
-least squares: a window of about ``1 / (1 - DECAY)`` requests, so the fit follows the replica's load as it
-changes; one fit per engine priority, since the engine treats them differently. Until the fit has
-``MIN_FIT`` observations the engine's telemetry stands in for ``base`` (its mean step time), beside a
-nominal ``per_token`` (its token rate is throughput, not speed: an idle engine's says nothing) and no
-``per_running``. TPOT is the mean gap between streamed tokens that the guard observed on the replica
-(exponentially weighted), before any the engine's mean decode step (``itl_s``).
+**What is ahead, and what runs.** The guard knows its own requests exactly and at once: ``admitted`` and
+``started`` keep, per engine priority, the uncached prompt tokens of its requests sent here that have no
+first token yet (a unary request's count until it ends), and the caller gives the guard's requests in
+flight here (``Replica.in_flight``). What other guards and direct clients put on the replica only its
+telemetry shows (``TelemetrySnapshot.prefill_tokens`` per priority, and its running, waiting and swapped
+sequences): at each snapshot, the engine's figures less the guard's own (its requests' whole prompts, as
+the engine counts a waiting one; clamped at 0, since the guard counts its requests before the engine has
+them) are *the others'*, added to the guard's own until the next snapshot (every 25 ms while the engine is
+busy). Work ahead of a request at engine priority ``p`` is everybody's at ``p`` or before it (the engine
+prefills waiting requests in priority order, engine/sched/scheduler.py).
 
-On top of the fit, a residual correction by load band: the fit is one line through requests that met
-different engines, and what it misses most is whether a lower priority's prefill was in flight when the
-request was sent (the engine may be in the middle of a step that prefills it: the request waits for that
-step, then its own). Per band, ``(engine priority, a lower priority's prefill pending)``, an exponentially
-weighted mean of log(actual / fitted) multiplies the fit's prediction.
+**The point prediction** (the median). TTFT: ``base``, ``per_token`` and ``per_running`` are fitted to each
+request's admission-to-first-token time against the work that was ahead of it and the sequences on the
+replica, by exponentially weighted least squares (guard/pool/estimators.py ``Fit``): one fit per engine
+priority, and one over all of them for a priority not seen ``MIN_FIT`` times; before any, the telemetry's
+mean step time and a nominal prefill rate. On top of the fit, a residual correction by load band,
+``(engine priority, a lower priority's prefill pending)``: what the one line misses most is whether a
+lower priority's prefill is in flight (the request then waits for that step, then its own); per band an
+exponentially weighted mean of log(actual / fitted), fast (``RESIDUAL_DECAY``: the load moves within a
+second), multiplies the fit. TPOT: the engine's decode step as a line in the batch size, fitted to the
+telemetry's (``num_running``, ``itl_s``) at every snapshot (each replica its own: heterogeneous replicas
+get their own lines), corrected by the mean log ratio of the TPOT the guard's streams saw to the line's
+figure for the batch they joined (the relay, and prefill chunks between decode steps).
+
+**The p90.** Per band (TTFT; the replica-wide figure until a band has ``MIN_SPREAD_SEEN`` observations) and
+per replica (TPOT), the 0.9 quantile of log(actual / the median predicted when the request was sent),
+tracked online (``Quantile``), gives p90 = median x exp(that quantile), never below the median. Until it is
+known the p90 is the median: nothing learned, nothing added.
 
 The guard's queue wait, in front of every replica, is predicted elsewhere (guard/admission/slo.py).
 """
@@ -38,152 +44,134 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from engine.protocol import TelemetrySnapshot
+from guard.pool.estimators import FALLBACK_SLOPE_X, Fit, LogRatioMean, Quantile
 
-DECAY = 0.95  # weight of the past per observation: ~20 requests of memory
-MIN_FIT = 4  # observations before the fit replaces the telemetry's estimate
-MIN_SPREAD_TOKENS = 16.0  # the work's weighted standard deviation below which the slope is not fitted
-MIN_SPREAD_RUNNING = 1.0  # the same for the requests running: below it, per_running is 0
-FALLBACK_PER_TOKEN_S = 1e-4  # 10k prefill tokens/s: until the fit has a slope
+MIN_FIT = 4  # observations before a fit replaces the telemetry's estimate
 RESIDUAL_DECAY = 0.5  # weight of the past per observation in a band's residual: the load changes within a second
-MAX_LOG_RESIDUAL = math.log(10.0)  # one observation moves a band's correction by at most 10x
+MAX_LOG_RESIDUAL = math.log(10.0)  # one observation moves a correction or a quantile by at most 10x
+P90 = 0.9
+MIN_SPREAD_SEEN = 8  # observations before a band's own p90 replaces the replica-wide one
+STEP_DECAY = 0.99  # the decode step's fit, per snapshot (one every 25 ms while busy): ~2.5 s of steps
+TPOT_DECAY = 0.8  # weight of the past per finished stream in the TPOT correction
 
 Band = tuple[int, bool]  # (engine priority, a lower priority's prefill pending)
 
 
+class Prediction(NamedTuple):
+    """Seconds: the point prediction (a median) and the p90 (nine in ten should come within it)."""
+
+    median: float
+    p90: float
+
+
+UNKNOWN = Prediction(0.0, 0.0)  # nothing to predict from yet (an idle replica's TPOT, before any stream)
+
+
 class Sent(NamedTuple):
-    """What a request met when it was sent to the replica, beside the work ahead of it: its load band and
-    the requests already running there."""
+    """What a request met when it was sent to the replica, beside the work ahead of it: its load band, the
+    sequences already there (the guard's and others'), and what was predicted for it then (``UNKNOWN``:
+    nothing), which its first token and its stream's end are scored against."""
 
     band: Band
     running: int
+    ttft: Prediction = UNKNOWN
+    tpot: Prediction = UNKNOWN
 
 
-@dataclass(slots=True)
-class LogRatioMean:
-    """Per key, an exponentially weighted mean of log(actual / predicted), each observation clamped to
-    ``bound`` either way: ``correct`` multiplies a prediction by its exponential (1 for a key not yet
-    observed). Callers observe only positive figures. Used for the TTFT fit's residual per band here, and
-    for the queue wait's correction (guard/admission/slo.py)."""
-
-    decay: float  # weight of the past per observation
-    bound: float  # the most one observation's log ratio counts for, either way
-    _means: dict = field(default_factory=dict)
-
-    def correct(self, key: object, predicted: float) -> float:
-        return predicted * math.exp(self._means.get(key, 0.0))
-
-    def observe(self, key: object, predicted: float, actual: float) -> None:
-        ratio = max(-self.bound, min(self.bound, math.log(actual / predicted)))
-        before = self._means.get(key)
-        self._means[key] = ratio if before is None else self.decay * before + (1 - self.decay) * ratio
+def _bump(counts: dict[int, int], key: int, by: int) -> None:
+    left = counts.get(key, 0) + by
+    if left > 0:
+        counts[key] = left
+    else:
+        counts.pop(key, None)
 
 
-@dataclass(slots=True)
-class Fit:
-    """TTFT = base + per_token x work + per_running x running, by exponentially weighted least squares (work
-    x in tokens, running r in requests, TTFT y in seconds). A slope is never negative: where the joint fit
-    gives one, per_token is fitted alone and per_running to what it leaves. A variable without spread
-    (``MIN_SPREAD_*``) gets no fitted slope: the nominal per_token, a per_running of 0."""
-
-    w: float = 0.0
-    x: float = 0.0
-    r: float = 0.0
-    y: float = 0.0
-    xx: float = 0.0
-    rr: float = 0.0
-    xr: float = 0.0
-    xy: float = 0.0
-    ry: float = 0.0
-    seen: int = 0
-
-    def add(self, work: int, running: int, seconds: float) -> None:
-        self.w = DECAY * self.w + 1.0
-        self.x = DECAY * self.x + work
-        self.r = DECAY * self.r + running
-        self.y = DECAY * self.y + seconds
-        self.xx = DECAY * self.xx + work * work
-        self.rr = DECAY * self.rr + running * running
-        self.xr = DECAY * self.xr + work * running
-        self.xy = DECAY * self.xy + work * seconds
-        self.ry = DECAY * self.ry + running * seconds
-        self.seen += 1
-
-    def coefficients(self) -> tuple[float, float, float]:
-        """(base, per_token, per_running)."""
-        w = self.w
-        mx, mr, my = self.x / w, self.r / w, self.y / w
-        vxx, vrr, vxr = self.xx / w - mx * mx, self.rr / w - mr * mr, self.xr / w - mx * mr
-        cxy, cry = self.xy / w - mx * my, self.ry / w - mr * my
-        tokens, running = vxx >= MIN_SPREAD_TOKENS ** 2, vrr >= MIN_SPREAD_RUNNING ** 2
-        per_token = per_running = -1.0
-        if tokens and running and (det := vxx * vrr - vxr * vxr) > 1e-6 * vxx * vrr:
-            per_token, per_running = (cxy * vrr - cry * vxr) / det, (cry * vxx - cxy * vxr) / det
-        if per_token < 0 or per_running < 0:  # no joint fit, or a negative slope in it: one at a time
-            per_token = max(0.0, cxy / vxx) if tokens else FALLBACK_PER_TOKEN_S
-            per_running = max(0.0, (cry - per_token * vxr) / vrr) if running else 0.0
-        return max(0.0, my - per_token * mx - per_running * mr), per_token, per_running
+def _log_ratio(actual: float, predicted: float) -> float:
+    return max(-MAX_LOG_RESIDUAL, min(MAX_LOG_RESIDUAL, math.log(actual / predicted)))
 
 
 @dataclass(slots=True)
 class LatencyModel:
-    # Engine priority -> uncached prompt tokens of requests sent here at it that have no first token yet.
+    # Engine priority -> uncached prompt tokens of the guard's requests sent here at it without a first token.
     pending: dict[int, int] = field(default_factory=dict)
+    _prompts: dict[int, int] = field(default_factory=dict)  # the same requests' whole prompts (the engine's count)
+    _others: dict[int, int] = field(default_factory=dict)  # per priority, the telemetry's prefill beyond the guard's
+    _others_running: int = 0  # the telemetry's sequences beyond the guard's requests in flight
     # One fit per engine priority (the engine serves priorities differently: a borrower's prefill waits
     # behind decodes of higher ones), and one over all of them for a priority not seen ``MIN_FIT`` times.
     _fits: dict[int, Fit] = field(default_factory=dict)
     _all: Fit = field(default_factory=Fit)
     _residual: LogRatioMean = field(default_factory=lambda: LogRatioMean(RESIDUAL_DECAY, MAX_LOG_RESIDUAL))
+    _spread: dict[Band | None, Quantile] = field(default_factory=dict)  # None: the replica-wide one
+    _step: Fit = field(default_factory=lambda: Fit(STEP_DECAY))  # decode step (s) against the batch (r)
+    _tpot_residual: LogRatioMean = field(default_factory=lambda: LogRatioMean(TPOT_DECAY, MAX_LOG_RESIDUAL))
+    _tpot_spread: Quantile = field(default_factory=lambda: Quantile(P90))
     _step_s: float = 0.0  # the telemetry's mean step time
     _itl_s: float = 0.0  # the telemetry's mean decode step
-    _tpot_s: float | None = None  # observed mean gap between tokens, weighted
 
-    def on_snapshot(self, snapshot: TelemetrySnapshot) -> None:
-        self._step_s = snapshot.step_time_s
-        self._itl_s = snapshot.itl_s
+    def on_snapshot(self, snapshot: TelemetrySnapshot, in_flight: int) -> None:
+        """The replica's telemetry, with ``in_flight`` of the guard's requests there as it arrives."""
+        self._step_s, self._itl_s = snapshot.step_time_s, snapshot.itl_s
+        own = self._prompts
+        self._others = {p: tokens - own.get(p, 0) for p, tokens in snapshot.prefill_tokens.items()
+                        if tokens > own.get(p, 0)}
+        self._others_running = max(0, snapshot.num_running + snapshot.num_waiting + snapshot.num_swapped - in_flight)
+        if snapshot.itl_s > 0 and snapshot.num_running > 0:
+            self._step.add(0.0, snapshot.num_running, snapshot.itl_s)
 
     def ahead(self, priority: int) -> int:
-        """Prefill tokens pending at ``priority`` or before it."""
-        return sum(tokens for at, tokens in self.pending.items() if at <= priority)
+        """Prefill tokens pending at ``priority`` or before it: the guard's and the others'."""
+        return (sum(tokens for at, tokens in self.pending.items() if at <= priority)
+                + sum(tokens for at, tokens in self._others.items() if at <= priority))
 
     def band(self, priority: int) -> Band:
         """The load band a request sent now at ``priority`` is in (see the module docstring)."""
-        return priority, any(tokens for at, tokens in self.pending.items() if at > priority)
+        return priority, any(at > priority for at in self.pending) or any(at > priority for at in self._others)
 
-    def admitted(self, priority: int, uncached_tokens: int, running: int) -> tuple[int, Sent]:
-        """A request with ``uncached_tokens`` to prefill was sent here at engine ``priority``, beside
-        ``running`` other requests of the guard's; returns the work ahead of it (its own included) and what
-        else it met, which ``observe_ttft`` is given back with its first token."""
-        sent = Sent(self.band(priority), running)
-        self.pending[priority] = self.pending.get(priority, 0) + uncached_tokens
+    def running(self, in_flight: int) -> int:
+        """Sequences on the replica: ``in_flight`` of the guard's and the others' the telemetry showed."""
+        return in_flight + self._others_running
+
+    def admitted(self, priority: int, uncached_tokens: int, prompt_tokens: int, in_flight: int) -> tuple[int, Sent]:
+        """A request with ``uncached_tokens`` to prefill (of ``prompt_tokens``) was sent here at engine
+        ``priority``, beside ``in_flight`` other requests of the guard's; returns the work ahead of it (its
+        own included) and what it met and was predicted, which ``observe_ttft`` and ``observe_tpot`` are
+        given back."""
+        sent = Sent(self.band(priority), self.running(in_flight),
+                    self.predict_ttft(priority, uncached_tokens, in_flight), self.predict_tpot(in_flight))
+        _bump(self.pending, priority, uncached_tokens)
+        _bump(self._prompts, priority, prompt_tokens)
         return self.ahead(priority), sent
 
-    def started(self, priority: int, uncached_tokens: int) -> None:
+    def started(self, priority: int, uncached_tokens: int, prompt_tokens: int) -> None:
         """The request's first token came (or it ended without one): its prefill is no longer ahead of anyone."""
-        left = self.pending.get(priority, 0) - uncached_tokens
-        if left > 0:
-            self.pending[priority] = left
-        else:
-            self.pending.pop(priority, None)
+        _bump(self.pending, priority, -uncached_tokens)
+        _bump(self._prompts, priority, -prompt_tokens)
 
     def coefficients(self, priority: int) -> tuple[float, float, float]:
-        """(base seconds, seconds per token of work, seconds per request running) at engine ``priority``:
+        """(base seconds, seconds per token of work, seconds per sequence running) at engine ``priority``:
         its own fit, else the fit over every priority, else the telemetry's step time and a nominal rate."""
         fit = self._fits.get(priority)
         if fit is not None and fit.seen >= MIN_FIT:
             return fit.coefficients()
         if self._all.seen >= MIN_FIT:
             return self._all.coefficients()
-        return self._step_s, FALLBACK_PER_TOKEN_S, 0.0
+        return self._step_s, FALLBACK_SLOPE_X, 0.0
 
     def fitted(self, priority: int, work: int, running: int) -> float:
         base, per_token, per_running = self.coefficients(priority)
         return base + per_token * work + per_running * running
 
-    def predict_ttft(self, priority: int, uncached_tokens: int, running: int) -> float:
+    def predict_ttft(self, priority: int, uncached_tokens: int, in_flight: int) -> Prediction:
         """Seconds from being sent here at engine ``priority`` to the first token, for a request with
-        ``uncached_tokens`` to prefill, with what is pending here now and ``running`` requests of the guard's."""
-        fitted = self.fitted(priority, self.ahead(priority) + uncached_tokens, running)
-        return self._residual.correct(self.band(priority), fitted)
+        ``uncached_tokens`` to prefill, with what is pending here now and ``in_flight`` requests of the guard's."""
+        band = self.band(priority)
+        fitted = self.fitted(priority, self.ahead(priority) + uncached_tokens, self.running(in_flight))
+        median = self._residual.correct(band, fitted)
+        spread = self._spread.get(band)
+        if spread is None or spread.seen < MIN_SPREAD_SEEN:
+            spread = self._spread.get(None)
+        return Prediction(median, median * math.exp(max(0.0, spread.value)) if spread is not None else median)
 
     def observe_ttft(self, priority: int, work: int, seconds: float, sent: Sent | None = None) -> None:
         """A request sent at engine ``priority`` with ``work`` tokens ahead of it (its own included), having
@@ -192,13 +180,37 @@ class LatencyModel:
         fitted = self.fitted(priority, work, running)
         # Before the fit stands (MIN_FIT observations) its residuals say nothing about a band.
         if sent is not None and self._all.seen >= MIN_FIT and fitted > 0 and seconds > 0:
+            if sent.ttft.median > 0:
+                error = _log_ratio(seconds, sent.ttft.median)
+                for key in (sent.band, None):
+                    self._spread.setdefault(key, Quantile(P90)).observe(error)
             self._residual.observe(sent.band, fitted, seconds)
         self._fits.setdefault(priority, Fit()).add(work, running, seconds)
         self._all.add(work, running, seconds)
 
-    def predict_tpot(self) -> float:
-        return self._tpot_s if self._tpot_s is not None else self._itl_s
+    def decode_step(self, batch: int) -> float:
+        """The engine's decode step with ``batch`` sequences: the telemetry's line once fitted, else its
+        latest mean decode step (0 when idle and never fitted)."""
+        if self._step.seen >= MIN_FIT:
+            base, _, per_sequence = self._step.coefficients()
+            return base + per_sequence * batch
+        return self._itl_s
 
-    def observe_tpot(self, seconds: float) -> None:
-        """A finished stream's mean gap between tokens."""
-        self._tpot_s = seconds if self._tpot_s is None else DECAY * self._tpot_s + (1 - DECAY) * seconds
+    def predict_tpot(self, in_flight: int) -> Prediction:
+        """Seconds per output token for a stream that joins the replica now, beside ``in_flight`` requests of
+        the guard's (its decode batch is the sequences there, plus its own); ``UNKNOWN`` before any step
+        was seen."""
+        step = self.decode_step(self.running(in_flight) + 1)
+        if step <= 0:
+            return UNKNOWN
+        median = self._tpot_residual.correct(None, step)
+        spread = self._tpot_spread
+        return Prediction(median, median * math.exp(max(0.0, spread.value)) if spread.seen else median)
+
+    def observe_tpot(self, seconds: float, sent: Sent | None) -> None:
+        """A finished stream's mean gap between tokens, sent having met ``sent``."""
+        if sent is None or seconds <= 0 or sent.tpot.median <= 0:
+            return
+        self._tpot_spread.observe(_log_ratio(seconds, sent.tpot.median))
+        if (step := self.decode_step(sent.running + 1)) > 0:
+            self._tpot_residual.observe(None, step, seconds)

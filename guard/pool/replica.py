@@ -71,7 +71,7 @@ class Replica:
         """Take a snapshot; returns the engine-reported prefix-cache (hit, query) tokens since the last one
         (none for the first). Totals that went down mean the engine restarted: they count from zero again."""
         self.gate.update(snapshot)
-        self.latency.on_snapshot(snapshot)
+        self.latency.on_snapshot(snapshot, self.in_flight)
         self.heard.set()
         hits, queries = snapshot.prefix_cache_hits_total, snapshot.prefix_cache_queries_total
         before_hits, before_queries = self._hits_total, self._queries_total

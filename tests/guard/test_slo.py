@@ -88,15 +88,19 @@ def test_the_latency_model_learns_base_and_prefill_rate_and_counts_work_by_engin
     assert model.coefficients(104) == (base, per_token, 0.0), "a priority not seen yet: the fit over all of them"
     for i in range(MIN_FIT):
         model.observe_ttft(104, 300, 0.5)
-    assert model.predict_ttft(104, 300, 0) == pytest.approx(0.5, rel=0.01), "then its own"
-    assert model.admitted(1, 100, 0) == (100, Sent((1, False), 0))
-    assert model.admitted(104, 500, 1) == (600, Sent((104, False), 1)), \
+    assert model.predict_ttft(104, 300, 0).median == pytest.approx(0.5, rel=0.01), "then its own"
+    work, sent = model.admitted(1, 100, 100, 0)
+    assert (work, sent.band, sent.running) == (100, (1, False), 0)
+    work, sent = model.admitted(104, 500, 500, 1)
+    assert (work, sent.band, sent.running) == (600, (104, False), 1), \
         "a borrower's prefill waits for every higher priority's, beside one request running"
+    assert sent.ttft.median == pytest.approx(0.5 + 300 * 1e-4, rel=0.01), \
+        "what was predicted for it when sent: 300 tokens more than its fit has seen, at the nominal rate"
     assert model.band(1) == (1, True), "a lower priority's prefill in flight: another band"
     assert model.ahead(1) == 100, "a lower priority's prefill is not ahead of a critical request"
-    assert model.predict_ttft(1, 50, 2) == pytest.approx(0.020 + 2e-4 * 150, rel=0.02)
-    model.started(1, 100)
-    model.started(104, 500)
+    assert model.predict_ttft(1, 50, 2).median == pytest.approx(0.020 + 2e-4 * 150, rel=0.02)
+    model.started(1, 100, 100)
+    model.started(104, 500, 500)
     assert model.pending == {} and model.ahead(200) == 0
 
 
@@ -113,11 +117,11 @@ def test_the_latency_model_learns_what_each_request_running_beside_a_prefill_cos
         running = (3 * i) % 17
         model.observe_ttft(2, 54, 0.010 + 1.5e-3 * running, Sent((2, False), running))
     for running in range(12):  # requests sent here, their first tokens come: only running now
-        model.admitted(2, 54, running)
-        model.started(2, 54)
+        model.admitted(2, 54, 54, running)
+        model.started(2, 54, 54)
     assert model.ahead(2) == 0
-    assert model.predict_ttft(2, 54, 12) == pytest.approx(0.010 + 1.5e-3 * 12, rel=0.02)
-    assert model.predict_ttft(2, 54, 0) == pytest.approx(0.010, rel=0.02), "the batch has drained"
+    assert model.predict_ttft(2, 54, 12).median == pytest.approx(0.010 + 1.5e-3 * 12, rel=0.02)
+    assert model.predict_ttft(2, 54, 0).median == pytest.approx(0.010, rel=0.02), "the batch has drained"
 
 
 def test_a_band_the_fit_misses_is_corrected_by_its_residual() -> None:
@@ -125,9 +129,9 @@ def test_a_band_the_fit_misses_is_corrected_by_its_residual() -> None:
     for _ in range(3 * MIN_FIT):  # alone: 20 ms; with a borrower's prefill in flight: 60 ms (its step first)
         model.observe_ttft(1, 50, 0.020, Sent((1, False), 0))
         model.observe_ttft(1, 50, 0.060, Sent((1, True), 0))
-    alone = model.predict_ttft(1, 50, 0)
-    model.admitted(104, 500, 0)
-    behind = model.predict_ttft(1, 50, 1)
+    alone = model.predict_ttft(1, 50, 0).median
+    model.admitted(104, 500, 500, 0)
+    behind = model.predict_ttft(1, 50, 1).median
     assert alone == pytest.approx(0.020, rel=0.1) and behind == pytest.approx(0.060, rel=0.1), (alone, behind)
 
 
@@ -238,7 +242,7 @@ def test_the_sheddable_pace_shows_a_drop_a_stall_and_a_new_backlog_at_once(
 def test_the_slo_filter_holds_back_a_replica_predicted_to_be_late() -> None:
     profile = profile_for(Routing())  # the kvguard preset
     pool = pool_of([100, 100, 100])
-    pool.by_name["e1"].latency.admitted(0, 50_000, 0)  # 50k prefill tokens ahead there: seconds
+    pool.by_name["e1"].latency.admitted(0, 50_000, 50_000, 0)  # 50k prefill tokens ahead there: seconds
     ranked = profile.rank(pool.replicas, Request(4, [], prompt_tokens=100, ttft_left_s=1.0, priority=1))
     assert ranked[-1].replica.name == "e1" and ranked[-1].filtered_by == "slo"
     assert all(c.filtered_by is None for c in ranked[:-1])

@@ -45,9 +45,13 @@ class Overload:
 
 @register_filter("slo")
 class SloFilter:
-    """A replica predicted to miss the request's TTFT objective (what is left of it after queueing):
-    requests without one pass. Failing open as every filter does, a request that no replica can serve in
-    time still goes to the best of them; refusing it instead is admission's call (guard/admission/slo.py)."""
+    """A replica predicted to break the request's objectives: its p90 TTFT past what the TTFT objective
+    leaves after queueing, or its p90 TPOT with the request added to its decode batch past the TPOT
+    objective (guard/pool/latency.py). Requests without either pass. Failing open as every filter does, a
+    request that no replica can serve in time still goes to the best of them; refusing it instead is
+    admission's call (guard/admission/slo.py)."""
 
     def holds_back(self, replica: Replica, ctx: Context) -> bool:
-        return ctx.ttft_left_s is not None and predicted_ttft(replica, ctx) > ctx.ttft_left_s
+        if ctx.ttft_left_s is not None and predicted_ttft(replica, ctx).p90 > ctx.ttft_left_s:
+            return True
+        return ctx.tpot_s is not None and replica.latency.predict_tpot(replica.in_flight).p90 > ctx.tpot_s

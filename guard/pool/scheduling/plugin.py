@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Protocol, TypeVar
 
 if TYPE_CHECKING:
+    from guard.pool.latency import Prediction
     from guard.pool.replica import Replica
 
 
@@ -49,6 +50,7 @@ class Request:
     hashes: Sequence[Sequence[bytes]] = ()  # each prompt's full-block hashes (empty: not computed)
     prompt_tokens: int = 0  # all prompts together
     ttft_left_s: float | None = None  # what its TTFT objective leaves after its wait so far (None: none)
+    tpot_s: float | None = None  # its TPOT objective (None: none)
     priority: int = 0  # the engine priority it would run at (guard/pool/gate.py engine_priority)
     lora: str | None = None  # the LoRA adapter it names (None: the base model)
     tenant: str = ""
@@ -79,6 +81,10 @@ class Context:
     @property
     def ttft_left_s(self) -> float | None:
         return self.request.ttft_left_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        return self.request.tpot_s
 
     @property
     def lora(self) -> str | None:
@@ -143,7 +149,7 @@ def free_share(replica: Replica, blocks: int) -> float:
     return max(0.0, (budget - replica.gate.committed() - blocks) / budget) if budget else 0.0
 
 
-def predicted_ttft(replica: Replica, ctx: Context) -> float:
+def predicted_ttft(replica: Replica, ctx: Context) -> Prediction:
     """Seconds from admission on the replica to the request's first token (guard/pool/latency.py), its
     prompts' blocks cached there not counted."""
     snapshot = replica.gate.snapshot
