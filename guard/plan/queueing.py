@@ -61,7 +61,10 @@ def replicas_for_wait(slots_per_replica: int, rate_per_s: float, mean_service_s:
     Starts at the fewest that are stable; the wait falls with every server added and tends to 0, so the
     search ends. Erlang B's recursion runs once over the servers, extended by one replica's slots per step
     (not again from 1 for every count tried): O(servers), and O(limit x slots) at most with a limit, which
-    the guard's live signal sets (guard/plan/live.py), so that a huge reading never stalls its event loop."""
+    the guard's live signal sets (guard/plan/live.py), so that a huge reading never stalls its event loop.
+    The recursion stops where the blocking probability underflows to 0 (it stays 0 after): a replica of
+    millions of slots (a large KV budget over small requests) costs the offered load plus a few hundred
+    steps, not its slots (it held the guard's loop about a second per reading)."""
     offered = rate_per_s * mean_service_s
     replicas = max(1, math.floor(offered / slots_per_replica) + 1)
     if limit is not None and replicas >= limit:
@@ -70,6 +73,8 @@ def replicas_for_wait(slots_per_replica: int, rate_per_s: float, mean_service_s:
     while True:
         for k in range(servers + 1, replicas * slots_per_replica + 1):
             blocking = offered * blocking / (k + offered * blocking)
+            if blocking == 0.0:  # underflowed: 0.0 for every server after (see above)
+                break
         servers = replicas * slots_per_replica
         waiting = 0.0 if offered <= 0 else servers * blocking / (servers - offered * (1.0 - blocking))
         if waiting * mean_service_s / (servers - offered) <= max_wait_s or replicas == limit:

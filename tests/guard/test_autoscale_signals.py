@@ -144,3 +144,5 @@ def test_the_wait_search_extends_erlang_b_once_and_stops_at_its_limit() -> None:
         assert replicas_for_wait(slots, rate, service_s, wait_s, limit=tried + 5) == tried
     assert replicas_for_wait(8, 1e6, 30.0, 0.05, limit=64) == 64
     assert replicas_for_wait(8, 20.0, 3.0, 1e-9, limit=3) == 3  # the wait never gets that low by 3
+    # A replica of millions of slots (bench/fast_upstream.py's budget over one-block requests): one is enough.
+    assert replicas_for_wait(8_000_000, 500.0, 0.1, 1.0, limit=1024) == 1
