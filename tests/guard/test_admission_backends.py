@@ -7,6 +7,8 @@ at the same instants).
 - an SLO scenario (a critical lane beside a sheddable flood, as the issue measured it): the flood's
   requests that no replica can serve in time are shed, the critical ones reclaim what the flood borrowed
   and go first, with two guards on Redis exactly as with one guard;
+- a TPOT objective: a replica whose decode batch would break it is held back; a sheddable request that
+  every replica would break is refused;
 - a property: random arrivals, first tokens and ends of three tenants in three classes, one guard per
   backend, the same decisions.
 """
@@ -20,6 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.admission_backends import BACKENDS, FakeClock, Script, admission, flush
+from support.admission_parts import snapshot
 from support.redis_server import RedisServer
 
 from guard.config import GuardConfig
@@ -102,6 +105,41 @@ async def test_an_slo_lane_sheds_and_places_with_two_guards_on_redis_as_with_one
     shared = await run_slo("redis", clock, redis.url, 2)
     assert "slo_unattainable" in [d[1] for d in alone]
     assert shared == alone
+
+
+def decode_steps(dispatcher, lines: dict[str, tuple[float, float]], running: int) -> None:
+    """Each replica's telemetry: its decode step ``base + per_sequence x batch`` (``lines[name]``) at
+    batches 1 to 8, then ``running`` sequences there that are not this guard's (another guard's, say)."""
+    for replica, blocks in zip(dispatcher.pool.replicas, BLOCKS, strict=True):
+        base, per_sequence = lines[replica.name]
+        for batch in (*range(1, 9), running):
+            replica.on_snapshot(snapshot(num_blocks=blocks, free=blocks).model_copy(
+                update={"num_running": batch, "itl_s": base + per_sequence * batch}))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_a_tpot_objective_keeps_a_request_off_a_replica_whose_decode_batch_would_break_it(
+        backend: str, redis: RedisServer, clock: FakeClock) -> None:
+    """e0, the replica the scorers prefer (more blocks), decodes at 6 ms + 3 ms a sequence; e1 at 2 ms + 1 ms.
+    With 4 sequences on each, a stream joining e0 would see ~21 ms per token, e1 ~7 ms."""
+    flush(redis)
+    async with admission(backend, CONFIG, BLOCKS, redis.url) as (dispatcher,):
+        decode_steps(dispatcher, {"e0": (0.006, 0.003), "e1": (0.002, 0.001)}, running=4)
+        script = Script(dispatcher, clock)
+        try:
+            unhurried = await script.arrive(0, 4)
+            await script.end(unhurried, 8)
+            hurried = await script.arrive(0, 4, headers={"X-SLO-TPOT-Ms": "15"})
+            hopeless = await script.arrive(2, 4, headers={"X-SLO-TPOT-Ms": "5"})
+            modest = await script.arrive(2, 4, headers={"X-SLO-TPOT-Ms": "30"})
+        finally:
+            await script.close()
+    outcomes = {d[0]: d[1:] for d in script.decisions if d[1] != "ended"}
+    assert outcomes[unhurried][:2] == ("admitted", "e0"), "without a TPOT objective, the scorers' choice"
+    assert outcomes[hurried][:2] == ("admitted", "e1"), "e0's decode batch would break 15 ms a token"
+    assert script.tickets[hurried].predicted_tpot == pytest.approx(0.002 + 0.001 * 5, rel=0.02)
+    assert outcomes[hopeless] == ("slo_unattainable",), "a sheddable request no replica decodes fast enough for"
+    assert outcomes[modest][0] == "admitted"
 
 
 OPS = st.lists(st.one_of(

@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import itertools
 import types
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -147,15 +147,16 @@ class Script:
     ids: itertools.count = field(default_factory=itertools.count)
 
     async def arrive(self, tenant: int, blocks: int, prompt_tokens: int = 64, max_tokens: int = 32,
-                     priority_class: str = "") -> str:
-        """A request of ``config.tenants[tenant]`` in its lane, of ``priority_class`` ("": its lane's)."""
+                     priority_class: str = "", headers: Mapping[str, str] | None = None) -> str:
+        """A request of ``config.tenants[tenant]`` in its lane, of ``priority_class`` ("": its lane's), with
+        ``headers`` (its ``X-SLO-*`` tighten its objective)."""
         config = self.dispatcher.config
         who = config.tenants[tenant]
         lane = config.lanes[who.lane]
         rid = f"r{next(self.ids)}"
+        selected = (priority_class or lane.priority_class, None, lane.slo)
         ticket = Ticket(rid, who, lane, prompt_tokens, max_tokens, blocks, arrived=self.clock.now,
-                        objective=slo.objective_for(lane, {}, (priority_class or lane.priority_class, None, lane.slo)),
-                        priority_class=priority_class)
+                        objective=slo.objective_for(lane, headers or {}, selected), priority_class=priority_class)
         self.tickets[rid] = ticket
         self.waiting[rid] = asyncio.create_task(self.dispatcher.submit(ticket))
         await self.settle()
