@@ -65,6 +65,7 @@ class Ticket:
     predicted_engine_p90: float | None = None
     wait_key: tuple[str, bool] | None = None  # the correction that applied to it (guard/admission/slo.py)
     verdicts: dict[str, bool] | None = None  # objective ("ttft", "tpot") -> met, once it ended
+    observed_tpot: float | None = None  # its stream's mean gap between tokens, once it ended (None: no stream)
     admitted_at: float = 0.0  # time.monotonic() of its admission
     uncached: int = 0  # its prompt tokens the replica has to prefill, until its first token (latency model)
     work: int = 0  # prefill tokens ahead of it on its replica when admitted, its own included

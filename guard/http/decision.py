@@ -64,6 +64,7 @@ def slo_record(ticket: Ticket) -> dict:
             # of it: arrival to admission (the guard's queue), admission to the first token (the replica)
             "predicted_queue_ms": _ms(ticket.predicted_queue), "predicted_engine_ms": _ms(ticket.predicted_engine),
             "predicted_tpot_ms": _ms(ticket.predicted_tpot), "predicted_tpot_p90_ms": _ms(ticket.predicted_tpot_p90),
+            "observed_tpot_ms": _ms(ticket.observed_tpot),  # the stream's mean gap between tokens
             "met": ticket.verdicts}
 
 

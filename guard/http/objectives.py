@@ -13,8 +13,8 @@ objective, met}`` once per objective it has (``priority_class``: the request's, 
   verdict: nobody waited for it.
 
 The prediction is scored too (``guard_ttft_predicted_seconds``, and ``guard_ttft_prediction_error_seconds``,
-the absolute error, for requests that got a first token), and each replica's latency model learns the
-streams' TPOT (guard/pool/latency.py).
+the absolute error, for requests that got a first token), and each replica's latency model learns the TPOT
+of every stream served there, objective or not (guard/pool/latency.py).
 """
 
 from __future__ import annotations
@@ -39,26 +39,31 @@ def resolve(ex: Exchange, lane: Lane) -> tuple[str, str | None, Objective | None
 
 def account(ex: Exchange) -> None:
     """Count the ended request's verdicts and score its prediction (an end-of-request hook; requests that
-    got no ticket or have no objective: nothing)."""
+    got no ticket: nothing; without an objective: only its replica learns its stream's TPOT)."""
     entry = getattr(ex, "entry", None)
-    if entry is None or (objective := entry.ticket.objective) is None or ex.outcome is Outcome.CANCELLED:
+    if entry is None or ex.outcome is Outcome.CANCELLED:
         return
     ticket, observer = entry.ticket, entry.observer
+    completed = ex.outcome is Outcome.COMPLETED and ex.upstream is not None
+    tpot: float | None = None  # the stream's mean gap between tokens (None: no stream of two tokens or more)
+    if completed and observer.events > 1:
+        tpot = (observer.last_at - observer.first_at) / (observer.events - 1)
+        if ticket.replica is not None:
+            ticket.replica.latency.observe_tpot(tpot, ticket.sent)
+    if (objective := ticket.objective) is None:
+        return
+    ticket.observed_tpot = tpot
     metrics, lane = ex.state.metrics, ticket.tenant.lane
     streamed = observer.events > 0
     ttft: float | None = None  # seconds from arrival to the client's first token (None: no answer)
-    if ex.outcome is Outcome.COMPLETED and ex.upstream is not None:
+    if completed:
         ttft = (observer.first_at if streamed else time.monotonic()) - ex.arrived
     verdicts: dict[str, bool] = {}
     if objective.ttft_s is not None:
         verdicts["ttft"] = ttft is not None and ttft <= objective.ttft_s
     if objective.tpot_s is not None:
-        gaps = observer.events - 1 if ttft is not None and streamed else 0
-        if gaps > 0:
-            tpot = (observer.last_at - observer.first_at) / gaps
+        if tpot is not None:
             verdicts["tpot"] = tpot <= objective.tpot_s
-            if ticket.replica is not None:
-                ticket.replica.latency.observe_tpot(tpot, ticket.sent)
         elif ttft is None:
             verdicts["tpot"] = False
     for which, met in verdicts.items():

@@ -277,6 +277,11 @@ async def test_live_objectives_answers_series_and_decision_record(engine: Engine
                 record = await answer.json()
             assert record["slo"]["priority_class"] == "critical" and record["slo"]["ttft_ms"] == 5000
             assert record["slo"]["predicted_ttft_ms"] > 0 and record["slo"]["met"] == {"ttft": True, "tpot": True}
+            predicted = record["slo"]
+            assert predicted["predicted_ttft_p90_ms"] >= predicted["predicted_ttft_ms"], "the p90 is no lower"
+            assert predicted["predicted_engine_ms"] > 0 and predicted["observed_tpot_ms"] > 0
+            assert predicted["predicted_tpot_p90_ms"] is None or \
+                predicted["predicted_tpot_p90_ms"] >= predicted["predicted_tpot_ms"] > 0
             status, _, raw = await post("sk-acme", {"X-SLO-TTFT-Ms": "soon"})
             assert status == 400 and b"X-SLO-TTFT-Ms" in raw
             await until(lambda: guard.call(lambda: guard.state.pool.expected_wait(1)), lambda w: w is not None, 10.0)
