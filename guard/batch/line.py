@@ -3,7 +3,8 @@ fairness, the KV budget, routing, failover, records), in the sheddable class at 
 
 The line is served by guard/http/pipeline.py's ``completion`` with an ``InternalRequest``: the part of a
 request the pipeline reads, with its tenant and lane under ``INTERNAL`` (no API key: the batch's tenant is
-who created it). Its request id is ``<batch id>:<line number>``, so its decision record names the batch and
+who created it), through ``INTERNAL_REQUEST``, whose auth stage reads them (a client's request runs
+``REQUEST``, which never looks for them). Its request id is ``<batch id>:<line number>``, so its decision record names the batch and
 the line. A line never streams (validate.py), so the answer is a whole ``web.Response`` and no byte goes to
 any connection.
 
@@ -22,7 +23,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from guard.config import GuardConfig, Lane, Tenant
-from guard.http.pipeline import INTERNAL, completion
+from guard.http.pipeline import INTERNAL, INTERNAL_REQUEST, completion
 from guard.wire.front_request import RequestItems
 from guard.wire.stamp import REQUEST_ID
 
@@ -80,7 +81,8 @@ class Answer:
 async def run_line(app: web.Application, path: str, body: bytes, request_id: str, tenant: Tenant,
                    lane: Lane) -> web.Response:
     """The line's answer from the pipeline, as a client's request would get it."""
-    response = await completion(InternalRequest(app, path, body, request_id, tenant, lane))  # type: ignore[arg-type]
+    response = await completion(InternalRequest(app, path, body, request_id, tenant, lane),  # type: ignore[arg-type]
+                                INTERNAL_REQUEST)
     assert isinstance(response, web.Response), "a batch line never streams"
     return response
 

@@ -5,6 +5,9 @@ named stages that one runner drives (guard/http/stages.py):
     POOL       count -> size -> ticket -> limits -> queue -> forward                 (admission control)
     ELSEWHERE  fallback                                    (a fallback engine or the static message)
 
+(``INTERNAL_REQUEST`` is ``REQUEST`` for a request the guard makes itself, a batch line: its auth stage takes
+the tenant and lane the request carries.)
+
 The names are the decision record's stages. A request runs ``REQUEST``, then ``POOL`` when its route is the
 pool, else ``ELSEWHERE``; when no replica could be sent it (``UpstreamUnavailable``), it makes one attempt on
 the first usable fallback (``ELSEWHERE`` again). A stage that refuses raises ``GuardError``; ``completion``
@@ -44,7 +47,8 @@ from guard.wire.relay import UpstreamUnavailable
 from guard.wire.stamp import REQUEST_ID, TENANT
 
 # A request the guard makes itself (a batch line, guard/batch/line.py) carries its tenant and lane here, in
-# place of an API key.
+# place of an API key; it runs INTERNAL_REQUEST, whose auth stage reads them, so a client's request pays
+# nothing for it.
 INTERNAL = web.RequestKey("internal", tuple)
 
 
@@ -60,15 +64,18 @@ def authenticate(request: web.Request) -> Tenant:
 
 
 def auth(ex: Exchange) -> Caller:
-    if (internal := ex.request.get(INTERNAL)) is not None:
-        tenant, lane = internal
-        ex.request[TENANT] = tenant.name
-        return Caller(tenant, lane)
     tenant = authenticate(ex.request)
     state = ex.state
     if ex.request.headers.get("X-Stainless-Retry-Count", "0") not in ("", "0"):
         state.metrics.child(state.metrics.client_retries, tenant.name).inc()
     return Caller(tenant, state.config.lanes[tenant.lane])
+
+
+def internal_auth(ex: Exchange) -> Caller:
+    """A request the guard makes itself: its tenant and lane as it was given them (``INTERNAL``)."""
+    tenant, lane = ex.request[INTERNAL]
+    ex.request[TENANT] = tenant.name
+    return Caller(tenant, lane)
 
 
 async def validate(ex: Exchange) -> ParsedRequest:
@@ -122,6 +129,7 @@ async def elsewhere(ex: Exchange) -> web.StreamResponse:
 POOL_ROUTE = Route("pool", "pool")
 REQUEST = (Stage("auth", auth, keeps="caller"), Stage("validate", validate, keeps="parsed"),
            Stage("route", route, keeps="route"))
+INTERNAL_REQUEST = (Stage("auth", internal_auth, keeps="caller"), *REQUEST[1:])
 POOL = (Stage("count", admit.count, keeps="limits"),
         Stage("size", admit.size, keeps="sizing"),
         Stage("ticket", admit.make_ticket, keeps="entry", release=admit.finish_ticket),
@@ -130,9 +138,10 @@ POOL = (Stage("count", admit.count, keeps="limits"),
 ELSEWHERE = (Stage("fallback", elsewhere),)
 
 
-async def serve(ex: Exchange) -> web.StreamResponse:
-    """The request's stages: each list ends with the stage that answers."""
-    if (await run(ex, REQUEST)).kind != "pool":
+async def serve(ex: Exchange, request_stages: tuple[Stage, ...]) -> web.StreamResponse:
+    """The request's stages (``request_stages``: REQUEST, or INTERNAL_REQUEST for the guard's own): each list
+    ends with the stage that answers."""
+    if (await run(ex, request_stages)).kind != "pool":
         return await run(ex, ELSEWHERE)
     try:
         return await run(ex, POOL)
@@ -146,14 +155,14 @@ async def serve(ex: Exchange) -> web.StreamResponse:
         return await run(ex, ELSEWHERE)
 
 
-async def completion(request: web.Request) -> web.StreamResponse:
+async def completion(request: web.Request, request_stages: tuple[Stage, ...] = REQUEST) -> web.StreamResponse:
     ex = Exchange(request, request.app[STATE], request.app[CLIENTS], time.monotonic())
     if tracing.ENABLED:
         ex.trace = tracing.begin(request.headers, request.method, request.path, ex.arrived)
     response: web.StreamResponse | None = None
     refused: GuardError | None = None
     try:
-        response = await serve(ex)
+        response = await serve(ex, request_stages)
         return response
     except GuardError as exc:
         ex.outcome, refused = exc.outcome, exc
