@@ -111,8 +111,7 @@ def test_a_stream_slower_than_the_decode_step_teaches_the_tpot_correction_and_it
     for _ in range(200):  # the relay and prefill chunks: streams see 1.5x the decode step, give or take 20%
         _, sent = model.admitted(1, 10, 10, 0)
         model.started(1, 10, 10)
-        model.observe_tpot(sent.tpot.median / model._tpot_residual.correct(None, 1.0) * 1.5
-                           * math.exp(rng.gauss(0.0, 0.2)), sent)
+        model.observe_tpot(model.decode_step(sent.running + 1) * 1.5 * math.exp(rng.gauss(0.0, 0.2)), sent)
     step = 0.004 + 0.001 * (8 + 1)  # the last snapshot's 8 running, plus the stream
     tpot = model.predict_tpot(0)
     assert tpot.median == pytest.approx(1.5 * step, rel=0.15)
