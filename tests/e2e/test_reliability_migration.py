@@ -206,13 +206,17 @@ async def test_a_draining_replica_hands_what_it_cannot_finish_to_the_others(proc
 async def test_past_max_migrations_the_client_is_told(processes: Processes) -> None:
     tally = Tally()
     async with pool_of(processes, 2, max_migrations=0) as (guard, engines):
-        jobs = [(0, True, "/v1/chat/completions"), (1, False, "/v1/chat/completions")]
-
-        async def kill_both() -> None:  # wherever each runs
-            for engine in engines:
-                engine.kill()
-
-        streamed, unary = await run_through(guard, tally, jobs, kill_both)
+        path = "/v1/chat/completions"
+        client = Client(guard.url, tally)
+        first_bytes = asyncio.Event()
+        stream = asyncio.create_task(client.call(body(0, True, path), path=path, started=first_bytes))
+        # 1,500 tokens: the unary one is still generating when both engines die, however loaded the machine
+        unary_call = asyncio.create_task(client.call({**body(1, False, path), "max_tokens": 1500}, path=path))
+        await first_bytes.wait()
+        await until(lambda: guard.call(lambda: sum(r.in_flight for r in guard.state.pool)), lambda n: n == 2, 10)
+        for engine in engines:  # wherever each runs
+            engine.kill()
+        streamed, unary = await asyncio.wait_for(asyncio.gather(stream, unary_call), 60)
         assert "migration.max_migrations" in assert_stream_failed(streamed)["message"]
         assert unary.status == 502 and "migration.max_migrations" in unary.json()["error"]["message"]
 
