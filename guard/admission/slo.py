@@ -27,11 +27,17 @@ window sees it (``BacklogPace``).
 Every figure is a median and a p90 (``Prediction``). The engine's part and the TPOT come from each
 replica's latency model (guard/pool/latency.py). The queue wait's median is the pace's or the drain's
 figure times ``WaitCorrection``'s learned ratio (how the waits that queued tickets really had compared with
-their predictions); its p90 is that median times the 0.9 quantile of the same tickets' actual / corrected
-wait, learned per class and way of predicting once ``MIN_MARGIN_SEEN`` tickets have taught it (until then,
+their predictions); its p90 is that median times the 0.9 quantile of actual / corrected wait over the
+*decisive* tickets, those whose predicted wait was at least ``DECISIVE_SHARE`` of their TTFT objective,
+learned per class and way of predicting once ``MIN_MARGIN_SEEN`` of them have taught it (until then,
 ``PRIOR_P90_RATIO``: twice the median, the 50% margin issue 31 settled on, under which the pace may halve
 with the ticket still on time). That ratio is the queue margin, learned: what the objective must leave
-above the median wait for nine in ten queued tickets to be admitted in time. The TTFT's p90 adds the
+above the median wait for nine in ten tickets near the refusal line to be admitted in time. Only those
+decide a refusal, and a short wait's ratio spreads far wider than a long one's (a few departures early or
+late double it): in one run of bench/slo.py, the batch lane's actual / predicted wait had a p90 of 3.0-4.4
+for predicted waits under 0.5 s, and 1.2-1.5 over 3 s; learned over every ticket, the margin came out at
+2.5x and refused the batch lane's work that the 2x prior served in time (13 -> 32 refusals, none of the
+served late either way). The TTFT's p90 adds the
 queue's and the engine's excesses over their medians in quadrature (two parts that vary apart:
 ``combine``). When the request is placed, its engine part and TPOT are predicted again for the replica it
 is placed on, with the prefix hits and the batch it meets there: what its decision record shows.
@@ -73,6 +79,7 @@ DEPARTURE_WINDOW_S = 5.0
 # module docstring): a sheddable ticket queued then stays on time while the pace falls to half.
 PRIOR_P90_RATIO = 2.0
 MIN_MARGIN_SEEN = 8
+DECISIVE_SHARE = 0.3  # a queued ticket whose predicted wait was this share of its TTFT objective teaches the margin
 SHEDDABLE_WINDOW_S = 10.0
 RECENT_ADMISSIONS = 6  # the short sheddable pace: over this many admissions from the queue, and the backlog since
 BACKLOG_GAP_S = 1.0  # a sheddable backlog that begins this long after the last one ended is a new one
@@ -281,13 +288,25 @@ class WaitCorrection:
         learned = spread is not None and spread.seen >= MIN_MARGIN_SEEN
         return Prediction(median, median * (math.exp(max(0.0, spread.value)) if learned else PRIOR_P90_RATIO))
 
-    def observe(self, key: tuple[str, bool] | None, predicted: float | None, actual: float) -> None:
+    def observe(self, key: tuple[str, bool] | None, predicted: float | None, actual: float,
+                decisive: bool = False) -> None:
+        """A ticket predicted to wait ``predicted`` (before the correction) was admitted after ``actual``;
+        ``decisive``: its predicted wait was a share of its objective that a refusal is decided on (see
+        the module docstring), so it teaches the margin too."""
         if key is None or predicted is None or predicted < MIN_LEARNED_WAIT_S or actual <= 0:
             return  # predicted to be admitted at once: says nothing about the queue's pace
-        median = self._log_ratio.correct(key, predicted)
-        error = max(-MAX_LOG_RATIO, min(MAX_LOG_RATIO, math.log(actual / median)))
-        self._spread.setdefault(key, Quantile(P90)).observe(error)
+        if decisive:
+            median = self._log_ratio.correct(key, predicted)
+            error = max(-MAX_LOG_RATIO, min(MAX_LOG_RATIO, math.log(actual / median)))
+            self._spread.setdefault(key, Quantile(P90)).observe(error)
         self._log_ratio.observe(key, predicted, actual)
+
+
+def decisive(ticket: Judged) -> bool:
+    """Whether the ticket's predicted wait was at least ``DECISIVE_SHARE`` of its TTFT objective."""
+    objective = ticket.objective
+    return (objective is not None and objective.ttft_s is not None and ticket.predicted_queue is not None
+            and ticket.predicted_queue >= DECISIVE_SHARE * objective.ttft_s)
 
 
 def queue_wait(pool: ReplicaPool, departures: Departures, ticket: Judged, ahead: Backlog) -> float | None:
