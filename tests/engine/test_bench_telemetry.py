@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import sys
 
+import pytest
 from support import ROOT
 from support.processes import run_command
 
 
+@pytest.mark.slow  # 17 s; a benchmark's plumbing: the telemetry itself is tested in tests/engine/test_server_telemetry.py
 def test_telemetry_overhead_benchmark_runs() -> None:
     result = run_command(sys.executable, ROOT / "bench" / "telemetry_overhead.py", "--rounds", "4",
                          "--round-seconds", "0.3", "--amplify", "2", "--concurrency", "4", "--max-tokens", "16")

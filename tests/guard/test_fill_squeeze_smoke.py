@@ -12,11 +12,13 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 from support.processes import run_command
 
 TTFT_FIGURES = {"n", "mean_ms", "p50_ms", "p90_ms", "p99_ms", "max_ms"}
 
 
+@pytest.mark.slow  # 31 s; a benchmark's plumbing: detection is tested in tests/guard/test_detector*.py
 def test_fill_squeeze_quick(tmp_path: Path) -> None:
     done = run_command(sys.executable, "-m", "bench.attacks.fill_squeeze", "--quick", "--keys", "2", "--out", tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -91,6 +91,7 @@ def test_no_max_tokens_quick(tmp_path: Path) -> None:
     assert "p99 TTFT no_max / exact" in out
 
 
+@pytest.mark.slow  # 17 s of two guards; every hot-path change runs bench/guard_ab.py itself, so it cannot rot unseen
 def test_guard_ab_quick(tmp_path: Path) -> None:
     """The guard's A/B benchmark (the check that the guard's CPU per request never grows unnoticed): this
     tree against its own HEAD, checked out beside it, each workload measured on both guards."""
