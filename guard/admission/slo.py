@@ -27,17 +27,17 @@ window sees it (``BacklogPace``).
 Every figure is a median and a p90 (``Prediction``). The engine's part and the TPOT come from each
 replica's latency model (guard/pool/latency.py). The queue wait's median is the pace's or the drain's
 figure times ``WaitCorrection``'s learned ratio (how the waits that queued tickets really had compared with
-their predictions); its p90 is that median times the 0.9 quantile of actual / corrected wait over the
-*decisive* tickets, those whose predicted wait was at least ``DECISIVE_SHARE`` of their TTFT objective,
-learned per class and way of predicting once ``MIN_MARGIN_SEEN`` of them have taught it (until then,
+their predictions); its p90 is that median times the 0.9 quantile of actual / corrected wait, learned per
+class, way of predicting and whether the wait is *decisive* (its median at least ``DECISIVE_SHARE`` of the
+ticket's TTFT objective), once ``MIN_MARGIN_SEEN`` tickets have taught it (until then,
 ``PRIOR_P90_RATIO``: twice the median, the 50% margin issue 31 settled on, under which the pace may halve
-with the ticket still on time). That ratio is the queue margin, learned: what the objective must leave
-above the median wait for nine in ten tickets near the refusal line to be admitted in time. Only those
-decide a refusal, and a short wait's ratio spreads far wider than a long one's (a few departures early or
-late double it): in one run of bench/slo.py, the batch lane's actual / predicted wait had a p90 of 3.0-4.4
-for predicted waits under 0.5 s, and 1.2-1.5 over 3 s; learned over every ticket, the margin came out at
-2.5x and refused the batch lane's work that the 2x prior served in time (13 -> 32 refusals, none of the
-served late either way). The TTFT's p90 adds the
+with the ticket still on time). The decisive spread is the queue margin, learned: what the objective must
+leave above the median wait for nine in ten tickets near the refusal line to be admitted in time. It is
+learned apart because only those tickets decide a refusal, and a short wait's ratio spreads far wider than
+a long one's (a few departures early or late double it): in one run of bench/slo.py, the batch lane's
+actual / predicted wait had a p90 of 3.0-4.4 for predicted waits under 0.5 s, and 1.2-1.5 over 3 s;
+learned over every ticket, the margin came out at 2.5x and refused the batch lane's work that the 2x prior
+served in time (13 -> 32 refusals, none of the served late either way). The TTFT's p90 adds the
 queue's and the engine's excesses over their medians in quadrature (two parts that vary apart:
 ``combine``). When the request is placed, its engine part and TPOT are predicted again for the replica it
 is placed on, with the prefix hits and the batch it meets there: what its decision record shows.
@@ -280,11 +280,14 @@ class WaitCorrection:
 
     def __init__(self) -> None:
         self._log_ratio = LogRatioMean(CORRECTION_DECAY, MAX_LOG_RATIO)
-        self._spread: dict[tuple[str, bool], Quantile] = {}
+        self._spread: dict[tuple[str, bool, bool], Quantile] = {}  # (class, way, decisive) -> its quantile
 
-    def predict(self, key: tuple[str, bool], predicted: float) -> Prediction:
+    def predict(self, key: tuple[str, bool], predicted: float, objective_s: float | None = None) -> Prediction:
+        """The wait of a ticket predicted to wait ``predicted`` before the correction, with a TTFT objective
+        of ``objective_s`` (None: none): its p90 from the decisive tickets' spread when its own median is
+        decisive, else from the others'."""
         median = self._log_ratio.correct(key, predicted)
-        spread = self._spread.get(key)
+        spread = self._spread.get((*key, objective_s is not None and median >= DECISIVE_SHARE * objective_s))
         learned = spread is not None and spread.seen >= MIN_MARGIN_SEEN
         return Prediction(median, median * (math.exp(max(0.0, spread.value)) if learned else PRIOR_P90_RATIO))
 
@@ -292,13 +295,12 @@ class WaitCorrection:
                 decisive: bool = False) -> None:
         """A ticket predicted to wait ``predicted`` (before the correction) was admitted after ``actual``;
         ``decisive``: its predicted wait was a share of its objective that a refusal is decided on (see
-        the module docstring), so it teaches the margin too."""
+        the module docstring): it teaches that spread, the others theirs."""
         if key is None or predicted is None or predicted < MIN_LEARNED_WAIT_S or actual <= 0:
             return  # predicted to be admitted at once: says nothing about the queue's pace
-        if decisive:
-            median = self._log_ratio.correct(key, predicted)
-            error = max(-MAX_LOG_RATIO, min(MAX_LOG_RATIO, math.log(actual / median)))
-            self._spread.setdefault(key, Quantile(P90)).observe(error)
+        median = self._log_ratio.correct(key, predicted)
+        error = max(-MAX_LOG_RATIO, min(MAX_LOG_RATIO, math.log(actual / median)))
+        self._spread.setdefault((*key, decisive), Quantile(P90)).observe(error)
         self._log_ratio.observe(key, predicted, actual)
 
 
@@ -345,7 +347,8 @@ def predicted_ttft(pool: ReplicaPool, departures: Departures, ticket: Judged, ah
     elapsed = time.monotonic() - ticket.arrived
     queue = Prediction(elapsed, elapsed)
     if wait is not None:
-        corrected = correction.predict(ticket.wait_key, wait)
+        objective = ticket.objective
+        corrected = correction.predict(ticket.wait_key, wait, None if objective is None else objective.ttft_s)
         queue = Prediction(elapsed + corrected.median, elapsed + corrected.p90)
     priority = engine_priority(ticket.lane.priority, ticket.priority_class == SHEDDABLE)
     engines = [r.latency.predict_ttft(priority, ticket.prompt_tokens, r.in_flight) for r in pool.replicas

@@ -151,16 +151,18 @@ def test_the_slo_filter_sees_a_replica_crowded_by_traffic_the_guard_did_not_send
 def test_the_queue_margin_is_learned_from_the_waits_queued_tickets_had() -> None:
     correction = WaitCorrection()
     key = ("sheddable", True)
-    assert correction.predict(key, 2.0).p90 == pytest.approx(2.0 * PRIOR_P90_RATIO), "before: the prior"
+    assert correction.predict(key, 2.0, 5.0).p90 == pytest.approx(2.0 * PRIOR_P90_RATIO), "before: the prior"
     rng = random.Random(9)
     for _ in range(400):  # long waits run 1.3x the pace's figure, give or take 10%; short ones anything
         correction.observe(key, 2.0, 2.0 * 1.3 * math.exp(rng.gauss(0.0, 0.1)), decisive=True)
         correction.observe(key, 0.1, 0.1 * 1.3 * math.exp(rng.gauss(0.0, 1.0)))
-    wait = correction.predict(key, 2.0)
+    wait = correction.predict(key, 2.0, objective_s=5.0)
     assert wait.median == pytest.approx(2.6, rel=0.35), "the median correction learns from every ticket"
     assert wait.p90 / wait.median == pytest.approx(math.exp(1.2816 * 0.1), rel=0.1), \
         "a margin of ~12%, learned from the decisive tickets alone (short waits' spread would make it ~3.6x)"
-    assert correction.predict(("critical", True), 2.0).p90 == pytest.approx(2.0 * PRIOR_P90_RATIO), \
+    short = correction.predict(key, 0.1, objective_s=5.0)
+    assert short.p90 / short.median == pytest.approx(math.exp(1.2816 * 1.0), rel=0.3), "short waits: their own"
+    assert correction.predict(("critical", True), 2.0, 5.0).p90 == pytest.approx(2.0 * PRIOR_P90_RATIO), \
         f"each class and way of predicting learns its own (after {MIN_MARGIN_SEEN})"
 
 
