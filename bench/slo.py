@@ -1,33 +1,28 @@
-"""SLO-aware admission under 2x overload: attainment per lane and goodput, three ways side by side.
+"""SLO-aware admission against the strongest configuration without it (issue 43): scenarios, goodput, goals.
 
-One engine (``python -m engine --model tiny --num-blocks N``) serves, in one run, taking turns block by block
-(each round starts one later: a shared machine's drift weighs on all alike):
+Each *cell* (a scenario at one load, bench/slo_scenarios.py) runs on its own engines: a calibration first
+(every engine saturated at once by batch requests straight to it, ``--calibrate-s`` seconds, generated
+tokens per second: the capacity C, fixed for the whole cell; ``--capacity`` gives it instead), then
+``--rounds`` rounds in which every configuration gets one block of ``--block-s`` seconds of open-loop
+arrivals (bench/tenant_load.py), each round starting one configuration later. Within a round every
+configuration gets the same rates, prompts and arrival seeds; each guard writes a decision log.
 
-  (a) kvguard with SLOs      lanes interactive {slo: {ttft_ms: 1500}, priority_class: critical} and batch
-                             {slo: {ttft_ms: --batch-ttft-ms}, priority_class: sheddable}
-  (b) kvguard without SLOs   the same tenants and lanes, without slo or priority_class (the defaults)
-  (c) FIFO                   straight to the engine, no priority (nobody sets one without the guard)
+    configurations  a (SLOs), a_nofilter (S3), b1 (without SLOs), b2 (b1, timeouts = objectives),
+                    b3 (b1, interactive tenants weighted to half the pool), fifo (straight to the engine)
+    scenarios       S1 (2 interactive + 6 batch tenants; L = 2, 4), S2 (web + batch; L = 2, 3),
+                    S3 (S2's tenants on two engines, one about half the other; L = 2)
 
-Two tenants of equal weight arrive open-loop (bench/tenant_load.py) with the same seeded arrival times for
-every configuration: ``web`` sends short streamed chats in the interactive lane, ``batch`` long streamed
-generations in the batch lane. Their rates are set from the engine's capacity, measured at the start of
-every round (a saturating batch-only load straight to the engine, generated tokens per second; on a shared
-machine it moved by 2x within minutes, and one measurement at the start let a run's "2x" be ~1x by its
-end): ``web`` offers ``--web-share`` of it and ``batch`` the rest of ``--load`` (2x by default), in
-generated tokens; within a round the three configurations get the same rates and arrival times.
+When a block's arrivals end, its requests get ``--drain`` seconds; what is left is cancelled and counts as
+missed. Figures per block (bench/slo_measures.py): request and token goodput, attainment and late share per
+lane, refusal latency per code, engine preemptions per lane, the guard's prediction error per lane and
+replica; per round, the oracle (every interactive request on time plus B1's batch requests on time). Each
+cell's report goes to ``--out-dir``/<cell>.json; then every cell report there is judged against the
+issue's goals (bench/slo_goals.py) into ``goals.json``.
 
-A request *meets its objective* when its first token arrives within its lane's TTFT objective of its
-scheduled arrival (1.5 s interactive, ``--batch-ttft-ms`` batch; the same objectives judge (b) and (c),
-which do not know them). Goodput is the requests that met their objective per second of arrivals. When a
-block's arrivals end, its requests get ``--drain`` seconds; what is left then is cancelled and counts as
-missed. Also reported: how fast refusals were answered (p95), the engine's preemptions per tenant, the
-engine's KV pool in use and its running sequences while arrivals ran (sampled every 0.25 s), the tokens
-it generated per second from a block's start until it was idle again (against the capacity), the ceiling
-of goodput over (b) (every request offered meets its objective: what no configuration can pass), and for
-(a) the TTFT the guard predicted against the TTFT it saw (its decision log: median absolute relative error).
-
-    .venv/bin/python bench/slo.py [--duration 40] [--rounds 2] [--drain 8] [--json PATH]   # ~4.5 min
-    .venv/bin/python bench/slo.py --quick      # one round of 1.5-second blocks: checks that it runs
+    .venv/bin/python bench/slo.py        # the issue's spec: 120 s blocks, 3 rounds, 5 cells: ~2.5 hours
+    .venv/bin/python bench/slo.py --scenarios S1 --loads 2 --block-s 30 --rounds 3    # one cell, scaled down
+    .venv/bin/python bench/slo.py --goals-only                 # judge the cell reports already in --out-dir
+    .venv/bin/python bench/slo.py --quick   # S2 at L = 2, one round of 2-second blocks: checks that it runs
 """
 
 from __future__ import annotations
@@ -35,348 +30,245 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import os
-import shutil
 import statistics
+import subprocess
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import aiohttp
 import torch
-from latency import percentile, summarize
 from run_info import command, describe, write_report
+from slo_goals import evaluate, goal_lines, load_cells
+from slo_measures import block_figures, in_window, prediction_error, read_records
+from slo_scenarios import BATCH, INTERACTIVE, LABELS, PROMPTS, Scenario, guard_config, scenario
 from stack import REPO, Service, get_json, start_engine, start_guard
-from tenant_load import Result, Target, arrivals, engine_target, guard_target, send, status_counts
+from tenant_load import Result, Target, arrivals, engine_target, guard_target, send
 
-KEYS = {"web": "sk-bench-web", "batch": "sk-bench-batch"}
-LANES = {"web": "interactive", "batch": "batch"}
 SERIAL = itertools.count()  # distinct prompts from the first byte: no request hits another's prefix cache
-WEB_PROMPT = "{index:07d} where is my order? " * 2
-BATCH_PROMPT = "{index:07d} summarize this quarterly report section by section. " * 4
-WEB_TTFT_S = 1.5
+DEFAULT_LOADS = {"S1": (2.0, 4.0), "S2": (2.0, 3.0), "S3": (2.0,)}
 
 
-@dataclass(frozen=True, slots=True)
-class Load:
-    web_rate: float
-    batch_rate: float
-    web_max_tokens: int
-    batch_max_tokens: int
-    block: float
-    drain: float
-    batch_ttft_s: float
-
-    def body(self, tenant: str) -> dict:
-        web = tenant == "web"
-        prompt = (WEB_PROMPT if web else BATCH_PROMPT).format(index=next(SERIAL))
-        return {"model": "tiny", "prompt": prompt, "max_tokens": self.web_max_tokens if web else
-                self.batch_max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True}
-
-    def objective(self, tenant: str) -> float:
-        return WEB_TTFT_S if tenant == "web" else self.batch_ttft_s
-
-
-@dataclass(slots=True)
-class Tally:
-    results: dict[str, list[Result]] = field(default_factory=lambda: {"web": [], "batch": []})
-    preemptions: Counter = field(default_factory=Counter)  # by tenant
-    load_averages: list[float] = field(default_factory=list)
-    # Engine telemetry sampled while arrivals run: (share of the KV pool in use, sequences running).
-    occupancy: list[tuple[float, int]] = field(default_factory=list)
-    generated: int = 0  # tokens the engine generated from the block's start to its idle end (drain included)
-    # Per block, in the order run: each lane's attainment and the load average after it (a stall of the shared
-    # machine shows as one bad block; a fault of the configuration, as all of them).
-    blocks: list[dict] = field(default_factory=list)
-    busy_s: float = 0.0  # over this many seconds
+def body(lane: str, max_tokens: int) -> dict:
+    return {"model": "tiny", "prompt": PROMPTS[lane].format(index=next(SERIAL)), "max_tokens": max_tokens,
+            "temperature": 0.0, "ignore_eos": True, "stream": True}
 
 
 def telemetry(engine: Service) -> dict:
     return get_json(engine.url + "/telemetry")
 
 
-async def wait_idle(engine: Service, timeout: float = 120.0) -> None:
+async def wait_idle(engines: list[Service], timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
-    while True:
-        snap = await asyncio.to_thread(telemetry, engine)
-        if snap["num_running"] + snap["num_waiting"] + snap["num_swapped"] == 0:
-            return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the engine is still busy {timeout:g} s after the block")
-        await asyncio.sleep(0.1)
+    for engine in engines:
+        while True:
+            snap = await asyncio.to_thread(telemetry, engine)
+            if snap["num_running"] + snap["num_waiting"] + snap["num_swapped"] == 0:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{engine.name} is still busy {timeout:g} s after the block")
+            await asyncio.sleep(0.1)
 
 
-async def measure_capacity(engine: Service, load: Load, seconds: float) -> float:
-    """Generated tokens per second with the engine saturated by batch requests (64 in flight), over
-    ``seconds``; what is still running then is cancelled."""
-    target = engine_target(engine.url, list(KEYS))
+async def calibrate(engines: list[Service], seconds: float) -> list[float]:
+    """Generated tokens per second of each engine, all saturated at once by batch requests (64 in flight
+    each) over ``seconds``: together they share this machine's cores as they will under the load."""
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        async def worker() -> None:
+        async def worker(target: Target) -> None:
             while True:
-                await send(session, target, "batch", load.body("batch"), Result(arrival=time.monotonic()))
-        workers = [asyncio.create_task(worker()) for _ in range(64)]
-        await asyncio.sleep(min(2.0, seconds / 2))  # the engine fills up first
-        before = await asyncio.to_thread(telemetry, engine)
+                await send(session, target, "calibrate", body(BATCH, 256), Result(arrival=time.monotonic()))
+        workers = [asyncio.create_task(worker(engine_target(engine.url, ["calibrate"])))
+                   for engine in engines for _ in range(64)]
+        await asyncio.sleep(min(3.0, seconds / 2))  # the engines fill up first
+        before = [await asyncio.to_thread(telemetry, engine) for engine in engines]
         started = time.monotonic()
         await asyncio.sleep(seconds)
-        after = await asyncio.to_thread(telemetry, engine)
+        after = [await asyncio.to_thread(telemetry, engine) for engine in engines]
         elapsed = time.monotonic() - started
         for task in workers:
             task.cancel()
         await asyncio.gather(*workers, return_exceptions=True)
-    await wait_idle(engine)
-    return (after["generation_tokens_total"] - before["generation_tokens_total"]) / elapsed
+    await wait_idle(engines)
+    return [(a["generation_tokens_total"] - b["generation_tokens_total"]) / elapsed for a, b in zip(after, before)]
 
 
-async def sample_occupancy(engine: Service, until: float, into: list[tuple[float, int]]) -> None:
-    """Every 0.25 s until ``until``: the share of the engine's KV pool in use and its running sequences
-    (what tells a guard that leaves the pool idle from one that fills it)."""
+async def sample_kv(engines: list[Service], until: float, into: list[float]) -> None:
+    """Every 0.5 s until ``until``: the share of the engines' KV pools in use (a guard that leaves the pool
+    idle shows here)."""
     while time.monotonic() < until:
         try:
-            snap = await asyncio.to_thread(telemetry, engine)
-        except OSError:  # (a timeout: on a busy shared machine an answer took over 2 s; the sample is skipped)
+            snaps = [await asyncio.to_thread(telemetry, engine) for engine in engines]
+        except OSError:  # an answer that took over 2 s on a busy machine: the sample is skipped
             continue
-        used = snap["num_blocks"] - snap["free_blocks"] - snap["cached_blocks"]
-        into.append((used / snap["num_blocks"], snap["num_running"]))
-        await asyncio.sleep(0.25)
+        used = sum(s["num_blocks"] - s["free_blocks"] - s["cached_blocks"] for s in snaps)
+        into.append(used / sum(s["num_blocks"] for s in snaps))
+        await asyncio.sleep(0.5)
 
 
-async def block(target: Target, load: Load, seed: int, engine: Service, tally: Tally) -> None:
-    """Offer both tenants' load to ``target`` for ``load.block`` seconds; tally what came of it."""
-    before = await asyncio.to_thread(telemetry, engine)
-    began = time.monotonic()
-    results: dict[str, list[Result]] = {"web": [], "batch": []}
+def preemptions(snaps: list[dict]) -> Counter:
+    return Counter({name: usage.get("preemptions_total", 0) for snap in snaps
+                    for name, usage in snap["tenants"].items()})
+
+
+async def block(sc: Scenario, target: Target, rates: dict[str, float], seed: int, engines: list[Service],
+                args: argparse.Namespace) -> tuple[dict[str, list[Result]], dict]:
+    """Offer every tenant's load to ``target`` for ``args.block_s`` seconds, then its drain; the results and
+    what the engines did meanwhile."""
+    before = [await asyncio.to_thread(telemetry, engine) for engine in engines]
+    began_wall, began = time.time(), time.monotonic()
+    results: dict[str, list[Result]] = {t.name: [] for t in sc.tenants}
+    kv: list[float] = []
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         start = time.monotonic() + 0.1
-        schedules = [arrivals(rate, seed + i, start, load.block,
-                              lambda r, t=tenant: send(session, target, t, load.body(t), r), results[tenant])
-                     for i, (tenant, rate) in enumerate((("web", load.web_rate), ("batch", load.batch_rate)))]
-        sampler = asyncio.create_task(sample_occupancy(engine, start + load.block, tally.occupancy))
+        schedules = [arrivals(rates[t.name], seed + i, start, args.block_s,
+                              lambda r, t=t: send(session, target, t.name, body(t.lane, t.max_tokens), r),
+                              results[t.name]) for i, t in enumerate(sc.tenants)]
+        sampler = asyncio.create_task(sample_kv(engines, start + args.block_s, kv))
         tasks = [task for tasks in await asyncio.gather(*schedules) for task in tasks]
         await sampler
         if tasks:
-            await asyncio.wait(tasks, timeout=max(0.0, start + load.block + load.drain - time.monotonic()))
+            await asyncio.wait(tasks, timeout=max(0.0, start + args.block_s + args.drain - time.monotonic()))
         pending = [task for task in tasks if not task.done()]
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
-    await wait_idle(engine)
-    after = await asyncio.to_thread(telemetry, engine)
-    tally.generated += after["generation_tokens_total"] - before["generation_tokens_total"]
-    tally.busy_s += time.monotonic() - began
-    for tenant in KEYS:
-        tally.results[tenant] += results[tenant]
-        was = before["tenants"].get(tenant, {}).get("preemptions_total", 0)
-        tally.preemptions[tenant] += after["tenants"].get(tenant, {}).get("preemptions_total", 0) - was
-    tally.load_averages.append(os.getloadavg()[0])
-    tally.blocks.append({"load_average_1m": tally.load_averages[-1],
-                         **{LANES[tenant]: sum(met(r, load.objective(tenant)) for r in rs) / len(rs) if rs else None
-                            for tenant, rs in results.items()}})
+    await wait_idle(engines)
+    after = [await asyncio.to_thread(telemetry, engine) for engine in engines]
+    generated = sum(a["generation_tokens_total"] - b["generation_tokens_total"] for a, b in zip(after, before))
+    engine = {"preemptions": dict(preemptions(after) - preemptions(before)),
+              "kv_used_mean": statistics.mean(kv) if kv else None,
+              "engine_tokens_per_s": generated / (time.monotonic() - began),
+              "window": [began_wall, time.time() + 5.0], "load_average_1m": os.getloadavg()[0]}
+    return results, engine
 
 
-def met(result: Result, objective_s: float) -> bool:
-    """Answered in full, its first token within ``objective_s`` of its scheduled arrival."""
-    return result.status == 200 and result.finished is not None and result.first_token is not None and \
-        result.first_token - result.arrival <= objective_s
-
-
-def summarize_config(label: str, tally: Tally, load: Load, seconds: float) -> dict:
-    lanes = {}
-    for tenant, results in tally.results.items():
-        good = sum(met(r, load.objective(tenant)) for r in results)
-        lanes[LANES[tenant]] = {
-            "sent": len(results), "met": good, "attainment": good / len(results) if results else None,
-            "goodput_per_s": good / seconds, "statuses": status_counts(results),
-            "ttft": summarize([r.first_token - r.arrival for r in results if r.first_token is not None]),
-            "engine_preemptions": tally.preemptions[tenant]}
-    refusals = sorted(r.finished - r.arrival for rs in tally.results.values() for r in rs
-                      if r.finished is not None and r.status not in (200, 0, None))
-    return {"label": label, "lanes": lanes, "goodput_per_s": sum(lane["goodput_per_s"] for lane in lanes.values()),
-            "offered_per_s": sum(lane["sent"] for lane in lanes.values()) / seconds,
-            "refusals": len(refusals), "refusals_within_200ms": sum(seconds <= 0.2 for seconds in refusals),
-            "refusal_p50_ms": 1e3 * percentile(refusals, 50) if refusals else None,
-            "refusal_p95_ms": 1e3 * percentile(refusals, 95) if refusals else None,
-            "load_average_1m": statistics.mean(tally.load_averages),
-            "engine_kv_used_mean": statistics.mean(u for u, _ in tally.occupancy) if tally.occupancy else None,
-            "engine_running_mean": statistics.mean(r for _, r in tally.occupancy) if tally.occupancy else None,
-            "engine_tokens_per_s": tally.generated / tally.busy_s if tally.busy_s else None,
-            "blocks": tally.blocks}
-
-
-def prediction_error(log: Path) -> dict:
-    """|predicted - actual| / actual TTFT over the SLO guard's streams that got a first token: median and
-    p90, over all and per lane; and what the error is made of, per lane: the median of predicted / actual
-    (its bias), and the median absolute errors of its two parts, arrival to admission (the guard's queue)
-    and admission to the first token (the engine), each over the actual TTFT."""
-    rows: dict[str, list[tuple[float, float, float, float]]] = {"all": []}
-    for line in log.read_text().splitlines() if log.exists() else []:
-        record = json.loads(line)
-        slo, actual, queue = record.get("slo") or {}, record.get("ttft_ms"), record.get("queue_ms")
-        if actual and queue is not None and slo.get("predicted_ttft_ms") is not None:
-            predicted_queue = slo.get("predicted_queue_ms") or 0.0
-            predicted_engine = slo.get("predicted_engine_ms") or 0.0
-            row = (abs(slo["predicted_ttft_ms"] - actual) / actual, slo["predicted_ttft_ms"] / actual,
-                   abs(predicted_queue - queue) / actual, abs(predicted_engine - (actual - queue)) / actual)
-            rows["all"].append(row)
-            rows.setdefault(record["lane"], []).append(row)
-
-    def median(values: list[float]) -> float | None:
-        return statistics.median(values) if values else None
-
-    return {lane: {"n": len(values), "median_abs_rel_error": median([v[0] for v in values]),
-                   "p90_abs_rel_error": percentile(sorted(v[0] for v in values), 90) if values else None,
-                   "median_predicted_over_actual": median([v[1] for v in values]),
-                   "median_queue_abs_error_over_actual": median([v[2] for v in values]),
-                   "median_engine_abs_error_over_actual": median([v[3] for v in values])}
-            for lane, values in rows.items()}
-
-
-def guard_config(engine_url: str, batch_ttft_ms: float | None, log: Path | None) -> dict:
-    """Both tenants of weight 1; with ``batch_ttft_ms``, the lanes' objectives and classes."""
-    lanes = {"interactive": {"priority": 1, "timeout": 10.0}, "batch": {"priority": 4, "timeout": 300.0}}
-    if batch_ttft_ms is not None:
-        lanes["interactive"] |= {"slo": {"ttft_ms": 1e3 * WEB_TTFT_S}, "priority_class": "critical"}
-        lanes["batch"] |= {"slo": {"ttft_ms": batch_ttft_ms}, "priority_class": "sheddable"}
-    config = {"engine": {"name": "primary", "url": engine_url}, "secret": "bench-slo", "lanes": lanes,
-              "tenants": [{"name": tenant, "api_keys": [key], "weight": 1, "lane": LANES[tenant], "max_queue": 256}
-                          for tenant, key in KEYS.items()]}
-    if log is not None:
-        config["decision_log"] = str(log)
-    return config
-
-
-async def run(args: argparse.Namespace, workdir: Path) -> dict:
-    engine = start_engine(workdir, args.engine_flags)
-    guards: list[Service] = []
+async def run_cell(sc: Scenario, args: argparse.Namespace, configs: list[str], workdir: Path) -> dict:
+    engines = [start_engine(workdir, list(flags), name=f"engine{i}", tree=args.tree) for i, flags in enumerate(sc.engines)]
+    guards: dict[str, Service] = {}
     try:
-        load = Load(0, 0, args.web_max_tokens, args.batch_max_tokens, args.duration / args.rounds, args.drain,
-                    args.batch_ttft_ms / 1e3)
-        capacities: list[float] = []
-        log = workdir / "decisions.jsonl"
-        for name, batch_ttft_ms in (("guard-slo", args.batch_ttft_ms), ("guard", None)):  # (a), (b)
-            config = guard_config(engine.url, batch_ttft_ms, log if batch_ttft_ms is not None else None)
-            guards.append(start_guard(workdir, config, name=name))
-        configs = [("(a) kvguard with SLOs", guard_target(guards[0].url, KEYS)),
-                   ("(b) kvguard without SLOs", guard_target(guards[1].url, KEYS)),
-                   ("(c) FIFO straight to the engine", engine_target(engine.url, list(KEYS)))]
-        configs = [config for config, letter in zip(configs, "abc") if letter in args.configs]
-        tallies = [Tally() for _ in configs]
+        per_engine = [args.capacity / len(engines)] * len(engines) if args.capacity else \
+            await calibrate(engines, args.calibrate_s)
+        capacity = sum(per_engine)
+        print(f"{sc.cell}: capacity {capacity:.0f} generated tokens/s "
+              f"({' + '.join(f'{c:.0f}' for c in per_engine)})", flush=True)
+        rates = {t.name: sc.rate(t, capacity) for t in sc.tenants}
+        urls = [engine.url for engine in engines]
+        for config in configs:
+            if config != "fifo":
+                cfg = guard_config(sc, config, urls, args.batch_ttft_ms / 1e3, workdir / f"{config}.jsonl")
+                guards[config] = start_guard(workdir, cfg, name=f"guard-{config}", tree=args.tree)
+        keys = {t.name: t.key for t in sc.tenants}
+        targets = {config: engine_target(urls[0], list(keys)) if config == "fifo" else
+                   guard_target(guards[config].url, keys) for config in configs}
+        blocks: dict[str, list[dict]] = {config: [] for config in configs}
         for round_index in range(args.rounds):
-            capacities.append(args.capacity or await measure_capacity(engine, load, args.calibrate))
-            load = replace(load, web_rate=args.web_share * capacities[-1] / args.web_max_tokens,
-                           batch_rate=(args.load - args.web_share) * capacities[-1] / args.batch_max_tokens)
-            print(f"  round {round_index + 1}/{args.rounds}: capacity {capacities[-1]:.0f} tokens/s", flush=True)
             turn = round_index % len(configs)
-            for (label, target), tally in [*zip(configs, tallies)][turn:] + [*zip(configs, tallies)][:turn]:
-                await block(target, load, args.seed + 2 * round_index, engine, tally)
-                print(f"  round {round_index + 1}/{args.rounds} {label}: done", flush=True)
+            for config in configs[turn:] + configs[:turn]:
+                seed = args.seed + 1000 * round_index  # the same for every configuration of the round
+                results, engine = await block(sc, targets[config], rates, seed, engines, args)
+                figures = block_figures(sc, results, args.block_s, args.batch_ttft_ms / 1e3, engine["preemptions"])
+                blocks[config].append({"round": round_index, **figures, **engine})
+                print(f"  round {round_index + 1}/{args.rounds} {LABELS[config]}: goodput "
+                      f"{figures['goodput_per_s']:.2f}/s, interactive "
+                      f"{_pct(figures['lanes'][INTERACTIVE]['attainment'])}, batch "
+                      f"{_pct(figures['lanes'][BATCH]['attainment'])} (load {engine['load_average_1m']:.1f})",
+                      flush=True)
     finally:
-        for service in (*guards, engine):
+        for service in (*guards.values(), *engines):
             service.stop()
-    phases = [summarize_config(label, tally, load, args.duration) for (label, _), tally in zip(configs, tallies)]
-    capacity = statistics.mean(capacities)
-    return {"capacity_tokens_per_s": capacity, "capacity_per_round": capacities,
-            "web_rate_per_s": args.web_share * capacity / args.web_max_tokens,
-            "batch_rate_per_s": (args.load - args.web_share) * capacity / args.batch_max_tokens, "phases": phases, "prediction": prediction_error(log)}
+    out = {}
+    for config in configs:
+        records = read_records(workdir / f"{config}.jsonl") if config in guards else []  # stopped: all written
+        for b in blocks[config]:
+            b["prediction"] = prediction_error(in_window(records, *b["window"]))
+        out[config] = {"label": LABELS[config], "blocks": blocks[config], "decision_records": len(records),
+                       "prediction": prediction_error([r for b in blocks[config] for r in in_window(records, *b["window"])])}
+    return {"cell": sc.cell, "scenario": sc.name, "load_over_capacity": sc.load,
+            "interactive_share": sc.interactive_share, "tenants": [[t.name, t.lane, t.max_tokens] for t in sc.tenants],
+            "engine_flags": [list(flags) for flags in sc.engines], "capacity_tokens_per_s": capacity,
+            "capacity_per_engine": per_engine, "rates_per_s": rates, "configs": out,
+            "oracle_goodput_per_s": oracle(out, args.block_s)}
 
 
-def table(phases: list[dict]) -> str:
-    head = (f"{'configuration':32} {'lane':12} {'sent':>5} {'met':>5} {'attain':>7} {'goodput/s':>9} "
-            f"{'TTFT p50':>9} {'p99':>8} {'preempt':>7}  statuses")
-    rows = [head, "-" * len(head)]
-    for p in phases:
-        for lane, s in p["lanes"].items():
-            ttft = s["ttft"]
-            rows.append(f"{p['label']:32} {lane:12} {s['sent']:>5} {s['met']:>5} {_pct(s['attainment']):>7} "
-                        f"{s['goodput_per_s']:>9.2f} {_ms(ttft['p50_ms']):>9} {_ms(ttft['p99_ms']):>8} "
-                        f"{s['engine_preemptions']:>7}  {s['statuses']}")
-        rows.append(f"{p['label']:32} {'total':12} {'':>5} {'':>5} {'':>7} {p['goodput_per_s']:>9.2f}  refusals "
-                    f"{p['refusals']} ({p['refusals_within_200ms']} within 200 ms), p50 {_ms(p['refusal_p50_ms'])} ms,"
-                    f" p95 {_ms(p['refusal_p95_ms'])} ms;"
-                    f" engine KV used {_pct(p['engine_kv_used_mean'])}, running {_ratio(p['engine_running_mean'])},"
-                    f" {p['engine_tokens_per_s']:.0f} tokens/s;"
-                    f" load {p['load_average_1m']:.1f}")
-        per_block = ", ".join(f"{_pct(b['interactive'])} / {_pct(b['batch'])} (load {b['load_average_1m']:.1f})"
-                              for b in p["blocks"])
-        rows.append(f"{p['label']:32} {'blocks':12} attainment interactive / batch, block by block: {per_block}")
-    return "\n".join(rows)
+def oracle(blocks: dict[str, dict], seconds: float) -> list[float] | None:
+    """Per round: every interactive request on time plus B1's batch requests on time, per second."""
+    if "b1" not in blocks:
+        return None
+    return [b["lanes"][INTERACTIVE]["sent"] / seconds + b["lanes"][BATCH]["goodput_per_s"]
+            for b in blocks["b1"]["blocks"]]
+
+
+def tree_commit(tree: Path) -> str | None:
+    """The commit ``tree`` was exported from (its ``COMMIT`` file) or is checked out at, ``+dirty`` when its
+    tracked files differ from it."""
+    if (tree / "COMMIT").exists():
+        return (tree / "COMMIT").read_text().strip()
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tree, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "guard", "engine"], check=False,
+                               cwd=tree).returncode
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+dirty" if dirty else "")
 
 
 def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f}%"
 
 
-def _ratio(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
-
-
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.0f}"
+def parse() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scenarios", default="S1,S2,S3", help="comma-separated: S1, S2, S3")
+    parser.add_argument("--loads", help="comma-separated loads for every scenario run (default: S1 2,4; S2 2,3; S3 2)")
+    parser.add_argument("--configs", help="comma-separated configurations (default: each scenario's own)")
+    parser.add_argument("--block-s", type=float, default=120.0, help="seconds of arrivals per block")
+    parser.add_argument("--rounds", type=int, default=3, help="blocks per configuration, interleaved")
+    parser.add_argument("--drain", type=float, default=15.0, help="seconds a block's requests get after it")
+    parser.add_argument("--interactive-share", type=float, default=0.5, help="of C, offered by interactive tenants")
+    parser.add_argument("--batch-ttft-ms", type=float, default=10000.0, help="the batch lane's TTFT objective")
+    parser.add_argument("--num-blocks", type=int, default=256, help="each engine's KV pool")
+    parser.add_argument("--calibrate-s", type=float, default=10.0, help="seconds of the capacity measurement")
+    parser.add_argument("--capacity", type=float, help="generated tokens/s (all engines), not measured")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out-dir", type=Path, default=REPO / "bench" / "results" / "slo_issue43")
+    parser.add_argument("--goals-only", action="store_true", help="judge the cell reports in --out-dir, run nothing")
+    parser.add_argument("--tree", type=Path, default=REPO, help="the checkout whose guard and engines run (e.g. a clean "
+                        "export of a commit: a shared working tree holds others' unfinished changes)")
+    parser.add_argument("--quick", action="store_true", help="S2 at L = 2, one round of 2-second blocks")
+    args = parser.parse_args()
+    if args.quick:
+        args.scenarios, args.loads, args.block_s, args.rounds, args.drain, args.calibrate_s = "S2", "2", 2.0, 1, 2.0, 1.0
+    return args
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals per configuration")
-    parser.add_argument("--rounds", type=int, default=2, help="blocks per configuration, interleaved")
-    parser.add_argument("--drain", type=float, default=8.0, help="seconds a block's requests get after it")
-    parser.add_argument("--load", type=float, default=2.0, help="offered generated tokens over the capacity")
-    parser.add_argument("--web-share", type=float, default=0.5, help="of the capacity, offered by web")
-    parser.add_argument("--web-max-tokens", type=int, default=32)
-    parser.add_argument("--batch-max-tokens", type=int, default=256)
-    parser.add_argument("--batch-ttft-ms", type=float, default=10000.0, help="the batch lane's TTFT objective")
-    parser.add_argument("--num-blocks", type=int, default=256, help="the engine's KV pool")
-    parser.add_argument("--calibrate", type=float, default=6.0, help="seconds of each round's capacity measurement")
-    parser.add_argument("--capacity", type=float, help="generated tokens/s to offer the load against, not measured "
-                        "(the same offered load for two trees, e.g. one with a change and one without)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="one round of 1.5-second blocks: checks that it runs")
-    parser.add_argument("--json", type=Path, default=REPO / "bench" / "results" / "slo.json")
-    parser.add_argument("--decision-log", type=Path, help="keep (a)'s decision log here (JSON lines)")
-    parser.add_argument("--configs", default="abc", help="which configurations to run (letters; default all)")
-    args = parser.parse_args()
-    if args.quick:
-        args.duration, args.rounds, args.drain, args.calibrate = 1.5, 1, 1.0, 0.6
-    args.engine_flags = ["--model", "tiny", "--device", "cpu", "--num-blocks", str(args.num_blocks)]
-    started_load = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory(prefix="bench-slo-") as workdir:
-        outcome = asyncio.run(run(args, Path(workdir)))
-        if args.decision_log is not None and (Path(workdir) / "decisions.jsonl").exists():
-            shutil.copy(Path(workdir) / "decisions.jsonl", args.decision_log)
-    phases = {phase["label"][:3]: phase for phase in outcome["phases"]}
-    base = phases["(b)"]["goodput_per_s"] if "(a)" in phases and "(b)" in phases else None
-    report = {"benchmark": "slo", "machine": describe(torch.device("cpu")), "command": command(),
-              "load_average_1m_at_start": started_load, "engine_flags": args.engine_flags,
-              "load": {"offered_over_capacity": args.load, "web_share": args.web_share,
-                       "web_max_tokens": args.web_max_tokens, "batch_max_tokens": args.batch_max_tokens,
-                       "web_ttft_ms": 1e3 * WEB_TTFT_S, "batch_ttft_ms": args.batch_ttft_ms,
-                       "duration_s": args.duration, "rounds": args.rounds, "drain_s": args.drain, "seed": args.seed},
-              **outcome,
-              "goodput_over_without_slo": phases["(a)"]["goodput_per_s"] / base if base else None,
-              # The most any configuration could reach over (b): every request offered meets its objective.
-              "ceiling_over_without_slo": phases["(a)"]["offered_per_s"] / base if base else None}
-    print(f"machine: {report['machine']}; load average at start {started_load:.2f}")
-    print(f"command: {report['command']}")
+    args = parse()
+    machine = describe(torch.device("cpu"))
+    print(f"machine: {machine}; load average at start {os.getloadavg()[0]:.2f}")
+    print(f"command: {command()}")
     if args.quick:
         print("QUICK RUN: blocks of a few seconds, not a measurement")
-    rounds = " / ".join(f"{capacity:.0f}" for capacity in outcome["capacity_per_round"])
-    print(f"engine capacity {outcome['capacity_tokens_per_s']:.0f} generated tokens/s (rounds: {rounds}); web "
-          f"{outcome['web_rate_per_s']:.2f} req/s, batch {outcome['batch_rate_per_s']:.2f} req/s ({args.load:g}x), on average")
-    print(table(outcome["phases"]))
-    ratio = report["goodput_over_without_slo"]
-    ceiling = report["ceiling_over_without_slo"]
-    print(f"goodput with SLOs over without: {'-' if ratio is None else f'{ratio:.2f}x'} (the ceiling, every request "
-          f"offered in time: {'-' if ceiling is None else f'{ceiling:.2f}x'})")
-    for lane, prediction in outcome["prediction"].items():
-        print(f"predicted vs actual TTFT (a), {lane}: median |error| {_pct(prediction['median_abs_rel_error'])}, "
-              f"p90 {_pct(prediction['p90_abs_rel_error'])} over {prediction['n']} streams; median predicted/actual "
-              f"{_ratio(prediction['median_predicted_over_actual'])}; median |error| of the queue part "
-              f"{_pct(prediction['median_queue_abs_error_over_actual'])}, of the engine part "
-              f"{_pct(prediction['median_engine_abs_error_over_actual'])} (of the actual TTFT)")
-    write_report(args.json, report)
-    print(f"json: {args.json}")
+    for name in ([] if args.goals_only else args.scenarios.split(",")):
+        loads = [float(x) for x in args.loads.split(",")] if args.loads else DEFAULT_LOADS[name]
+        for load in loads:
+            sc = scenario(name, load, args.interactive_share, args.num_blocks)
+            configs = args.configs.split(",") if args.configs else list(sc.configs)
+            if len(sc.engines) > 1:
+                configs = [c for c in configs if c != "fifo"]  # FIFO has no balancer in front of two engines
+            with tempfile.TemporaryDirectory(prefix="bench-slo-") as workdir:
+                report = asyncio.run(run_cell(sc, args, configs, Path(workdir)))
+            report |= {"benchmark": "slo", "machine": machine, "command": command(), "quick": args.quick,
+                       "block_s": args.block_s, "rounds": args.rounds, "drain_s": args.drain, "seed": args.seed,
+                       "batch_ttft_ms": args.batch_ttft_ms, "interactive_ttft_ms": 1500.0,
+                       "guard_tree": str(args.tree), "guard_commit": tree_commit(args.tree)}
+            write_report(args.out_dir / f"{sc.cell}.json", report)
+            print(f"json: {args.out_dir / f'{sc.cell}.json'}", flush=True)
+    goals = evaluate(load_cells(args.out_dir))
+    write_report(args.out_dir / "goals.json", {"benchmark": "slo_goals", "machine": machine, "goals": goals})
+    print("\n".join(goal_lines(goals)))
 
 
 if __name__ == "__main__":

@@ -105,11 +105,12 @@ def start(name: str, command: list[str], url: str, workdir: Path, ready: Callabl
         time.sleep(0.1)
 
 
-def start_engine(workdir: Path, flags: list[str], cpus: str | None = None, name: str = "engine") -> Service:
-    """An engine with ``flags``; ``name`` tells several engines' logs apart."""
+def start_engine(workdir: Path, flags: list[str], cpus: str | None = None, name: str = "engine",
+                 tree: Path = REPO) -> Service:
+    """An engine with ``flags`` from the checkout ``tree``; ``name`` tells several engines' logs apart."""
     port = free_port()
     command = pinned([sys.executable, "-m", "engine", "--port", str(port), *flags], cpus)
-    return start(name, command, f"http://127.0.0.1:{port}", workdir)
+    return start(name, command, f"http://127.0.0.1:{port}", workdir, tree=tree)
 
 
 def start_guard(workdir: Path, config: dict[str, Any], cpus: str | None = None,
