@@ -217,7 +217,7 @@ class Dispatcher:
                 self.fair.remove(queue, ticket.order, ticket)
                 self.departures.add(ticket.blocks)
                 self.correction.observe(ticket.wait_key, ticket.predicted_wait, time.monotonic() - ticket.enqueued_at,
-                                        slo.decisive(ticket))
+                                        ticket.corrected_wait, slo.decisive(ticket))
                 self._admitted(queue, ticket)
             elif placed == "fair" or (placed == "full" and ticket.borrowed):
                 passed.add(queue.name)

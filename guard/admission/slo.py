@@ -146,6 +146,7 @@ class Judged(Protocol):
     predicted_tpot: float | None
     predicted_tpot_p90: float | None
     predicted_wait: float | None
+    corrected_wait: float | None
     predicted_queue: float | None
     predicted_queue_p90: float | None
     predicted_engine: float | None
@@ -292,13 +293,17 @@ class WaitCorrection:
         return Prediction(median, median * (math.exp(max(0.0, spread.value)) if learned else PRIOR_P90_RATIO))
 
     def observe(self, key: tuple[str, bool] | None, predicted: float | None, actual: float,
-                decisive: bool = False) -> None:
-        """A ticket predicted to wait ``predicted`` (before the correction) was admitted after ``actual``;
-        ``decisive``: its predicted wait was a share of its objective that a refusal is decided on (see
-        the module docstring): it teaches that spread, the others theirs."""
+                median: float | None = None, decisive: bool = False) -> None:
+        """A ticket predicted to wait ``predicted`` before the correction, ``median`` after it (as judged,
+        None: as the correction says now), was admitted after ``actual``; ``decisive``: its predicted wait
+        was a share of its objective that a refusal is decided on (see the module docstring): it teaches
+        that spread, the others theirs. The spread is of the error the judgement made: against the median
+        the ticket was judged by, not the one the correction has moved to since (a correction that lags a
+        pace falling under the queue would otherwise hide the very error the margin is for)."""
         if key is None or predicted is None or predicted < MIN_LEARNED_WAIT_S or actual <= 0:
             return  # predicted to be admitted at once: says nothing about the queue's pace
-        median = self._log_ratio.correct(key, predicted)
+        if median is None or median <= 0:
+            median = self._log_ratio.correct(key, predicted)
         error = max(-MAX_LOG_RATIO, min(MAX_LOG_RATIO, math.log(actual / median)))
         self._spread.setdefault((*key, decisive), Quantile(P90)).observe(error)
         self._log_ratio.observe(key, predicted, actual)
@@ -342,13 +347,14 @@ def predicted_ttft(pool: ReplicaPool, departures: Departures, ticket: Judged, ah
     """(predicted TTFT from the ticket's arrival, the queue wait in it before the correction; None when
     nothing has been measured to predict a wait from), with ``ahead`` queued to be admitted before it, the
     engine part on the best replica. Sets the ticket's ``predicted_wait`` (before the correction),
-    ``predicted_queue`` and ``predicted_engine`` and their p90s."""
+    ``corrected_wait`` (its median after it), ``predicted_queue`` and ``predicted_engine`` and their p90s."""
     ticket.predicted_wait = wait = queue_wait(pool, departures, ticket, ahead)
     elapsed = time.monotonic() - ticket.arrived
     queue = Prediction(elapsed, elapsed)
     if wait is not None:
         objective = ticket.objective
         corrected = correction.predict(ticket.wait_key, wait, None if objective is None else objective.ttft_s)
+        ticket.corrected_wait = corrected.median
         queue = Prediction(elapsed + corrected.median, elapsed + corrected.p90)
     priority = engine_priority(ticket.lane.priority, ticket.priority_class == SHEDDABLE)
     engines = [r.latency.predict_ttft(priority, ticket.prompt_tokens, r.in_flight) for r in pool.replicas

@@ -59,6 +59,7 @@ class Ticket:
     predicted_tpot: float | None = None  # seconds per output token
     predicted_tpot_p90: float | None = None
     predicted_wait: float | None = None  # of predicted_ttft, the queue wait before its correction
+    corrected_wait: float | None = None  # and its median after it, as judged
     predicted_queue: float | None = None  # of predicted_ttft, arrival to admission (corrected)
     predicted_queue_p90: float | None = None
     predicted_engine: float | None = None  # of predicted_ttft, admission to the first token
