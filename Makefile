@@ -27,10 +27,11 @@ $(STAMP): pyproject.toml Makefile
 
 # Debian's packages the tests and `make stack` run for real (CI runs as root): promtool, amtool, Prometheus
 # and Alertmanager for the alerts and the live stack; redis-server for the guards' shared state; chromium,
-# headless, for the operator console. Skipped when the binaries are already there.
-SYSTEM_BINARIES := promtool amtool prometheus prometheus-alertmanager redis-server chromium
+# headless, for the operator console; haproxy, the compose stack's load balancer, for the rolling restart.
+# Skipped when the binaries are already there.
+SYSTEM_BINARIES := promtool amtool prometheus prometheus-alertmanager redis-server chromium haproxy
 APT_SYSTEM := DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
-	prometheus prometheus-alertmanager redis-server chromium
+	prometheus prometheus-alertmanager redis-server chromium haproxy
 system-tools:
 	@for b in $(SYSTEM_BINARIES); do command -v $$b >/dev/null || missing=1; done; \
 	if [ -n "$$missing" ]; then $(APT_SYSTEM) || { apt-get update && $(APT_SYSTEM); }; fi

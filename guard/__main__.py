@@ -1,5 +1,11 @@
-"""``python -m guard --config guard.yaml [--workers N]``: run the guard until SIGINT/SIGTERM, then shut down
-gracefully; SIGHUP re-reads the file (guard/server/reload.py).
+"""``python -m guard --config guard.yaml [--workers N] [--drain-delay S]``: run the guard until SIGINT/SIGTERM,
+then shut down gracefully; SIGHUP re-reads the file (guard/server/reload.py).
+
+SIGTERM drains: ``/health`` turns 503 ``{"status": "draining"}`` at once, the guard goes on serving what it
+is sent for ``--drain-delay`` seconds (default 0), long enough for a load balancer's health check to take
+it out (deploy/haproxy.cfg's: ``inter 2s fall 2``, so 5 s), then closes its listener, lets running requests
+(streams included) finish within ``limits.shutdown_timeout``, and exits 0. SIGINT, or a second SIGTERM,
+skips the delay.
 
 ``--workers N`` (N > 1, which needs ``shared_state``) runs N guard processes on one port::
 
@@ -77,11 +83,17 @@ def main(argv: list[str] | None = None) -> int:
                         "printed)")
     parser.add_argument("--loop", choices=["auto", "uvloop", "asyncio"], default="auto",
                         help="the event loop: uvloop (auto: when installed) or the standard library's")
+    parser.add_argument("--drain-delay", type=float, default=0.0, metavar="SECONDS",
+                        help="on SIGTERM, /health answers 503 draining and the guard keeps serving for this long "
+                        "before it closes its listener (a load balancer's health check moves clients off "
+                        "meanwhile); running requests then get limits.shutdown_timeout (default 0)")
     parser.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)  # set by the supervisor only
     parser.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.workers < 1:
         parser.error("--workers must be at least 1")
+    if not args.drain_delay >= 0:
+        parser.error(f"--drain-delay: must be >= 0 seconds, got {args.drain_delay}")
     if args.loop == "uvloop" and not uvloop_installed():
         parser.error("--loop uvloop: the uvloop package is not installed (pip install uvloop)")
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -102,8 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     announce(config, args.workers)
     if args.workers > 1:
         base = config.listen.port + METRICS_PORT_OFFSET if args.metrics_port is None else args.metrics_port
-        return supervise(args, base, stop_within=config.limits.shutdown_timeout + STOP_GRACE_S)
-    return run(config, Path(args.config), metrics_port=args.metrics_port, loop=args.loop)
+        return supervise(args, base, stop_within=args.drain_delay + config.limits.shutdown_timeout + STOP_GRACE_S)
+    return run(config, Path(args.config), metrics_port=args.metrics_port, loop=args.loop,
+               drain_delay=args.drain_delay)
 
 
 def uvloop_installed() -> bool:
@@ -144,7 +157,8 @@ def announce(config: GuardConfig, workers: int) -> None:
 
 
 def run(config: GuardConfig, path: Path, *, console: bool = True, reuse_port: bool = False,
-        metrics_port: int | None = None, name: str = "guard", loop: str = "auto", worker: int | None = None) -> int:
+        metrics_port: int | None = None, name: str = "guard", loop: str = "auto", worker: int | None = None,
+        drain_delay: float = 0.0) -> int:
     """One guard process, serving until a signal ends it."""
     raise_descriptor_limit()  # before create_app, which sizes the connection cap from it
     try:
@@ -160,8 +174,10 @@ def run(config: GuardConfig, path: Path, *, console: bool = True, reuse_port: bo
     # startup objects made every gen-2 pass (one every few seconds under load) stall all streams 35-140 ms.
     gc.freeze()
     tune_collector()
+    state = app[STATE]
     serve(app, config.listen.host, config.listen.port, shutdown_timeout=config.limits.shutdown_timeout,
-          reuse_port=reuse_port, loop=new_event_loop(loop))
+          reuse_port=reuse_port, loop=new_event_loop(loop), drain_delay=drain_delay,
+          on_drain=lambda: setattr(state, "draining", True))
     return 0
 
 
@@ -201,7 +217,7 @@ def worker(config: GuardConfig, args: argparse.Namespace) -> int:
     die_with(args.parent_pid)
     index = args.worker_index
     return run(config, Path(args.config), console=index == 0, reuse_port=True, metrics_port=args.metrics_port,
-               name=f"guard worker {index}", loop=args.loop, worker=index)
+               name=f"guard worker {index}", loop=args.loop, worker=index, drain_delay=args.drain_delay)
 
 
 def die_with(parent: int | None) -> None:
@@ -236,7 +252,8 @@ def supervise(args: argparse.Namespace, metrics_base: int, stop_within: float) -
     for index in range(args.workers):
         command = [sys.executable, "-m", "guard", "--config", args.config, "--log-level", args.log_level,
                    "--workers", str(args.workers), "--worker-index", str(index), "--parent-pid", str(os.getpid()),
-                   "--metrics-port", str(metrics_base + index if metrics_base else 0), "--loop", args.loop]
+                   "--metrics-port", str(metrics_base + index if metrics_base else 0), "--loop", args.loop,
+                   "--drain-delay", str(args.drain_delay)]
         workers[subprocess.Popen(command, start_new_session=True).pid] = index
     if stopping:  # a signal came while they were being spawned: the later ones missed it
         send(signal.SIGTERM)

@@ -46,6 +46,7 @@ class GuardState:
     predictor: OutputPredictor = field(default_factory=OutputPredictor)  # outputs of requests without max_tokens
     fallback_models: dict[str, str] = field(default_factory=dict)  # engine fallback name -> its model name
     in_flight: int = 0  # requests whose handler is running (shutdown waits for them)
+    draining: bool = False  # told to stop (SIGTERM): /health answers 503 from then on, so load balancers move off
     limiter: RateLimiter = field(init=False)  # the tenants' rpm and tpm windows (RateLimiter.configure retakes them)
     events: EventLog = field(default_factory=EventLog)  # notable transitions, for the console (guard/console)
     shared: SharedState | None = None  # the link to the other guards' state (shared_state), if configured

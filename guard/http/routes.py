@@ -83,12 +83,15 @@ async def models(request: web.Request) -> web.StreamResponse:
 
 
 async def health(request: web.Request) -> web.Response:
-    """200 whenever the guard can answer (in any mode: degraded still serves fallbacks); the body says how."""
+    """200 whenever the guard can answer (in any mode: degraded still serves fallbacks); the body says how.
+    503 ``{"status": "draining"}`` once told to stop (SIGTERM): it still serves what it is sent for
+    ``--drain-delay`` seconds, while a load balancer's health check takes it out (guard/__main__.py)."""
     state = request.app[STATE]
     replicas = {r.name: {"up": r.up(), "telemetry_age_s": round(min(r.gate.telemetry_age(), 1e9), 3)}
                 for r in state.pool}
-    return web.json_response({"status": "ok", "mode": state.modes.mode, "pool_up": state.pool.any_up(),
-                              "replicas": replicas})
+    return web.json_response({"status": "draining" if state.draining else "ok", "mode": state.modes.mode,
+                              "pool_up": state.pool.any_up(), "replicas": replicas},
+                             status=503 if state.draining else 200)
 
 
 async def metrics_endpoint(request: web.Request) -> web.Response:

@@ -36,6 +36,7 @@ import enum
 import functools
 import logging
 import resource
+import signal
 import time
 from collections.abc import Callable, Mapping
 from http import HTTPStatus
@@ -383,16 +384,22 @@ class GuardRunner(web.AppRunner):
 
 
 def serve(app: web.Application, host: str, port: int, *, shutdown_timeout: float,
-          reuse_port: bool = False, loop: asyncio.AbstractEventLoop | None = None) -> None:
+          reuse_port: bool = False, loop: asyncio.AbstractEventLoop | None = None, drain_delay: float = 0.0,
+          on_drain: Callable[[], None] | None = None) -> None:
     """Serve ``app`` (from ``create_app``) on ``host:port`` until SIGINT or SIGTERM, then shut down
     gracefully: ``web.run_app``, which cannot be given a runner, with a ``GuardRunner``. As there, only the
     serving task is cancelled at first, so that its clean-up gives running requests ``shutdown_timeout``.
     ``reuse_port``: bind with ``SO_REUSEPORT``, so that the workers of ``--workers N`` (guard/__main__.py)
     share the port and the kernel spreads new connections among them. ``loop``: a new loop to run on
-    (guard/__main__.py picks uvloop's), by default the standard library's."""
+    (guard/__main__.py picks uvloop's), by default the standard library's.
+
+    SIGTERM drains: ``on_drain()`` is called at once (the app's /health turns 503), the listener keeps
+    accepting and serving for ``drain_delay`` seconds, so that a load balancer's health check moves new
+    requests elsewhere before the port closes, and then the shutdown above runs. SIGINT, or a second
+    SIGTERM, closes the listener at once, as SIGTERM does with ``drain_delay`` 0."""
     loop = loop or asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
-    main = loop.create_task(_serve(app, host, port, shutdown_timeout, reuse_port))
+    main = loop.create_task(_serve(app, host, port, shutdown_timeout, reuse_port, drain_delay, on_drain))
     try:
         loop.run_until_complete(main)
     except (web.GracefulExit, KeyboardInterrupt):
@@ -410,12 +417,32 @@ def serve(app: web.Application, host: str, port: int, *, shutdown_timeout: float
         loop.close()
 
 
-async def _serve(app: web.Application, host: str, port: int, shutdown_timeout: float, reuse_port: bool) -> None:
+async def _serve(app: web.Application, host: str, port: int, shutdown_timeout: float, reuse_port: bool,
+                 drain_delay: float, on_drain: Callable[[], None] | None) -> None:
     runner = GuardRunner(app, handle_signals=True, handler_cancellation=True,
                          shutdown_timeout=shutdown_timeout)
-    await runner.setup()
+    await runner.setup()  # SIGINT (and SIGTERM, replaced below) raise GracefulExit from here on
     try:
         await web.TCPSite(runner, host, port, reuse_port=reuse_port or None).start()
-        await asyncio.Event().wait()  # until a signal raises GracefulExit
+        await _until_drained(drain_delay, on_drain)
     finally:
         await runner.cleanup()
+
+
+async def _until_drained(delay: float, on_drain: Callable[[], None] | None) -> None:
+    """Return ``delay`` seconds after the first SIGTERM (at once on a second one); SIGINT raises GracefulExit
+    (aiohttp's handler) meanwhile."""
+    loop, stop = asyncio.get_running_loop(), asyncio.Event()
+
+    def sigterm() -> None:
+        if draining:  # a second SIGTERM: no more waiting
+            stop.set()
+            return
+        draining.append(loop.call_later(delay, stop.set))
+        if on_drain is not None:
+            on_drain()
+        log.warning("draining: /health answers 503; the listener closes in %g s", delay)
+
+    draining: list[asyncio.TimerHandle] = []  # the timer that ends the delay, once SIGTERM has come
+    loop.add_signal_handler(signal.SIGTERM, sigterm)
+    await stop.wait()

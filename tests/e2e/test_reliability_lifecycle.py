@@ -143,6 +143,42 @@ async def test_14_sigterm_with_50_streams_closes_the_listener_ends_streams_and_r
     await assert_nothing_lost(None, tally, [sigterm_engine])
 
 
+async def test_16_sigterm_with_a_drain_delay_answers_503_draining_and_serves_until_the_delay_ends(
+        tmp_path: Path, sigterm_engine: ServerThread, processes: Processes) -> None:
+    """``--drain-delay``: SIGTERM turns /health 503 draining at once, a stream running then and requests sent
+    during the delay are served whole, the listener closes when the delay ends, the guard exits 0. A second
+    SIGTERM (on a guard restarted with a long delay) skips what is left of it."""
+    delay = 3.0
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    guard_config(sigterm_engine.url, tmp_path, listen={"host": "127.0.0.1", "port": port})
+    guard = processes.guard(tmp_path / "guard.yaml", "--drain-delay", str(delay))
+    client = Client(url, Tally())
+    body = {"model": "tiny", "prompt": "drain", "max_tokens": 48, "ignore_eos": True, "stream": True}
+    started = asyncio.Event()
+    running = asyncio.create_task(client.call(body, started=started))
+    await asyncio.wait_for(started.wait(), 30)
+
+    guard.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    _, raw = await until(lambda: request(url + "/health"), lambda answer: answer[0] == 503, 1)
+    assert yaml.safe_load(raw)["status"] == "draining", raw
+    during = await client.call({**body, "stream": False})  # sent after /health said draining: still served
+    assert during.status == 200 and during.json()["usage"]["completion_tokens"] == 48, during
+    answer = await running
+    assert answer.status == 200 and answer.events()[-1] == b"data: [DONE]", answer.body[-300:]
+    await until(lambda: refuses_connections(port), bool, delay + 5)
+    assert time.monotonic() - signalled >= delay - 0.1  # not before the delay ended
+    assert guard.wait(15) == 0, guard.log_tail()
+
+    guard.command[guard.command.index("--drain-delay") + 1] = "600"
+    guard.start()
+    guard.send_signal(signal.SIGTERM)
+    await until(lambda: request(url + "/health")[0], lambda status: status == 503, 5)
+    guard.send_signal(signal.SIGTERM)
+    assert await asyncio.to_thread(guard.wait, 15) == 0, guard.log_tail()
+
+
 def queue_depth(url: str, tenant: str) -> float:
     for line in request(url + "/metrics")[1].decode().splitlines():
         if line.startswith(f'guard_queue_depth{{tenant="{tenant}"}}'):
