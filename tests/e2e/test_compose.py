@@ -202,3 +202,33 @@ def test_the_guard_replicas_run_the_example_config_sharing_state_behind_the_load
     prometheus = yaml.safe_load((ROOT / "alerts" / "prometheus.yml").read_text())
     [job] = [job for job in prometheus["scrape_configs"] if job["job_name"] == "guard-replicas"]
     assert [t for config in job["static_configs"] for t in config["targets"]] == [a for _, a in servers]
+
+
+def seconds(value: str) -> float:
+    """A compose or haproxy duration (``20s``, ``2s``, ``500ms``, ``1m``) in seconds."""
+    number, unit = re.fullmatch(r"([\d.]+)(ms|s|m)?", value).groups()  # type: ignore[union-attr]
+    return float(number) * {"ms": 0.001, "s": 1.0, "m": 60.0, None: 0.001}[unit]  # haproxy's bare unit: ms
+
+
+def test_a_stopped_replica_drains_before_compose_kills_it(compose: dict) -> None:
+    """``docker compose stop`` (SIGTERM, SIGKILL after ``stop_grace_period``): a guard replica keeps serving
+    (``--drain-delay``) until haproxy's health check has surely taken it out (``fall`` failed checks ``inter``
+    apart, plus the wait for the first), and the grace covers that delay, the running requests'
+    ``limits.shutdown_timeout`` and 5 s to exit; an engine's grace covers its drain (``--drain-timeout``,
+    30 s unless given) and 5 s."""
+    haproxy = (ROOT / "deploy" / "haproxy.cfg").read_text()
+    example = yaml.safe_load((ROOT / "guard.example.yaml").read_text())
+    shutdown_timeout = example.get("limits", {}).get("shutdown_timeout", 10.0)
+    for guard in GUARDS:
+        service = compose["services"][guard]
+        command = service["command"]
+        delay = float(command[command.index("--drain-delay") + 1])
+        check = rf"^\s*server {guard} \S+ check inter (\S+) fall (\d+)"
+        [(inter, fall)] = re.findall(check, haproxy, re.MULTILINE)
+        assert delay >= seconds(inter) * (int(fall) + 0.5), (guard, delay, inter, fall)
+        assert seconds(service["stop_grace_period"]) >= delay + shutdown_timeout + 5, guard
+    for name, service in compose["services"].items():
+        if name.startswith("engine-"):
+            command = service["command"]
+            drain = float(command[command.index("--drain-timeout") + 1]) if "--drain-timeout" in command else 30.0
+            assert seconds(service["stop_grace_period"]) >= drain + 5, name
