@@ -41,7 +41,7 @@ from pathlib import Path
 import aiohttp
 import torch
 from run_info import command, describe, write_report
-from slo_goals import evaluate, goal_lines, load_cells
+from slo_goals import config_rows, evaluate, goal_lines, goal_rows, load_cells
 from slo_measures import block_figures, in_window, prediction_error, read_records
 from slo_scenarios import BATCH, INTERACTIVE, LABELS, PROMPTS, Scenario, guard_config, scenario
 from stack import REPO, Service, get_json, start_engine, start_guard
@@ -237,6 +237,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--goals-only", action="store_true", help="judge the cell reports in --out-dir, run nothing")
     parser.add_argument("--tree", type=Path, default=REPO, help="the checkout whose guard and engines run (e.g. a clean "
                         "export of a commit: a shared working tree holds others' unfinished changes)")
+    parser.add_argument("--markdown", action="store_true", help="also print every cell and the goals as Markdown")
     parser.add_argument("--quick", action="store_true", help="S2 at L = 2, one round of 2-second blocks")
     args = parser.parse_args()
     if args.quick:
@@ -269,6 +270,12 @@ def main() -> None:
     goals = evaluate(load_cells(args.out_dir))
     write_report(args.out_dir / "goals.json", {"benchmark": "slo_goals", "machine": machine, "goals": goals})
     print("\n".join(goal_lines(goals)))
+    if args.markdown:
+        for name, cell in load_cells(args.out_dir).items():
+            print(f"\n{name}: C {cell['capacity_tokens_per_s']:.0f} tokens/s, blocks {cell['block_s']:g} s x "
+                  f"{cell['rounds']}, oracle {', '.join(f'{o:.2f}' for o in cell['oracle_goodput_per_s'] or [])}/s\n")
+            print("\n".join(config_rows(cell)))
+        print("\n" + "\n".join(goal_rows(goals)))
 
 
 if __name__ == "__main__":

@@ -64,7 +64,8 @@ class Scenario:
 
     @property
     def cell(self) -> str:
-        return f"{self.name}_L{self.load:g}"
+        """``S1_L2``; another interactive share than the issue's 0.5 is named: ``S1_L2_i0.8``."""
+        return f"{self.name}_L{self.load:g}" + ("" if self.interactive_share == 0.5 else f"_i{self.interactive_share:g}")
 
     def lane_share(self, lane: str) -> float:
         return self.interactive_share if lane == INTERACTIVE else self.load - self.interactive_share
