@@ -16,7 +16,7 @@ from support.guard_server import GuardThread, guard_config, usable_guard
 from support.net import request
 from support.wait import wait_for
 
-from guard.batch.pace import Pacer
+from guard.batch.pace import PEAK_WINDOW_S, OtherPeak, Pacer
 from guard.console.app import CONSOLE
 
 LINES = 40
@@ -258,3 +258,28 @@ def test_the_pacer_starts_a_line_only_in_room_other_work_leaves(guard: GuardThre
         return seen
 
     assert guard.call(look) == [True, True, False, True, False]
+
+
+def test_the_pacer_keeps_other_works_recent_peak_free(guard: GuardThread) -> None:
+    """Blocks a client's requests reserved at their recent peak stay free for them once they end: a fresh
+    pacer would start a line in the emptied pool, one that saw the peak does not."""
+    def look() -> list[bool]:
+        state = guard.state
+        (replica,) = state.pool
+        gate, pacer = replica.gate, Pacer(state, max_in_flight=2)
+        peak = gate.budget  # the client's requests fill the budget: no line fits beside them
+        gate.record("client:1", "acme", peak)
+        try:
+            seen = [pacer.room()]
+        finally:
+            gate.release("client:1")
+        return [*seen, pacer.room(), Pacer(state, max_in_flight=2).room()]
+
+    assert guard.call(look) == [False, False, True]
+
+
+def test_other_works_peak_is_the_most_over_its_window() -> None:
+    peak = OtherPeak()
+    assert [peak.see(0.0, 10), peak.see(1.0, 4), peak.see(2.0, 7)] == [10, 10, 10]
+    assert peak.see(PEAK_WINDOW_S + 0.5, 3) == 7, "the 10 left the window; the 7 is the most in it"
+    assert peak.see(PEAK_WINDOW_S + 2.5, 0) == 3
