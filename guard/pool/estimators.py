@@ -40,8 +40,10 @@ class Fit:
     xy: float = 0.0
     ry: float = 0.0
     seen: int = 0
+    _solved: tuple[float, float, float] | None = None  # ``coefficients`` since the last ``add``
 
     def add(self, x: float, r: float, y: float) -> None:
+        self._solved = None
         d = self.decay
         self.w = d * self.w + 1.0
         self.x = d * self.x + x
@@ -55,7 +57,12 @@ class Fit:
         self.seen += 1
 
     def coefficients(self) -> tuple[float, float, float]:
-        """(base, a, b)."""
+        """(base, a, b), solved once per observation (a request is predicted on several times between two)."""
+        if self._solved is None:
+            self._solved = self._solve()
+        return self._solved
+
+    def _solve(self) -> tuple[float, float, float]:
         w = self.w
         mx, mr, my = self.x / w, self.r / w, self.y / w
         vxx, vrr, vxr = self.xx / w - mx * mx, self.rr / w - mr * mr, self.xr / w - mx * mr

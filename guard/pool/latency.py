@@ -137,11 +137,11 @@ class LatencyModel:
         ``priority``, beside ``in_flight`` other requests of the guard's; returns the work ahead of it (its
         own included) and what it met and was predicted, which ``observe_ttft`` and ``observe_tpot`` are
         given back."""
-        sent = Sent(self.band(priority), self.running(in_flight),
-                    self.predict_ttft(priority, uncached_tokens, in_flight), self.predict_tpot(in_flight))
+        band, running, work = self.band(priority), self.running(in_flight), self.ahead(priority) + uncached_tokens
+        sent = Sent(band, running, self._predict(priority, band, work, running), self.predict_tpot(in_flight))
         _bump(self.pending, priority, uncached_tokens)
         _bump(self._prompts, priority, prompt_tokens)
-        return self.ahead(priority), sent
+        return work, sent
 
     def started(self, priority: int, uncached_tokens: int, prompt_tokens: int) -> None:
         """The request's first token came (or it ended without one): its prefill is no longer ahead of anyone."""
@@ -165,9 +165,11 @@ class LatencyModel:
     def predict_ttft(self, priority: int, uncached_tokens: int, in_flight: int) -> Prediction:
         """Seconds from being sent here at engine ``priority`` to the first token, for a request with
         ``uncached_tokens`` to prefill, with what is pending here now and ``in_flight`` requests of the guard's."""
-        band = self.band(priority)
-        fitted = self.fitted(priority, self.ahead(priority) + uncached_tokens, self.running(in_flight))
-        median = self._residual.correct(band, fitted)
+        return self._predict(priority, self.band(priority), self.ahead(priority) + uncached_tokens,
+                             self.running(in_flight))
+
+    def _predict(self, priority: int, band: Band, work: int, running: int) -> Prediction:
+        median = self._residual.correct(band, self.fitted(priority, work, running))
         spread = self._spread.get(band)
         if spread is None or spread.seen < MIN_SPREAD_SEEN:
             spread = self._spread.get(None)
