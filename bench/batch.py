@@ -9,14 +9,21 @@ store). Each round runs two phases, in alternating order (a shared machine's dri
            ``bulk`` runs through the guard's Batch API (created, and given ``--settle`` s to fill the engine,
            before the arrivals start; cancelled after them).
 
-The capacity is the engine's generated tokens per second when saturated straight on (64 requests of the
-batch's shape in flight), measured before and after each round (their mean; on a shared machine the two
-can differ by 2x, which the report shows). Reported per phase: the interactive TTFT
-(from the scheduled arrival to the first token event: p50, p90, p99) and the engine's generated tokens per
-second over the arrivals (its telemetry counter). The batch's throughput is the engine's tokens per second
-in ``beside`` less the interactive tokens it served there; the capacity interactive work leaves is the
-capacity less the engine's tokens per second in ``alone``. The issue's targets: the interactive TTFT median
-beside a batch within 1.2x of alone, and the batch at >= 80% of the capacity interactive work leaves.
+The capacity is the engine's generated tokens per second when saturated straight on with requests of the
+batch's shape: its best over ``--capacity-concurrency`` requests in flight (32 and 64: on this CPU 64 gave
+less than 32), measured before and after each round (their mean; on a shared machine the two can differ by
+2x, which the report shows). Reported per phase: the interactive TTFT (from the scheduled arrival to the
+first token event: p50, p90, p99), the engine's generated tokens per second in all and per tenant (its own
+per-tenant counters: the guard names the tenant to the engine), and ``why`` (bench/phase_probe.py): the
+engine's steps and their mean time, the sequences it ran, the interactive tenant's mean wait in the guard's
+queue, and each process's CPU. The batch's throughput is the engine's tokens per second for ``bulk`` beside;
+the capacity interactive work leaves is the capacity less the engine's tokens per second for ``web`` alone.
+The issue's targets: the interactive TTFT median beside a batch within 1.2x of alone, and the batch at >= 80%
+of the capacity interactive work leaves.
+
+With taskset and 2 cores, the engine runs alone on core 0 and the guard with this process (the load
+generator) on core 1 (``--no-pin``: all three float); pinning keeps them from taking each other's core, not
+other programs off theirs.
 
     flock /tmp/kvguard-bench.lock .venv/bin/python bench/batch.py [--duration 30] [--rounds 2] [--json PATH]
     .venv/bin/python bench/batch.py --quick     # one short round: checks that it runs
@@ -29,6 +36,7 @@ import asyncio
 import itertools
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -37,6 +45,7 @@ from pathlib import Path
 import aiohttp
 import torch
 from latency import summarize
+from phase_probe import Probe
 from run_info import command, describe, write_report
 from stack import REPO, Service, get_json, start_engine, start_guard
 from tenant_load import Result, arrivals, guard_target, send, status_counts
@@ -56,8 +65,18 @@ def batch_file(lines: int, max_tokens: int) -> bytes:
         "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}}).encode() + b"\n" for i in range(lines))
 
 
-def tokens_total(engine: Service) -> float:
-    return get_json(engine.url + "/telemetry")["generation_tokens_total"]
+def tokens_total(engine: Service) -> dict[str, float]:
+    """The engine's generated tokens so far: in all (``all``), and per tenant the guard named (``web``,
+    ``bulk``: the engine counts each tenant's tokens, so the batch's are told from the interactive ones
+    exactly, including those of requests still running when a phase ends)."""
+    snapshot = get_json(engine.url + "/telemetry")
+    tenants = snapshot["tenants"]
+    return {"all": snapshot["generation_tokens_total"],
+            **{name: tenants.get(name, {}).get("generation_tokens_total", 0) for name in KEYS}}
+
+
+def rates(before: dict[str, float], after: dict[str, float], seconds: float) -> dict[str, float]:
+    return {key: (after[key] - before[key]) / seconds for key in before}
 
 
 async def wait_idle(engine: Service, timeout: float = 120.0) -> None:
@@ -71,15 +90,16 @@ async def wait_idle(engine: Service, timeout: float = 120.0) -> None:
         await asyncio.sleep(0.1)
 
 
-async def measure_capacity(engine: Service, max_tokens: int, seconds: float) -> float:
-    """Generated tokens per second with 64 batch-shaped requests in flight straight to the engine."""
+async def measure_capacity(engine: Service, max_tokens: int, seconds: float, concurrency: int) -> float:
+    """Generated tokens per second with ``concurrency`` batch-shaped requests in flight straight to the
+    engine."""
     body = json.loads(batch_file(1, max_tokens))["body"]
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         async def worker() -> None:
             while True:
                 async with session.post(engine.url + "/v1/completions", json=body) as answer:
                     await answer.read()
-        workers = [asyncio.create_task(worker()) for _ in range(64)]
+        workers = [asyncio.create_task(worker()) for _ in range(concurrency)]
         await asyncio.sleep(min(2.0, seconds / 2))
         before, started = await asyncio.to_thread(tokens_total, engine), time.monotonic()
         await asyncio.sleep(seconds)
@@ -88,7 +108,17 @@ async def measure_capacity(engine: Service, max_tokens: int, seconds: float) -> 
             task.cancel()
         await asyncio.gather(*workers, return_exceptions=True)
     await wait_idle(engine)
-    return (after - before) / elapsed
+    return rates(before, after, elapsed)["all"]
+
+
+async def capacity(engine: Service, args: argparse.Namespace) -> dict[str, float]:
+    """The engine's capacity: its best generated tokens/s over ``--capacity-concurrency`` (on this CPU the
+    step time grows faster than linearly past ~32 sequences, so 64 in flight gave less than 32); each level's
+    figure is kept in the report."""
+    if args.capacity:
+        return {"given": args.capacity}
+    return {str(n): await measure_capacity(engine, args.batch_max_tokens, args.calibrate, n)
+            for n in args.capacity_concurrency}
 
 
 async def start_batch(session: aiohttp.ClientSession, guard: Service, args: argparse.Namespace) -> str:
@@ -127,43 +157,59 @@ async def phase(engine: Service, guard: Service, args: argparse.Namespace, rate:
         batch_id = await start_batch(session, guard, args) if with_batch else None
         if batch_id is not None:
             await asyncio.sleep(args.settle)
-        before, start = await asyncio.to_thread(tokens_total, engine), time.monotonic()
+        pids = {"engine": (engine.process.pid, True), "guard": (guard.process.pid, True),
+                "load generator": (os.getpid(), False)}
+        async with Probe(engine.url, guard.url, "web", pids) as probe:
+            before, start = await asyncio.to_thread(tokens_total, engine), time.monotonic()
 
-        async def fire(result: Result) -> None:
-            await send(session, target, "web", web_body(args.web_max_tokens), result)
+            async def fire(result: Result) -> None:
+                await send(session, target, "web", web_body(args.web_max_tokens), result)
 
-        tasks = await arrivals(rate, seed, start, args.duration, fire, results)
-        await asyncio.sleep(max(0.0, start + args.duration - time.monotonic()))
-        after, elapsed = await asyncio.to_thread(tokens_total, engine), time.monotonic() - start
+            tasks = await arrivals(rate, seed, start, args.duration, fire, results)
+            await asyncio.sleep(max(0.0, start + args.duration - time.monotonic()))
+            after, elapsed = await asyncio.to_thread(tokens_total, engine), time.monotonic() - start
         await asyncio.wait(tasks, timeout=args.drain) if tasks else None
         batch = await stop_batch(session, guard, batch_id) if batch_id is not None else None
     await wait_idle(engine)
-    done = [r for r in results if r.first_token is not None and r.finished is not None and r.finished <= start + elapsed]
-    web_tps = len(done) * args.web_max_tokens / elapsed  # requests whose every token came inside the window
-    return {"with_batch": with_batch, "engine_tokens_per_s": (after - before) / elapsed, "web_tokens_per_s": web_tps,
+    served = rates(before, after, elapsed)
+    return {"with_batch": with_batch, "engine_tokens_per_s": served["all"], "web_tokens_per_s": served["web"],
+            "batch_tokens_per_s": served["bulk"],
             "ttft": summarize([r.first_token - r.arrival for r in results if r.first_token is not None]),
             "statuses": status_counts(results), "batch_request_counts": batch and batch["request_counts"],
-            "load_average_1m": os.getloadavg()[0]}
+            "load_average_1m": os.getloadavg()[0], "why": probe.report}
+
+
+def layout(pin: bool) -> tuple[str | None, str | None]:
+    """With ``pin`` (and taskset, and 2 cores): the engine alone on core 0; the guard and this process (the
+    load generator) on core 1, as bench/guard_ab.py pins. Unpinned, the three contend for both cores and the
+    engine's steps wait for a CPU (each phase's ``why.cpu`` shows how long)."""
+    if not (pin and shutil.which("taskset") is not None and (os.cpu_count() or 1) >= 2):
+        return None, None
+    os.sched_setaffinity(0, {1})
+    return "0", "1"
 
 
 async def run(args: argparse.Namespace, workdir: Path) -> dict:
-    engine = start_engine(workdir, ["--model", "tiny", "--device", "cpu", "--num-blocks", str(args.num_blocks)])
+    engine_cpus, guard_cpus = layout(args.pin)
+    engine = start_engine(workdir, ["--model", "tiny", "--device", "cpu", "--num-blocks", str(args.num_blocks)],
+                          engine_cpus)
     config = {"engine": {"name": "primary", "url": engine.url}, "secret": "bench-batch",
               "batch": {"store": str(workdir / "batches"), "max_in_flight": args.max_in_flight},
               "tenants": [{"name": "web", "api_keys": [KEYS["web"]], "lane": "interactive", "max_queue": 256},
                           {"name": "bulk", "api_keys": [KEYS["bulk"]], "lane": "batch"}]}
-    guard = start_guard(workdir, config)
+    guard = start_guard(workdir, config, guard_cpus)
     rounds = []
     try:
         for index in range(args.rounds):
-            before = args.capacity or await measure_capacity(engine, args.batch_max_tokens, args.calibrate)
-            rate = args.web_share * before / args.web_max_tokens
+            before = await capacity(engine, args)
+            rate = args.web_share * max(before.values()) / args.web_max_tokens
             phases = {}
             for with_batch in ((False, True) if index % 2 == 0 else (True, False)):
                 phases["beside" if with_batch else "alone"] = await phase(engine, guard, args, rate, args.seed + index,
                                                                           with_batch)
-            after = args.capacity or await measure_capacity(engine, args.batch_max_tokens, args.calibrate)
-            rounds.append({"capacity_tokens_per_s": (before + after) / 2, "capacity_before_after": [before, after],
+            after = await capacity(engine, args)
+            rounds.append({"capacity_tokens_per_s": (max(before.values()) + max(after.values())) / 2,
+                           "capacity_before_after": [before, after],
                            "web_rate_per_s": rate, **phases})
             print(f"  round {index + 1}/{args.rounds}: {row(rounds[-1])}", flush=True)
     finally:
@@ -176,8 +222,8 @@ def figures(one: dict) -> tuple[float, float, float]:
     """(TTFT p50 beside over alone, batch tokens/s, the capacity interactive work leaves) of one round."""
     alone, beside = one["alone"], one["beside"]
     ratio = beside["ttft"]["p50_ms"] / alone["ttft"]["p50_ms"]
-    batch_tps = beside["engine_tokens_per_s"] - beside["web_tokens_per_s"]
-    left = one["capacity_tokens_per_s"] - alone["engine_tokens_per_s"]
+    batch_tps = beside["batch_tokens_per_s"]
+    left = one["capacity_tokens_per_s"] - alone["web_tokens_per_s"]
     return ratio, batch_tps, left
 
 
@@ -212,7 +258,11 @@ def main() -> None:
     parser.add_argument("--num-blocks", type=int, default=256, help="the engine's KV pool")
     parser.add_argument("--calibrate", type=float, default=6.0, help="seconds of each round's capacity measurement")
     parser.add_argument("--capacity", type=float, help="generated tokens/s to offer the load against, not measured")
+    parser.add_argument("--capacity-concurrency", type=lambda text: [int(n) for n in text.split(",")],
+                        default=[32, 64], help="requests in flight when measuring the capacity (its best counts)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-pin", dest="pin", action="store_false",
+                        help="leave the engine, the guard and the load generator unpinned (see layout)")
     parser.add_argument("--quick", action="store_true", help="one short round: checks that it runs")
     parser.add_argument("--json", type=Path, help="the report (default bench/results/batch.json; --quick: none)")
     args = parser.parse_args()

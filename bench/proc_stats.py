@@ -9,11 +9,12 @@ from __future__ import annotations
 import os
 
 
-def sched_seconds(pid: int) -> tuple[float, float]:
+def sched_seconds(pid: int, with_children: bool = True) -> tuple[float, float]:
     """Seconds on a CPU and seconds waiting on a run queue (``/proc/<pid>/task/*/schedstat``), summed over
-    the threads of the process and of its children (nginx's worker is its master's child)."""
+    the threads of the process and, ``with_children``, of its children (nginx's worker is its master's
+    child; a benchmark's own process leaves out the servers it started)."""
     running = waiting = 0
-    for process in [pid, *children(pid)]:
+    for process in [pid, *(children(pid) if with_children else ())]:
         try:
             for tid in os.listdir(f"/proc/{process}/task"):
                 with open(f"/proc/{process}/task/{tid}/schedstat", encoding="ascii") as stat:

@@ -29,5 +29,7 @@ def test_batch_bench_quick(tmp_path: Path) -> None:
     assert alone["batch_request_counts"] is None
     counts = beside["batch_request_counts"]
     assert counts["total"] == 300 and 0 < counts["completed"] <= 300 and counts["failed"] == 0
-    assert min(one["capacity_before_after"]) > 0 and beside["engine_tokens_per_s"] > 0
+    assert all(min(levels.values()) > 0 for levels in one["capacity_before_after"])
+    assert beside["batch_tokens_per_s"] > 0 and alone["batch_tokens_per_s"] == 0, "the engine's count per tenant"
+    assert alone["web_tokens_per_s"] > 0 and set(beside["why"]["cpu"]) == {"engine", "guard", "load generator"}
     assert set(report["summary"]) == {"ttft_p50_beside_over_alone", "batch_share_of_left", "per_round"}
