@@ -33,7 +33,7 @@ from .wait import until
 GUARDS = ("guard-a", "guard-b")  # deploy/haproxy.cfg's server names
 DRAIN_DELAY_S = 5.0  # haproxy.cfg checks every 2 s and takes a guard out after 2 failures: within ~4 s
 ENGINE_DRAIN_TIMEOUT_S = 2.0
-STREAM_TOKENS, UNARY_TOKENS = 48, 24
+UNARY_TOKENS = 24
 
 
 @dataclass
@@ -119,9 +119,9 @@ def request_ok(url: str) -> bool:
     return True
 
 
-def chat(i: int, stream: bool) -> dict[str, Any]:
+def chat(i: int, stream: bool, stream_tokens: int) -> dict[str, Any]:
     return {"model": "tiny", "temperature": 0.0, "ignore_eos": True, "stream": stream,
-            "max_tokens": STREAM_TOKENS if stream else UNARY_TOKENS,
+            "max_tokens": stream_tokens if stream else UNARY_TOKENS,
             "messages": [{"role": "user", "content": f"rolling restart {i}"}]}
 
 
@@ -150,6 +150,7 @@ class Load:
     expected: list[str]
     streams: int
     unary: int
+    stream_tokens: int
     key: str = "sk-acme"
     sent: int = 0
     whole: int = 0
@@ -174,7 +175,7 @@ class Load:
             while not self.stop.is_set():
                 self.sent += 1
                 try:
-                    async with session.post(self.url + "/v1/chat/completions", json=chat(i, stream),
+                    async with session.post(self.url + "/v1/chat/completions", json=chat(i, stream, self.stream_tokens),
                                             headers={"Authorization": f"Bearer {self.key}"}) as response:
                         status, raw = response.status, await response.read()
                 except (aiohttp.ClientError, TimeoutError) as exc:
@@ -188,13 +189,13 @@ class Load:
                 self.equal += text == self.expected[i]
 
 
-async def expected_answers(engine_url: str, count: int, streams: int) -> list[str]:
+async def expected_answers(engine_url: str, count: int, streams: int, stream_tokens: int) -> list[str]:
     """Each client's question asked of an engine directly, nothing interrupted: the greedy answers."""
     async with aiohttp.ClientSession() as session:
 
         async def one(i: int) -> str:
             stream = i < streams
-            async with session.post(engine_url + "/v1/chat/completions", json=chat(i, stream)) as response:
+            async with session.post(engine_url + "/v1/chat/completions", json=chat(i, stream, stream_tokens)) as response:
                 text = answer_text(response.status, await response.read(), stream)
             assert text is not None, f"the engine did not answer question {i} whole"
             return text
@@ -210,13 +211,14 @@ def migrations(guard: GuardProcess) -> dict[str, float]:
 
 
 async def rolling_restart(stack: Stack, engines: list[EngineProcess], guards: list[str], streams: int,
-                          unary: int, warmup_s: float = 1.0) -> dict[str, Any]:
+                          unary: int, stream_tokens: int = 48, warmup_s: float = 1.0) -> dict[str, Any]:
     """Load through haproxy; ``engines`` restarted in turn, then ``guards``; the load stopped once the last
-    is back in. The report: the load's counts, each restart's row, and the guards' moves by reason before
+    is back in. Streams of ``stream_tokens`` that outlast an engine's ``--drain-timeout`` are handed back
+    and resumed elsewhere (moves ``drain``). The report: the load's counts, each restart's row, and the guards' moves by reason before
     their own restarts (a restarted guard's counters start again at 0)."""
     await back_in(stack)
-    expected = await expected_answers(stack.engines[0].url, streams + unary, streams)
-    load = Load(stack.lb.url, expected, streams, unary)
+    expected = await expected_answers(stack.engines[0].url, streams + unary, streams, stream_tokens)
+    load = Load(stack.lb.url, expected, streams, unary, stream_tokens)
     load.start()
     await asyncio.sleep(warmup_s)
     steps = [await restart_engine(stack, engine) for engine in engines]
