@@ -20,6 +20,10 @@ Integrity checks and purpose-built parts
   persistence, ``DEBUG SLEEP`` allowed), for the guards' shared state.
 - ``blackhole``: ``BlackHole``, a TCP relay in front of a real engine that can swallow everything (connections
   accepted, nothing answered).
+- ``haproxy``: ``HAProxy``, Debian's haproxy on deploy/haproxy.cfg with only its addresses changed
+  (``render``), and ``server_up`` from its Prometheus exporter.
+- ``rolling_restart``: the rolling restart (issue 42): ``start_stack`` (Redis, tiny engines, two guards
+  with ``--drain-delay``, haproxy), the checked closed-loop ``Load`` through haproxy, ``rolling_restart``.
 - ``fault_matrix``: the fleet fault matrix's ``Fleet`` (Redis and two engines), its cells and ``run_cell``
   (two guards under one fault: preemptions, ok/refused/lost, reservations against the pool, all back).
 - ``live_stack``: engine, guard, Prometheus, Alertmanager and an on-call webhook receiver, as processes.
