@@ -14,7 +14,10 @@ sequences): at each snapshot, the engine's figures less the guard's own (its req
 the engine counts a waiting one; clamped at 0, since the guard counts its requests before the engine has
 them) are *the others'*, added to the guard's own until the next snapshot (every 25 ms while the engine is
 busy). Work ahead of a request at engine priority ``p`` is everybody's at ``p`` or before it (the engine
-prefills waiting requests in priority order, engine/sched/scheduler.py).
+prefills waiting requests in priority order, engine/sched/scheduler.py). KV use is no feature of its own:
+the guard's gates keep each replica's reservations under its safe utilisation, so the engine seldom waits
+for blocks, and where it does (direct clients filling it), the sequences left waiting and their prefill
+show it here.
 
 **The point prediction** (the median). TTFT: ``base``, ``per_token`` and ``per_running`` are fitted to each
 request's admission-to-first-token time against the work that was ahead of it and the sequences on the
