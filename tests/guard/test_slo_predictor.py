@@ -201,3 +201,15 @@ async def test_live_direct_clients_work_on_the_engine_raises_the_guards_predicti
                 await asyncio.gather(*clients, return_exceptions=True)
     assert ahead >= 2 * 20 and running >= 3
     assert crowded > idle, (idle, crowded)
+
+
+def test_the_wait_correction_follows_the_typical_ticket_not_the_ones_vtc_lets_through_at_once() -> None:
+    """Several sheddable tenants: one behind on service is admitted at once while the rest wait 1.5x the
+    pace's figure; a fifth of the tickets wait a hundredth of it. A mean of the logs would predict 0.7x."""
+    correction = WaitCorrection()
+    key = ("sheddable", True)
+    rng = random.Random(4)
+    for i in range(300):
+        factor = 0.01 if i % 5 == 0 else 1.5 * math.exp(rng.gauss(0.0, 0.1))
+        correction.observe(key, 2.0, 2.0 * factor)
+    assert correction.predict(key, 2.0).median == pytest.approx(3.0, rel=0.15)
