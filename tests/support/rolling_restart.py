@@ -58,7 +58,9 @@ def start_stack(processes: Processes, root: Path, engines: int = 3) -> Stack:
         guard_config([engine.url for engine in replicas], root / name, shared_state={"redis_url": redis.url},
                      listen={"host": "127.0.0.1", "port": free_port()})
         guards[name] = processes.guard(root / name / "guard.yaml", "--drain-delay", str(DRAIN_DELAY_S),
-                                       name=name)
+                                       name=name, wait=False)
+    for guard in guards.values():
+        guard.wait_ready()
     lb = processes.add(HAProxy(root, {name: f"127.0.0.1:{guard.port}" for name, guard in guards.items()}))
     return Stack(redis, replicas, guards, lb)
 
