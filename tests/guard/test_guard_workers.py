@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 from support import ROOT
 from support.guard_server import guard_config
-from support.net import free_port, free_ports_in_a_row, request
+from support.net import free_port, free_ports_in_a_row, health, request
 from support.processes import Processes, run_command
 from support.redis_server import RedisServer
 from support.wait import wait_for
@@ -126,6 +126,27 @@ def test_a_worker_that_does_not_stop_is_killed_and_the_supervisor_ends(tmp_path:
     assert code == 1
     assert "workers [0] still running 5.5 s after being told to stop; killing them" in guard.log_text()
     assert f"worker 0 (pid {said['0']}) was killed by SIGKILL" in guard.log_text()
+
+
+def test_workers_drain_on_sigterm_with_the_supervisors_drain_delay(tmp_path: Path, processes: Processes) -> None:
+    """``--drain-delay`` reaches every worker: SIGTERM to the supervisor turns each worker's /health 503
+    draining while the shared port still serves, and the supervisor exits 0 once they have."""
+    redis = processes.add(RedisServer(tmp_path))
+    metrics = free_ports_in_a_row(2)
+    guard_config("http://127.0.0.1:9", tmp_path, listen={"host": "127.0.0.1", "port": free_port()},
+                 shared_state={"redis_url": redis.url})
+    guard = processes.guard(tmp_path / "guard.yaml", "--workers", "2", "--metrics-port", str(metrics),
+                            "--drain-delay", "4")
+    for i in range(2):
+        wait_for(lambda i=i: health(f"http://127.0.0.1:{metrics + i}"), lambda status: status == 200, 30,
+                 message=lambda: guard.log_tail())
+    guard.send_signal(signal.SIGTERM)
+    for i in range(2):
+        _, body = wait_for(lambda i=i: request(f"http://127.0.0.1:{metrics + i}/health", timeout=5),
+                           lambda answer: answer[0] == 503, 5, message=lambda: guard.log_tail())
+        assert json.loads(body)["status"] == "draining", body
+    assert health(guard.url) == 503, "the shared port serves (draining) until the delay ends"
+    assert guard.wait(20) == 0, guard.log_tail()
 
 
 def test_several_workers_need_shared_state(tmp_path: Path) -> None:
