@@ -46,7 +46,7 @@ from collections.abc import Generator, Sequence
 
 from guard.admission import slo
 from guard.admission.backend import Ledger
-from guard.admission.fairness import FairQueue, TenantQueue
+from guard.admission.fairness import INPUT_COST, OUTPUT_COST, FairQueue, TenantQueue, served_before
 from guard.admission.ticket import Ticket, TicketState
 from guard.config import GuardConfig, Tenant
 from guard.errors import GuardError
@@ -136,15 +136,37 @@ class Dispatcher:
     def blocks_before(self, ticket: Ticket) -> slo.Backlog:
         """What is queued to be admitted before the ticket, by its class: a critical one waits only for the
         critical tickets (they go first), a standard one for those and ``blocks_ahead_of`` it, a sheddable
-        one for the sheddable tickets queued (the pace it is judged by has critical work in it already),
-        since the oldest of them queued."""
+        one for the sheddable tickets queued that VTC admits before it (the pace it is judged by has
+        critical work in it already), since the oldest of them queued."""
         priority_class = ticket.priority_class
         if priority_class == slo.SHEDDABLE:
-            queued = [t for q in self.fair.tenants.values() for lane in q.lanes.values() for t in lane
-                      if t.priority_class == slo.SHEDDABLE] if self.fair.queued else []
-            return slo.Backlog(sum(t.blocks for t in queued), min((t.enqueued_at for t in queued), default=None))
+            return self._sheddable_before(ticket)
         critical = self.blocks_queued(slo.CRITICAL)
         return slo.Backlog(critical if priority_class == slo.CRITICAL else critical + self.blocks_ahead_of(ticket))
+
+    def _sheddable_before(self, ticket: Ticket) -> slo.Backlog:
+        """The sheddable blocks queued that VTC admits before the ticket (``fairness.served_before``: its own
+        tenant's, and of every other tenant's what it gets while behind the ticket's tenant's counter), less
+        the ticket's own, since the oldest sheddable ticket queued. With several sheddable tenants the same
+        backlog is a second's wait for a tenant behind on service and ten for one ahead of it."""
+        if not self.fair.queued:
+            return slo.Backlog(0)
+        own, others, since = self.queue_of(ticket.tenant), [], None
+        own_blocks = 0
+        for queue in self.fair.tenants.values():
+            blocks = 0
+            for lane in queue.lanes.values():
+                for t in lane:
+                    if t.priority_class == slo.SHEDDABLE:
+                        blocks += t.blocks
+                        since = t.enqueued_at if since is None else min(since, t.enqueued_at)
+            if queue is own:
+                own_blocks = blocks
+            elif blocks:
+                others.append((queue, blocks))
+        per_block = (ticket.prompt_tokens * INPUT_COST + ticket.max_tokens * OUTPUT_COST) / max(1, ticket.blocks)
+        before = served_before(own, own_blocks + ticket.blocks, per_block, others, len(own) > 0)
+        return slo.Backlog(max(0, round(before) - ticket.blocks), since)
 
     async def submit(self, ticket: Ticket) -> None:
         """Queue ``ticket`` and wait for admission. Raises ``GuardError``; on cancellation nothing is held."""

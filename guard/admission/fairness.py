@@ -146,3 +146,19 @@ class FairQueue(Generic[Item]):
         total = sum(values)
         squares = sum(v * v for v in values)
         return total * total / (len(values) * squares) if squares > 0 else 1.0
+
+
+def served_before(own: TenantQueue[Item], own_blocks: float, per_block: float,
+                  others: list[tuple[TenantQueue[Item], float]], backlogged: bool) -> float:
+    """Blocks VTC admits before the last of ``own_blocks`` of ``own``'s (its queued ones and a newcomer),
+    of ``others``' queued ``(tenant, blocks)``: ``own``'s own, and of each other tenant what it is admitted
+    while its counter is below the one ``own`` reaches with the newcomer's admission (a weighted fair queue's
+    finish order), every block of service ``per_block`` (input + 2 x output tokens over its blocks). ``own``
+    not ``backlogged`` is lifted to the lowest backlogged counter first, as ``push`` will lift it. An
+    estimate: output is charged when a request ends, after later admissions, and counters move meanwhile."""
+    counter = own.counter
+    if not backlogged and others:
+        counter = max(counter, min(tenant.counter for tenant, _ in others))
+    level = counter + own_blocks * per_block / own.weight
+    return own_blocks + sum(min(blocks, max(0.0, (level - tenant.counter) * tenant.weight / per_block))
+                            for tenant, blocks in others)

@@ -20,6 +20,7 @@ from support.processes import EngineProcess, Processes
 from support.wait import until
 
 from engine.protocol import TelemetrySnapshot
+from guard.admission.fairness import TenantQueue, served_before
 from guard.admission.slo import MIN_MARGIN_SEEN, PRIOR_P90_RATIO, WaitCorrection
 from guard.config import Routing
 from guard.pool.estimators import Quantile
@@ -213,3 +214,19 @@ def test_the_wait_correction_follows_the_typical_ticket_not_the_ones_vtc_lets_th
         factor = 0.01 if i % 5 == 0 else 1.5 * math.exp(rng.gauss(0.0, 0.1))
         correction.observe(key, 2.0, 2.0 * factor)
     assert correction.predict(key, 2.0).median == pytest.approx(3.0, rel=0.15)
+
+
+def test_a_sheddable_wait_counts_what_vtc_admits_before_it_by_each_tenants_counter() -> None:
+    """Three sheddable tenants, 10 blocks of 100 tokens of service each queued by b and c; a is 1,000
+    tokens of service ahead of b, c is level with a. A newcomer of a's waits for its own and for what b and
+    c are admitted until they reach a's counter; b's newcomer waits for little else."""
+    a, b, c = (TenantQueue(name, 1.0) for name in "abc")
+    a.counter, b.counter, c.counter = 5000.0, 4000.0, 5000.0
+    a_new = served_before(a, 10, 100.0, [(b, 10), (c, 10)], backlogged=False)
+    assert a_new == pytest.approx(10 + 10 + 10), "b's 10 blocks (all under a's level) and c's 10 at a level"
+    b_new = served_before(b, 10 + 1, 100.0, [(c, 10)], backlogged=True)
+    assert b_new == pytest.approx(11 + 1), "b is behind: its own 11, and c's one block once b passes c's counter"
+    alone = served_before(a, 10, 100.0, [], backlogged=True)
+    assert alone == 10, "one tenant: its own queue, as a FIFO"
+    idle = TenantQueue("idle", 1.0)  # never served: lifted to the lowest backlogged counter, b's
+    assert served_before(idle, 1, 100.0, [(b, 10), (c, 10)], backlogged=False) == pytest.approx(1 + 1)
