@@ -16,6 +16,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
+import pytest
 from support.guard_server import GuardThread, guard_config
 from support.net import request
 from support.netns import Netns
@@ -254,6 +255,7 @@ async def test_a_cut_link_is_silence_and_its_requests_move(processes: Processes)
         far.kill()
 
 
+@pytest.mark.slow  # 13 s; tests/e2e/test_rolling_restart.py restarts a draining engine under load in make test
 async def test_a_rolling_restart_under_load_fails_nothing(processes: Processes) -> None:
     """Each engine in turn drained (SIGTERM, --drain-timeout 2), exited 0 and started again while clients
     keep sending: every request completes, and the guard sends a draining replica nothing new."""
