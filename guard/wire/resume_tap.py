@@ -46,11 +46,14 @@ class ResumeTap:
         """The whole events ``chunk`` completes, without their token id comments (b"": none yet)."""
         self.last_byte = time.monotonic()
         data = self._held + chunk if self._held else chunk
-        end = data.rfind(b"\n\n") + 2
-        if end < 2:
-            self._held = data
-            return b""
-        self._held, events = data[end:], data[:end]
+        if data.endswith(b"\n\n"):  # whole events, nothing left over (a paced stream's every chunk): no search
+            self._held, events = b"", data  # and no copies, on a path taken per chunk (a firehose has hundreds)
+        else:
+            end = data.rfind(b"\n\n") + 2
+            if end < 2:
+                self._held = data
+                return b""
+            self._held, events = data[end:], data[:end]
         if not self._looked:  # the first events relayed carry the answer's id
             self._looked = True
             if found := _ANSWER_ID.search(events):
