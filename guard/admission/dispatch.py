@@ -85,6 +85,7 @@ class Dispatcher:
         self.fair: FairQueue[Ticket] = FairQueue()
         self.retired: set[str] = set()  # tenants a reload removed that still have a queue here
         self.running: dict[str, set[Ticket]] = {}  # tenant -> its admitted tickets, for revoke
+        self.sheddable_held = 0  # blocks the admitted sheddable tickets reserve (``_not_waited_for``)
         self.departures = slo.Departures()  # the queue's pace, which predicts a newcomer's wait
         self.correction = slo.WaitCorrection()  # and how the waits predicted from it turned out
         self.total_weight = sum(tenant.weight for tenant in config.tenants)  # of the running config's tenants
@@ -181,8 +182,7 @@ class Dispatcher:
                 self._admitted(queue, ticket)  # nobody waits, so VTC order has nothing to say: no queue, no future
                 return
         ahead = self.blocks_ahead_of(ticket) + ticket.blocks
-        # What others borrowed is room for a critical ticket: it reclaims it (guard/pool/gate.py).
-        held = self.pool.committed() - (self.pool.borrowed() if ticket.priority_class == slo.CRITICAL else 0)
+        held = self.pool.committed() - self._not_waited_for(ticket)
         wait = self.pool.expected_wait(max(0, held + ahead - self.pool.budget()))
         if wait is not None and wait > ticket.lane.timeout:
             raise GuardError(503, f"the expected queueing time ({wait:.1f} s) exceeds this lane's timeout "
@@ -210,6 +210,27 @@ class Dispatcher:
         except asyncio.CancelledError:
             self.finish(ticket)  # the client left: out of the queue, or its fresh reservation back
             raise
+
+    def _not_waited_for(self, ticket: Ticket) -> int:
+        """Of the pool's committed blocks, those the ticket's expected wait at arrival does not count as held
+        ahead of it: for a critical ticket all that others borrowed (it reclaims it: guard/pool/gate.py); for
+        a standard one the sheddable work's (``sheddable_held``: batch lines and sheddable requests, all
+        lent); none for a sheddable one. Sheddable blocks drain as their requests end, and little replaces
+        them while a standard ticket queues (the batch pacer starts no line while anyone queues,
+        guard/batch/pace.py; a sheddable request is lent room only under the threshold, while a standard one
+        within its guarantee reclaims lent blocks up to the whole pool), so they are no backlog it waits
+        behind at the measured drain rate. Counting them refused interactive requests 503 ``overloaded``
+        beside a batch (bench/batch.py, issue 44): right after an idle spell the batch filled the budget while
+        the drain rate, measured over the last 10 s, was still a fraction of the lines' pace, so the predicted
+        wait passed the lane's timeout though a line ending would make room within a second. Only this
+        refusal reads it: whether a ticket fits stays the gates' (or the ledger's) decision, so admission
+        keeps its bounds (the budget; the whole pool for reclaimed lent blocks). A sheddable ticket on a
+        replica that is down is subtracted though ``committed`` leaves it out: the estimate errs towards
+        queueing, where the lane's timeout still bounds the wait."""
+        priority_class = ticket.priority_class
+        if priority_class == slo.CRITICAL:
+            return self.pool.borrowed()
+        return self.sheddable_held if priority_class != slo.SHEDDABLE else 0
 
     def pump(self) -> None:
         """Admit as many queued tickets as the pool and the VTC order allow (with a ledger up, the admission
@@ -389,6 +410,8 @@ class Dispatcher:
             if ticket.objective is not None:
                 slo.placed(ticket)
         self.running.setdefault(queue.name, set()).add(ticket)
+        if ticket.priority_class == slo.SHEDDABLE:
+            self.sheddable_held += ticket.blocks
         if ticket.admitted is not None:  # None while submit is admitting it itself
             ticket.admitted.set_result(None)
 
@@ -403,6 +426,8 @@ class Dispatcher:
         borrowed = self._lent(ticket, more)
         if not ticket.replica.gate.try_grow(ticket.request_id, more, borrowed):
             return False
+        if ticket.priority_class == slo.SHEDDABLE:
+            self.sheddable_held += more
         ticket.blocks, ticket.max_tokens = blocks, max_tokens
         ticket.borrowed += borrowed
         return True
@@ -438,6 +463,8 @@ class Dispatcher:
             running.discard(ticket)
             if not running:
                 del self.running[ticket.tenant.name]
+            if ticket.priority_class == slo.SHEDDABLE:
+                self.sheddable_held -= ticket.blocks
             self.pump()
         ticket.state = TicketState.DONE
         if self.retired:

@@ -184,3 +184,45 @@ async def test_a_critical_request_goes_before_its_own_tenants_standard_ones(
             assert script.tickets[urgent].borrowed == 0, "a critical request never borrows"
         finally:
             await script.close()
+
+
+# One replica of 100 blocks (budget 85): a batch tenant whose lines are sheddable, a client in the
+# interactive lane (standard, 10 s queueing timeout), equal weights.
+BESIDE_BATCH = GuardConfig.model_validate({
+    "engine": {"name": "e0", "url": "http://127.0.0.1:9000"}, "secret": "s",
+    "tenants": [{"name": "bulk", "api_keys": ["sk-b"], "lane": "batch"},
+                {"name": "web", "api_keys": ["sk-w"], "lane": "interactive"}]})
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_a_standard_request_queues_behind_sheddable_lines_that_drain_instead_of_overloaded(
+        backend: str, clock: FakeClock, redis: RedisServer) -> None:
+    """Issue 44: after an idle spell a batch fills the budget with sheddable lines while the measured drain
+    rate is still low (10 blocks released in the last 10 s: 1 block/s). A client's request that does not
+    fit then waits for lent blocks that drain as the lines end (no line starts while it queues), so it is
+    queued, not refused ``overloaded`` (the 20 blocks held past the budget at 1 block/s predicted 20 s
+    against its 10 s timeout); and it is admitted only once a line's end leaves room in the pool, never past
+    it."""
+    if backend == "redis":
+        flush(redis)
+    async with admission(backend, BESIDE_BATCH, [100], redis.url) as (dispatcher,):
+        script = Script(dispatcher, clock)
+        try:
+            script.tick(30.0)  # the idle spell
+            lines = [await script.arrive(0, 5, priority_class="sheddable") for _ in range(17)]  # the budget
+            script.tick(1.0)
+            for rid in lines[:2]:  # two lines end and two more take their room, as the pacer refills
+                await script.end(rid, 64)
+            lines = lines[2:] + [await script.arrive(0, 5, priority_class="sheddable") for _ in range(2)]
+            assert all(script.tickets[rid].state is TicketState.ADMITTED for rid in lines), script.decisions
+            first = await script.arrive(1, 10)  # within its guarantee: reclaims lent blocks up to the pool
+            assert script.tickets[first].state is TicketState.ADMITTED, script.decisions
+            second = await script.arrive(1, 10)  # 95 + 10 > 100: it must wait for a line to end
+            assert script.tickets[second].state is TicketState.QUEUED, script.decisions[-1]
+            gate = dispatcher.pool.replicas[0].gate
+            await script.end(lines[0], 64)
+            assert script.tickets[second].state is TicketState.ADMITTED, script.decisions
+            assert gate.reserved == 100 <= gate.snapshot.num_blocks, "admitted within the pool, not past it"
+            assert dispatcher.sheddable_held == 16 * 5, "the sixteen lines still running"
+        finally:
+            await script.close()
