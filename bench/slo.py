@@ -31,6 +31,7 @@ import argparse
 import asyncio
 import itertools
 import os
+import shutil
 import statistics
 import subprocess
 import tempfile
@@ -181,6 +182,10 @@ async def run_cell(sc: Scenario, args: argparse.Namespace, configs: list[str], w
     out = {}
     for config in configs:
         records = read_records(workdir / f"{config}.jsonl") if config in guards else []  # stopped: all written
+        if args.keep_logs is not None and config in guards:
+            args.keep_logs.mkdir(parents=True, exist_ok=True)
+            for log in workdir.glob(f"{config}.jsonl*"):
+                shutil.copy(log, args.keep_logs / f"{sc.cell}_{log.name}")
         for b in blocks[config]:
             b["prediction"] = prediction_error(in_window(records, *b["window"]))
         out[config] = {"label": LABELS[config], "blocks": blocks[config], "decision_records": len(records),
@@ -237,6 +242,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--goals-only", action="store_true", help="judge the cell reports in --out-dir, run nothing")
     parser.add_argument("--tree", type=Path, default=REPO, help="the checkout whose guard and engines run (e.g. a clean "
                         "export of a commit: a shared working tree holds others' unfinished changes)")
+    parser.add_argument("--keep-logs", type=Path, help="copy every guard's decision log here (<cell>_<config>.jsonl)")
     parser.add_argument("--markdown", action="store_true", help="also print every cell and the goals as Markdown")
     parser.add_argument("--quick", action="store_true", help="S2 at L = 2, one round of 2-second blocks")
     args = parser.parse_args()
