@@ -59,13 +59,16 @@ def judge(what: str, cell: str, values: list[float | None] | None, target: float
     return row
 
 
-def per_round(a: list[Block] | None, b: list[Block] | None, f: Callable[[Block], float | None],
-              g: Callable[[Block], float | None] | None = None) -> list[float | None] | None:
-    """f(a's block) / g(b's block) round by round (g: f), or f(a's block) alone when ``b`` is None."""
-    if a is None:
+def per_round(a: list[Block] | None, f: Callable[[Block], float | None]) -> list[float | None] | None:
+    """f(a's block), round by round (None: ``a`` was not run)."""
+    return None if a is None else [f(x) for x in a]
+
+
+def ratio(a: list[Block] | None, b: list[Block] | None, f: Callable[[Block], float | None],
+          g: Callable[[Block], float | None] | None = None) -> list[float | None] | None:
+    """f(a's block) / g(b's block) (g: f), round by round (None: either was not run)."""
+    if a is None or b is None:
         return None
-    if b is None:
-        return [f(x) for x in a]
     g = g or f
     out = []
     for x, y in zip(a, b):
@@ -98,22 +101,22 @@ def s1_share_goals(cells: dict[str, dict], suffix: str) -> list[dict]:
     n2, n4 = "S1_L2" + (suffix and "_" + suffix), "S1_L4" + (suffix and "_" + suffix)
     l2, l4 = cells.get(n2), cells.get(n4)
     rows.append(judge("gate: B1 interactive attainment at L = 2", n2,
-                      per_round(blocks(l2, "b1"), None, lane(INTERACTIVE, "attainment")), 0.90, "<="))
+                      per_round(blocks(l2, "b1"), lane(INTERACTIVE, "attainment")), 0.90, "<="))
     for name, cell in ((n2, l2), (n4, l4)):
         a = blocks(cell, "a")
-        rows.append(judge("(a) interactive attainment", name, per_round(a, None, lane(INTERACTIVE, "attainment")),
+        rows.append(judge("(a) interactive attainment", name, per_round(a, lane(INTERACTIVE, "attainment")),
                           0.99, ">="))
         worst = min((b["lanes"][INTERACTIVE]["attainment"] or 0.0 for b in a), default=None) if a else None
         rows.append(judge("(a) interactive attainment, worst block", name, [worst], 0.97, ">="))
         for config, target in (("b1", 1.3), ("b2", 1.15), ("b3", 1.0)):
             rows.append(judge(f"(a) request goodput over {config.upper()}", name,
-                              per_round(a, blocks(cell, config), goodput), target, ">="))
+                              ratio(a, blocks(cell, config), goodput), target, ">="))
         oracle = cell.get("oracle_goodput_per_s") if cell else None
         rows.append(judge("(a) request goodput over the oracle", name,
                           [goodput(x) / o if o else None for x, o in zip(a, oracle)] if a and oracle else None,
                           0.9, ">="))
     rows.append(judge("(a) request goodput at L = 4 over L = 2", f"{n4}/{n2}",
-                      per_round(blocks(l4, "a"), blocks(l2, "a"), goodput), 0.95, ">="))
+                      ratio(blocks(l4, "a"), blocks(l2, "a"), goodput), 0.95, ">="))
     return rows
 
 
@@ -126,20 +129,20 @@ def s2_goals(cells: dict[str, dict]) -> list[dict]:
         rows.append(judge("(a) request goodput over the better of B1 and B2", name,
                           [goodput(x) / y if y else None for x, y in zip(a, best)] if a and best else None, 1.0, ">="))
         rows.append(judge("(a) on-time batch over B1's batch completions", name,
-                          per_round(a, b1, lane(BATCH, "met"), lane(BATCH, "served")), 0.9, ">="))
-        rows.append(judge("(a) late share of served sheddable (batch)", name, per_round(a, None, lane(BATCH, "late_share")),
+                          ratio(a, b1, lane(BATCH, "met"), lane(BATCH, "served")), 0.9, ">="))
+        rows.append(judge("(a) late share of served sheddable (batch)", name, per_round(a, lane(BATCH, "late_share")),
                           0.05, "<="))
         rows.append(judge("(a) token goodput over B2", name,
-                          per_round(a, b2, lambda b: b["token_goodput_per_s"]), 1.05, ">="))
+                          ratio(a, b2, lambda b: b["token_goodput_per_s"]), 1.05, ">="))
     return rows
 
 
 def s3_goals(cells: dict[str, dict]) -> list[dict]:
     cell = cells.get("S3_L2")
     a = blocks(cell, "a")
-    return [judge("(a) interactive attainment", "S3_L2", per_round(a, None, lane(INTERACTIVE, "attainment")), 0.99, ">="),
+    return [judge("(a) interactive attainment", "S3_L2", per_round(a, lane(INTERACTIVE, "attainment")), 0.99, ">="),
             judge("(a) request goodput over (a) without the slo filter", "S3_L2",
-                  per_round(a, blocks(cell, "a_nofilter"), goodput), 1.15, ">=")]
+                  ratio(a, blocks(cell, "a_nofilter"), goodput), 1.15, ">=")]
 
 
 def prediction_goals(cells: dict[str, dict]) -> list[dict]:
@@ -155,13 +158,13 @@ def prediction_goals(cells: dict[str, dict]) -> list[dict]:
         for field in fields:
             groups = sorted({g for b in a for g in b["prediction"].get(field, {}) if g != "all"})
             for group in groups:
-                rows.append(judge(f"{field} median abs. error, {group}", name, per_round(a, None, predicted(field, group, "median_abs_rel_error")),
+                rows.append(judge(f"{field} median abs. error, {group}", name, per_round(a, predicted(field, group, "median_abs_rel_error")),
                                   0.25, "<="))
                 rows.append(judge(f"{field} median predicted/actual, {group}", name,
-                                  per_round(a, None, predicted(field, group, "median_predicted_over_actual")), (0.8, 1.25), "in"))
+                                  per_round(a, predicted(field, group, "median_predicted_over_actual")), (0.8, 1.25), "in"))
                 if group == f"lane:{BATCH}":
                     rows.append(judge(f"{field} p90 abs. error, {group} (sheddable)", name,
-                                      per_round(a, None, predicted(field, group, "p90_abs_rel_error")), 1.0, "<="))
+                                      per_round(a, predicted(field, group, "p90_abs_rel_error")), 1.0, "<="))
     return rows
 
 
@@ -173,7 +176,7 @@ def refusal_goals(cells: dict[str, dict]) -> list[dict]:
             rows.append(judge(f"(a) refusal p95 ms, {code}", name,
                               [b["refusals"][code]["p95_ms"] if code in b["refusals"] else None for b in a], 200.0, "<="))
         rows.append(judge("(a) engine preemptions of critical (interactive) sequences", name,
-                          per_round(a, None, lambda b: b["critical_preemptions"]), 0.0, "<="))
+                          per_round(a, lambda b: b["critical_preemptions"]), 0.0, "<="))
     return rows
 
 
