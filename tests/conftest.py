@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from support.processes import Processes
+from support.redis_server import RedisServer
 
 from engine import LLM
 
@@ -31,3 +32,11 @@ def processes(tmp_path: Path) -> Iterator[Processes]:
     to ``tmp_path / "<name>.log"``, all stopped (SIGTERM, then SIGKILL) when the test ends."""
     with Processes(tmp_path) as running:
         yield running
+
+
+@pytest.fixture(scope="module")
+def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A real Redis for one test module (the admission tests run every case on it and on local state); a
+    module that needs a fresh one per test defines its own ``redis``."""
+    with RedisServer(tmp_path_factory.mktemp("redis")) as server:
+        yield server

@@ -16,7 +16,6 @@ at the same instants).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -39,12 +38,6 @@ CONFIG = GuardConfig.model_validate({
                 {"name": "std", "api_keys": ["sk-s"], "weight": 2, "lane": "chat"},
                 {"name": "bulk", "api_keys": ["sk-b"], "weight": 19, "lane": "flood"}]})
 BLOCKS = (96, 80)  # budgets 81 and 68: distinct, so that the scorers never tie between the replicas
-
-
-@pytest.fixture(scope="module")
-def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    with RedisServer(tmp_path_factory.mktemp("redis")) as server:
-        yield server
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ coordination and persistent confirmation."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -21,13 +21,6 @@ from guard.config import GuardConfig
 from guard.detect.coordination import SYNC_S
 from guard.detect.detector import CLEAR_CONFIRMED_AFTER_S, Detector
 from guard.errors import GuardError
-
-
-@pytest.fixture(scope="module")
-def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    with RedisServer(tmp_path_factory.mktemp("redis")) as server:
-        yield server
-
 
 Admitted = tuple[Dispatcher, GuardConfig]
 

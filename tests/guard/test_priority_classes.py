@@ -45,12 +45,6 @@ def engine() -> Iterator[ServerThread]:
         yield server
 
 
-@pytest.fixture(scope="module")
-def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    with RedisServer(tmp_path_factory.mktemp("redis")) as server:
-        yield server
-
-
 @contextlib.contextmanager
 def guard_on(backend: str, engine: ServerThread, redis: RedisServer) -> Iterator[GuardThread]:
     extra = {}

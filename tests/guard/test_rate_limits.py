@@ -8,7 +8,6 @@ import asyncio
 import json
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from types import SimpleNamespace
 
 import aiohttp
@@ -200,12 +199,6 @@ def test_no_drift(ops: list[tuple[str, int]]) -> None:
 @pytest.fixture(scope="module")
 def engine():
     with ServerThread(num_blocks=256) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    with RedisServer(tmp_path_factory.mktemp("redis")) as server:
         yield server
 
 

@@ -23,12 +23,6 @@ from guard.detect.detector import Detector
 TENANTS = [{"name": "a", "api_keys": ["sk-a"], "weight": 1}, {"name": "b", "api_keys": ["sk-b"], "weight": 2}]
 
 
-@pytest.fixture(scope="module")
-def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    with RedisServer(tmp_path_factory.mktemp("redis")) as server:
-        yield server
-
-
 @contextlib.contextmanager
 def guards(backend: str, engine_url: str, redis: RedisServer) -> Iterator[list[GuardThread]]:
     """One guard alone, or two that share state, every link up."""
