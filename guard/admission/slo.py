@@ -66,7 +66,7 @@ from typing import NamedTuple, Protocol
 
 from guard.config import Lane, Slo
 from guard.errors import GuardError, Outcome
-from guard.pool.estimators import Quantile
+from guard.pool.estimators import Quantile, log_ratio
 from guard.pool.gate import engine_priority
 from guard.pool.latency import P90, Prediction, Sent
 from guard.pool.pool import ReplicaPool
@@ -315,10 +315,8 @@ class WaitCorrection:
             return  # predicted to be admitted at once: says nothing about the queue's pace
         if median is None or median <= 0:
             median = self.correct(key, predicted)
-        error = max(-MAX_LOG_RATIO, min(MAX_LOG_RATIO, math.log(actual / median)))
-        self._spread.setdefault((*key, decisive), Quantile(P90)).observe(error)
-        self._ratio.setdefault(key, Quantile(0.5)).observe(max(-MAX_LOG_RATIO, min(MAX_LOG_RATIO,
-                                                                                 math.log(actual / predicted))))
+        self._spread.setdefault((*key, decisive), Quantile(P90)).observe(log_ratio(actual, median, MAX_LOG_RATIO))
+        self._ratio.setdefault(key, Quantile(0.5)).observe(log_ratio(actual, predicted, MAX_LOG_RATIO))
 
 
 def decisive(ticket: Judged) -> bool:

@@ -22,6 +22,12 @@ MIN_SPREAD_R = 1.0  # the same for the second: below it, its slope is 0
 FALLBACK_SLOPE_X = 1e-4  # the first feature's slope while it has no spread (TTFT: 10k prefill tokens/s)
 
 
+def log_ratio(actual: float, predicted: float, bound: float) -> float:
+    """log(actual / predicted), clamped to ``bound`` either way (both positive): how far one observation
+    may move a correction or a quantile."""
+    return max(-bound, min(bound, math.log(actual / predicted)))
+
+
 @dataclass(slots=True)
 class Fit:
     """y = base + a x x + b x r, by exponentially weighted least squares (``decay``: the weight of the past
@@ -91,7 +97,7 @@ class LogRatioMean:
         return predicted * math.exp(self._means.get(key, 0.0))
 
     def observe(self, key: object, predicted: float, actual: float) -> None:
-        ratio = max(-self.bound, min(self.bound, math.log(actual / predicted)))
+        ratio = log_ratio(actual, predicted, self.bound)
         before = self._means.get(key)
         self._means[key] = ratio if before is None else self.decay * before + (1 - self.decay) * ratio
 

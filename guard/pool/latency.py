@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from engine.protocol import TelemetrySnapshot
-from guard.pool.estimators import FALLBACK_SLOPE_X, Fit, LogRatioMean, Quantile
+from guard.pool.estimators import FALLBACK_SLOPE_X, Fit, LogRatioMean, Quantile, log_ratio
 
 MIN_FIT = 4  # observations before a fit replaces the telemetry's estimate
 RESIDUAL_DECAY = 0.5  # weight of the past per observation in a band's residual: the load changes within a second
@@ -87,10 +87,6 @@ def _bump(counts: dict[int, int], key: int, by: int) -> None:
         counts[key] = left
     else:
         counts.pop(key, None)
-
-
-def _log_ratio(actual: float, predicted: float) -> float:
-    return max(-MAX_LOG_RESIDUAL, min(MAX_LOG_RESIDUAL, math.log(actual / predicted)))
 
 
 @dataclass(slots=True)
@@ -186,7 +182,7 @@ class LatencyModel:
         # Before the fit stands (MIN_FIT observations) its residuals say nothing about a band.
         if sent is not None and self._all.seen >= MIN_FIT and fitted > 0 and seconds > 0:
             if sent.ttft.median > 0:
-                error = _log_ratio(seconds, sent.ttft.median)
+                error = log_ratio(seconds, sent.ttft.median, MAX_LOG_RESIDUAL)
                 for key in (sent.band, None):
                     self._spread.setdefault(key, Quantile(P90)).observe(error)
             self._residual.observe(sent.band, fitted, seconds)
@@ -216,6 +212,6 @@ class LatencyModel:
         """A finished stream's mean gap between tokens, sent having met ``sent``."""
         if sent is None or seconds <= 0 or sent.tpot.median <= 0:
             return
-        self._tpot_spread.observe(_log_ratio(seconds, sent.tpot.median))
+        self._tpot_spread.observe(log_ratio(seconds, sent.tpot.median, MAX_LOG_RESIDUAL))
         if (step := self.decode_step(sent.running + 1)) > 0:
             self._tpot_residual.observe(None, step, seconds)
