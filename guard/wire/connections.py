@@ -432,17 +432,18 @@ async def _serve(app: web.Application, host: str, port: int, shutdown_timeout: f
 async def _until_drained(delay: float, on_drain: Callable[[], None] | None) -> None:
     """Return ``delay`` seconds after the first SIGTERM (at once on a second one); SIGINT raises GracefulExit
     (aiohttp's handler) meanwhile."""
-    loop, stop = asyncio.get_running_loop(), asyncio.Event()
+    loop, stop, draining = asyncio.get_running_loop(), asyncio.Event(), False
 
     def sigterm() -> None:
+        nonlocal draining
         if draining:  # a second SIGTERM: no more waiting
             stop.set()
             return
-        draining.append(loop.call_later(delay, stop.set))
+        draining = True
+        loop.call_later(delay, stop.set)
         if on_drain is not None:
             on_drain()
         log.warning("draining: /health answers 503; the listener closes in %g s", delay)
 
-    draining: list[asyncio.TimerHandle] = []  # the timer that ends the delay, once SIGTERM has come
     loop.add_signal_handler(signal.SIGTERM, sigterm)
     await stop.wait()
