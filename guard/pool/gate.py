@@ -98,10 +98,11 @@ class AdmissionGate:
         # Of the room under each limit, the part this guard may commit alone: 1, unless guards that share
         # state (guard/state/) lost it and each must keep to its share of every engine.
         self.share = 1.0
-        # What each other guard held on this engine when the shared ledger last said (guard/state/). While
-        # this guard keeps to its share, another may still hold more than its own (it borrowed while Redis
-        # was up) and drains it only as its requests end; its excess comes off this guard's share (``mine``).
-        self.others: list[int] = []
+        # What each other guard held on this engine, {guard: blocks}, as the shared ledger last showed it
+        # (guard/state/sightings.py: its recent peak, set as the link goes down). While this guard keeps to its
+        # share, another may still hold more than its own (it borrowed while Redis was up) and drains it only
+        # as its requests end; its excess comes off this guard's share (``mine``).
+        self.others: dict[str, int] = {}
         self.reservations: dict[str, Reservation] = {}
         self.reserved_by_tenant: dict[str, int] = {}
         self.reserved = 0  # the sum of reserved_by_tenant
@@ -196,7 +197,7 @@ class AdmissionGate:
         if self.share >= 1.0:
             return room
         share = self.share * room
-        return share - sum(max(0, held - share) for held in self.others)
+        return share - sum(max(0, held - share) for held in self.others.values())
 
     def rooms(self) -> tuple[int, int]:
         """What the guard's reservations may sum to: under the current threshold, and in the whole pool

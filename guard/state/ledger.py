@@ -37,6 +37,7 @@ from guard.admission.ticket import Ticket, TicketState
 from guard.pool.pool import ReplicaPool
 from guard.pool.scheduling import Candidate
 from guard.state.shared import Holdings, SharedState
+from guard.state.sightings import Held, Sightings
 
 SLACK_TOKENS = 64.0  # weighted service a tenant may be ahead of the lowest backlogged one and still go first
 CRITICAL_SLACK = 1e18  # a critical ticket's: its turn whatever the counters say
@@ -47,6 +48,7 @@ class RedisLedger:
         self.shared = shared
         self.pool = pool
         self.dispatcher: Admitting | None = None
+        self.sightings = Sightings()  # what the other guards held, for the gates' share while the link is down
 
     @property
     def up(self) -> bool:
@@ -68,14 +70,15 @@ class RedisLedger:
         ledger = {r.name: (r.gate.reserved, r.gate.borrowed) for r in self.pool}
         return ledger, {name: len(queue) for name, queue in self.dispatcher.fair.tenants.items() if len(queue)}
 
-    def _others_hold(self, others: dict[str, list[int]]) -> None:
-        for replica in self.pool:
-            replica.gate.others = others.get(replica.name, [])
+    def _others_hold(self, others: dict[str, Held]) -> None:
+        self.sightings.renewed(others)
 
     def _link_changed(self, up: bool) -> None:
         share = 1.0 if up else 1.0 / self.shared.live_guards
         for replica in self.pool:
             replica.gate.share = share
+            if not up:  # nothing is sighted while down: the gate keeps to what was seen before
+                replica.gate.others = self.sightings.peak(replica.name)
         if self.dispatcher is not None:
             self.dispatcher.pump()
 
@@ -104,8 +107,7 @@ class RedisLedger:
                 return "fair"
         return "full"
 
-    @staticmethod
-    def _answered(tenant: str, ticket: Ticket, candidate: Candidate, placed: Callable[[Candidate], None],
+    def _answered(self, tenant: str, ticket: Ticket, candidate: Candidate, placed: Callable[[Candidate], None],
                   answer: list | None) -> None:
         """The ledger's answer, the moment it arrives: a grant is recorded on the replica's gate at once, so
         that no resync can write back holdings without it. Any answer with room in it says what the other
@@ -113,8 +115,7 @@ class RedisLedger:
         if answer is None or answer[0] != 1 and answer[1] == "fair":
             return  # no answer, or not the tenant's turn: nothing said about the replica's room
         gate = candidate.replica.gate
-        others = answer[-1]
-        gate.others = list(others.values() if isinstance(others, dict) else others)  # cjson: {} for an empty list
+        self.sightings.saw(candidate.replica.name, answer[-1])
         gate.open = answer[0] == 1  # the gate's hysteresis, as its own try_reserve keeps it (guard/pool/gate.py)
         if answer[0] == 1:
             gate.record(ticket.request_id, tenant, ticket.blocks, ticket.borrowed)

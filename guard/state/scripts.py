@@ -99,11 +99,11 @@ local function queue_counts()
   return queued
 end
 local function others_on(engine, guard)
-  -- what every other live guard holds on ``engine`` (a guard that loses Redis keeps within its share of
-  -- what they leave: guard/pool/gate.py ``others``)
+  -- what every other live guard holds on ``engine``, by guard (a guard that loses Redis keeps within its
+  -- share of what they leave: guard/pool/gate.py ``others``)
   local held = {}
   for g, r in pairs(ledger_sums(engine)[3]) do
-    if g ~= guard and r > 0 then held[#held + 1] = r end
+    if g ~= guard and r > 0 then held[g] = r end
   end
   return held
 end
@@ -132,7 +132,7 @@ end
 # the guards), pool room (num_blocks minus the same), service charged to the tenant's counter (already
 # divided by its weight), slack (how far above the lowest backlogged counter the tenant may be and still go
 # first). Returns {1, others} admitted, {0, 'fair'} not its turn, {0, 'full', others} no room (``others``: what
-# every other guard holds on the engine, ``others_on``). It does not renew the lease:
+# every other guard holds on the engine, {guard: blocks}, ``others_on``). It does not renew the lease:
 # only ``RENEW`` does, so a guard whose lease lapsed (its fields removed) learns it there and resyncs.
 _ADMIT = """
 local function admit(guard, a)
@@ -225,7 +225,7 @@ return live
 
 # ARGV: guard, lease_ttl_s, epoch. Renews the lease; returns the live guards, whether this one was still known
 # at this epoch (0: its lease had lapsed, or Redis lost it: the caller resyncs), and as JSON what the other
-# guards hold on each engine ({engine: [blocks, ...]}).
+# guards hold on each engine ({engine: {guard: blocks}}).
 RENEW = _PROLOGUE + """
 local known = redis.call('HGET', KEYS[2], ARGV[1] .. '|epoch') == ARGV[3]
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
@@ -235,7 +235,7 @@ for i = 1, #fields, 2 do
   local g, engine = string.match(fields[i], '^([^|]+)|(.*)|r$')
   if g ~= nil and g ~= ARGV[1] and tonumber(fields[i + 1]) > 0 then
     others[engine] = others[engine] or {}
-    table.insert(others[engine], tonumber(fields[i + 1]))
+    others[engine][g] = tonumber(fields[i + 1])
   end
 end
 return {redis.call('ZCARD', KEYS[1]), known and 1 or 0, cjson.encode(others)}

@@ -12,9 +12,9 @@ are gone within the TTL and nothing it reserved drifts forever.
 Redis down or slow: a call that fails or takes longer than ``timeout_s`` (the deadline, 0.25 s by default)
 marks the link down (``up`` False, ``guard_shared_state_up`` 0) and the caller decides alone, conservatively:
 ``live_guards`` keeps the number of guards last seen, and each guard then commits at most its share of each
-engine, less what the others held beyond theirs when the ledger last answered (guard/pool/gate.py, ``share``
-and ``others``, which ``on_others`` keeps current from every answer and renewal: what they were granted in
-the last 0.2 s before the outage is not seen, the one over-commit left). No request waits longer than the
+engine, less what the others held beyond theirs as the ledger showed it (guard/pool/gate.py, ``share`` and
+``others``: their peak over the last second of answers and renewals, guard/state/sightings.py; what they were
+granted in the last 0.2 s before the outage beyond that is not seen, the one over-commit left). No request waits longer than the
 deadline for a decision: the round trip that passes it is given up, and its ops are decided locally. The
 renewal task keeps trying; when Redis answers again the guard writes its own ledger and backlog back
 (``resync``: what Redis lost, or what the others expired while it was away) and the link is up. A guard that
@@ -94,7 +94,7 @@ class SharedState:
         self.holdings: Callable[[], Holdings] = lambda: ({}, {})  # set by the dispatcher
         self.on_change: Callable[[bool], None] = lambda up: None  # told when the link goes up or down
         # Told what the other guards hold, {engine: [blocks per guard]}, as the ledger says it.
-        self.on_others: Callable[[dict[str, list[int]]], None] = lambda others: None
+        self.on_others: Callable[[dict[str, dict[str, int]]], None] = lambda others: None
         # The ops requests send, in order: a tenant's backlog -1 must never overtake its +1, and a release
         # sent before an admission frees its blocks first. Dropped while Redis is down (a decision's answer
         # is then None): the resync that follows covers the updates.

@@ -18,9 +18,10 @@ from guard.config import SharedState as SharedStateConfig
 from guard.metrics import GuardMetrics
 from guard.pool.gate import AdmissionGate
 from guard.state.shared import SharedState
+from guard.state.sightings import PERIODS, Sightings
 
 
-def gate(share: float, others: list[int]) -> AdmissionGate:
+def gate(share: float, others: dict[str, int]) -> AdmissionGate:
     """100 blocks, safe_utilization 0.8: 80 under the threshold, 100 in the pool."""
     built = AdmissionGate(Admission(safe_utilization=0.8, resume_utilization=0.7), {"a", "b"})
     built.update(snapshot(num_blocks=100, free=100))
@@ -30,7 +31,7 @@ def gate(share: float, others: list[int]) -> AdmissionGate:
 
 def test_a_guard_alone_keeps_to_its_share_less_what_the_other_holds_beyond_its_own() -> None:
     # The other guard borrowed 60 of the 80 while Redis was up: 20 past its share of 40.
-    g = gate(0.5, [60])
+    g = gate(0.5, {"g2": 60})
     assert g.mine(80) == 20 and g.mine(100) == 40  # its pool share (50) less the other's 10 past 50
     assert g.try_reserve("r1", "a", 20, borrowed=20)
     # Guaranteed: borrowed blocks are reclaimable under the threshold, but never past the pool's share.
@@ -40,7 +41,7 @@ def test_a_guard_alone_keeps_to_its_share_less_what_the_other_holds_beyond_its_o
 
 
 def test_a_growing_reservation_keeps_to_the_share_too() -> None:
-    g = gate(0.5, [])
+    g = gate(0.5, {})
     assert g.try_reserve("r1", "a", 30, borrowed=30)
     assert g.try_grow("r1", 10) and not g.try_grow("r1", 1), "40 of 80 is this guard's share"
     g.share = 1.0
@@ -48,8 +49,23 @@ def test_a_growing_reservation_keeps_to_the_share_too() -> None:
 
 
 def test_other_guards_within_their_share_cost_nothing() -> None:
-    assert gate(1 / 3, [10, 26]).mine(90) == 30
-    assert gate(1 / 3, [10, 40]).mine(90) == 20  # one of them holds 10 past its 30
+    assert gate(1 / 3, {"g2": 10, "g3": 26}).mine(90) == 30
+    assert gate(1 / 3, {"g2": 10, "g3": 40}).mine(90) == 20  # one of them holds 10 past its 30
+
+
+def test_an_outage_counts_the_others_at_their_recent_peak_not_their_last_dip() -> None:
+    """A guard at its plateau dips between grants (a request ended, the next not yet granted): the last
+    sighting alone would leave room that it refills before anyone sees it (issue 29's lopsided outage)."""
+    seen = Sightings()
+    seen.renewed({"e0": {"g2": 48}})
+    seen.saw("e0", {"g2": 40, "g3": 2})  # an admission's answer, between two renewals
+    seen.renewed({"e0": {"g2": 42}})
+    assert seen.peak("e0") == {"g2": 48, "g3": 2} and seen.peak("e1") == {}
+    for _ in range(PERIODS - 2):  # a sighting counts for PERIODS renewal periods (its own the first), no more
+        seen.renewed({"e0": {"g2": 10}})
+    assert seen.peak("e0") == {"g2": 48, "g3": 2}
+    seen.renewed({"e0": {"g2": 10}})
+    assert seen.peak("e0") == {"g2": 42}
 
 
 @pytest.fixture
