@@ -1,9 +1,11 @@
 """Nothing lost: a request whose replica lets it down mid-answer continues on another, and its client sees one
 unbroken answer (guard/http/forward.py drives it; guard/wire/relay.py and resume_tap.py do the bytes).
 
-- **Which**: a pool request with one choice and one prompt (``resumable``; an ``n > 1`` or batch answer
-  fails as before). Its observer gets a ``ResumeTap``, and a stream asks its engine for the token ids of
-  each event (``return_token_ids``), which the tap takes out of what the client gets.
+- **Which** (``resumable``): every unary pool request, whatever its ``n`` and prompts (its client has seen
+  nothing: it is sent again whole), and a stream of one choice of one prompt (``resume_token_ids`` is one
+  choice's tokens; a stream of ``n > 1`` choices or prompts fails as before). Its observer gets a
+  ``ResumeTap``, and a stream asks its engine for the token ids of each event (``return_token_ids``), which
+  the tap takes out of what the client gets.
 - **When** (``guard_migrations_total{reason}``): the answer broke off (``reset``, ``closed``), the engine
   ended it with an error that asks for it (``stream_error``: stopping, a failed step; ``drain``: its drain
   timeout ran out, or it refused the request because it drains), or its replica went ``silent``:
@@ -51,7 +53,10 @@ _TOKEN_IDS = b',"return_token_ids":true}'
 
 
 def resumable(parsed: ParsedRequest) -> bool:
-    """One choice of one prompt: what ``resume_token_ids`` can continue."""
+    """A unary request (sent again whole), or a stream of one choice of one prompt: what
+    ``resume_token_ids`` can continue."""
+    if not parsed.stream:
+        return True
     model = parsed.model
     return parsed.n == 1 and not (isinstance(model, CompletionRequest) and len(model.prompts) != 1)
 

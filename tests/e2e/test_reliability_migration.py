@@ -161,6 +161,38 @@ async def test_a_killed_replica_s_requests_finish_on_the_others_unbroken(process
         await assert_nothing_lost(guard, tally, survivors)
 
 
+def choices_of(answer: Answer) -> tuple[list[tuple[int, str, str]], tuple[int, int]]:
+    """A unary answer's choices (index, text, finish reason) and its usage (its cached tokens aside)."""
+    data = answer.json()
+    return ([(c["index"], c.get("text") or c["message"]["content"], c["finish_reason"]) for c in data["choices"]],
+            (data["usage"]["prompt_tokens"], data["usage"]["completion_tokens"]))
+
+
+async def test_a_unary_request_of_several_choices_or_prompts_moves_whole(processes: Processes) -> None:
+    """A unary answer's client has seen nothing, so whatever its ``n`` and prompts it is sent again whole: two
+    chats of two choices and two completions of two prompts, the busier replica killed under them."""
+    tally = Tally()
+    common = {"model": "tiny", "temperature": 0.0, "ignore_eos": True, "max_tokens": 300}
+    kinds = [("/v1/chat/completions", {**common, "n": 2, "messages": [{"role": "user", "content": "two of me"}]}),
+             ("/v1/completions", {**common, "prompt": ["a first prompt", "a second one"]})]
+    jobs = kinds * 2
+    async with pool_of(processes, 2) as (guard, engines):
+        client = Client(guard.url, tally)
+        calls = [asyncio.create_task(client.call(payload, path=path)) for path, payload in jobs]
+        await until(lambda: guard.call(lambda: sum(r.in_flight for r in guard.state.pool)), lambda n: n == 4, 10)
+        killed = int(busiest(guard)[1:])  # it runs two of the four at least
+        engines[killed].kill()
+        answers = await asyncio.wait_for(asyncio.gather(*calls), 60)
+        survivor = engines[1 - killed]
+        expected = await asyncio.gather(*(Client(survivor.url, Tally()).call(payload, path=path)
+                                          for path, payload in kinds))
+        for n, answer in enumerate(answers):
+            assert answer.status == 200, answer.body[:400]
+            assert choices_of(answer) == choices_of(expected[n % 2]) and len(choices_of(answer)[0]) == 2
+        assert sum(migrations(guard).values()) >= 2, migrations(guard)
+        await assert_nothing_lost(guard, tally, [survivor])
+
+
 async def test_a_silent_replica_s_requests_move_once_its_deadline_passes(processes: Processes) -> None:
     tally = Tally()
     jobs = [(i, True, "/v1/chat/completions") for i in range(4)] + [(i, False, "/v1/completions") for i in range(2)]
