@@ -104,6 +104,7 @@ def check_kernels(result: dict) -> None:
     assert result["kernel_ms_per_step"] * 2 >= sum(k["total_ms"] for k in kernels) - 1e-9
 
 
+@pytest.mark.slow  # 11 s; test_gpu_round_dry_run (slow too) runs it at smoke size, as a GPU round would
 def test_kernel_bandwidth_smoke(tmp_path: Path) -> None:
     out = run_smoke("kernel_bandwidth.py", "--tiles", "32x4", "--splits", "1x16", "--json", tmp_path / "report.json")
     assert "device-to-device copy" in out
