@@ -190,6 +190,7 @@ class Dispatcher:
         ticket.enqueued_at = time.monotonic()
         ticket.state = TicketState.QUEUED
         self.fair.push(queue, ticket.order, ticket)
+        self.departures.queued()
         self.pump()
         if ticket.state is TicketState.QUEUED and len(queue) > ticket.tenant.max_queue:
             self._dequeue(ticket)  # max_queue counts waiting requests: one admitted at once never waited
@@ -258,7 +259,7 @@ class Dispatcher:
             placed = yield queue, ticket, budget
             if placed == "admitted":
                 self.fair.remove(queue, ticket.order, ticket)
-                self.departures.add(ticket.blocks)
+                self.departures.add(ticket.blocks, emptied=not self.fair.queued)
                 self.correction.observe(ticket.wait_key, ticket.predicted_wait, time.monotonic() - ticket.enqueued_at,
                                         ticket.corrected_wait, slo.decisive(ticket))
                 self._admitted(queue, ticket)
@@ -520,6 +521,6 @@ class Dispatcher:
         if ticket.state is TicketState.QUEUED and self.fair.remove(self.queue_of(ticket.tenant),
                                                                     ticket.order, ticket):
             ticket.state = TicketState.DONE
-            self.departures.add(ticket.blocks)
+            self.departures.add(ticket.blocks, emptied=not self.fair.queued)
             if ticket.priority_class == slo.SHEDDABLE:
                 self.departures.sheddable.left(ticket.enqueued_at, 0)

@@ -66,7 +66,7 @@ from typing import NamedTuple, Protocol
 
 from guard.config import Lane, Slo
 from guard.errors import GuardError, Outcome
-from guard.pool.estimators import Quantile, log_ratio
+from guard.pool.estimators import Pace, Quantile, log_ratio
 from guard.pool.gate import engine_priority
 from guard.pool.latency import P90, Prediction, Sent
 from guard.pool.pool import ReplicaPool
@@ -154,30 +154,6 @@ class Judged(Protocol):
     sent: Sent | None
 
 
-class Pace:
-    """Blocks per second over the last ``window`` seconds, to the second."""
-
-    def __init__(self, window: float = DEPARTURE_WINDOW_S) -> None:
-        self._window = window
-        self._seconds: deque[list[int]] = deque()  # [second, blocks], one entry per second
-        self._blocks = 0
-        self._started = time.monotonic()
-
-    def add(self, blocks: int) -> None:
-        second = int(time.monotonic())
-        if self._seconds and self._seconds[-1][0] == second:
-            self._seconds[-1][1] += blocks
-        else:
-            self._seconds.append([second, blocks])
-        self._blocks += blocks
-
-    def rate(self) -> float:
-        now = time.monotonic()
-        while self._seconds and now - self._seconds[0][0] > self._window:
-            self._blocks -= self._seconds.popleft()[1]
-        return self._blocks / min(self._window, max(now - self._started, 1.0))
-
-
 class Backlog(NamedTuple):
     """What is queued to be admitted before a ticket: ``blocks``, by its class (see the module docstring),
     and for a sheddable one ``since``: when the oldest sheddable ticket queued now was queued (None: none is)."""
@@ -258,15 +234,24 @@ class Departures:
     ``rate(SHEDDABLE)``: the sheddable ``BacklogPace`` (see the module docstring)."""
 
     def __init__(self) -> None:
-        self._all, self.sheddable = Pace(), BacklogPace()
+        # Per second in which tickets were queued (guard/pool/estimators.py): the queue's idle spells, when
+        # nothing could leave it, would read the pace low after each.
+        self._all, self.sheddable = Pace(DEPARTURE_WINDOW_S, busy=False), BacklogPace()
 
-    def add(self, blocks: int) -> None:
-        """``blocks`` left the queue, whichever way."""
-        self._all.add(blocks)
+    def queued(self) -> None:
+        """A ticket was queued."""
+        self._all.busy(time.monotonic())
+
+    def add(self, blocks: int, emptied: bool) -> None:
+        """``blocks`` left the queue, whichever way (``emptied``: the queue is empty now)."""
+        now = time.monotonic()
+        self._all.add(blocks, now)
+        if emptied:
+            self._all.idle(now)
 
     def rate(self, priority_class: str | None = None, since: float | None = None) -> float:
         """``since``: the sheddable backlog's start (``Backlog.since``), for ``rate(SHEDDABLE)``."""
-        return self.sheddable.rate(since) if priority_class == SHEDDABLE else self._all.rate()
+        return self.sheddable.rate(since) if priority_class == SHEDDABLE else self._all.rate(time.monotonic())
 
 
 class WaitCorrection:

@@ -46,11 +46,11 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import deque
 from dataclasses import dataclass
 
 from engine.protocol import TelemetrySnapshot
 from guard.config import Admission
+from guard.pool.estimators import Pace
 
 log = logging.getLogger("guard.pool.gate")
 
@@ -109,13 +109,9 @@ class AdmissionGate:
         self.borrowed_by_tenant: dict[str, int] = {}
         self.borrowed = 0  # the sum of borrowed_by_tenant: reclaimable by reservations within a guarantee
         self.outside = 0  # blocks the last snapshot shows held by traffic that did not come through the guard
-        # Blocks released per whole second of the clock, [second, blocks], over the last DRAIN_WINDOW_S: one
-        # entry per second however many requests end in it (an entry per release made the window hold 20k
-        # objects at 2k requests/s, and the collector walk them).
-        self._releases: deque[list[int]] = deque()
-        # Their sum, kept as seconds enter and leave the window: every submit asks for the drain rate.
-        self._released_blocks = 0
-        self._started = time.monotonic()
+        # Blocks released per second over the last DRAIN_WINDOW_S in which the gate held any (busy from the
+        # first reservation to the release that leaves none): every submit that queues asks for it.
+        self._drained = Pace(DRAIN_WINDOW_S, busy=False)
 
     # -- telemetry -------------------------------------------------------------------------------------
     def update(self, snapshot: TelemetrySnapshot) -> None:
@@ -242,6 +238,8 @@ class AdmissionGate:
         return True
 
     def _add(self, reservation: Reservation, blocks: int, borrowed: int) -> None:
+        if not self.reserved:
+            self._drained.busy(time.monotonic())
         tenant = reservation.tenant
         reservation.blocks += blocks
         reservation.borrowed += borrowed
@@ -261,12 +259,10 @@ class AdmissionGate:
         if reservation.borrowed:
             _take(self.borrowed_by_tenant, reservation.tenant, reservation.borrowed)
             self.borrowed -= reservation.borrowed
-        second = int(time.monotonic())
-        if self._releases and self._releases[-1][0] == second:
-            self._releases[-1][1] += reservation.blocks
-        else:
-            self._releases.append([second, reservation.blocks])
-        self._released_blocks += reservation.blocks
+        now = time.monotonic()
+        self._drained.add(reservation.blocks, now)
+        if not self.reserved:
+            self._drained.idle(now)
         return True
 
     def tenant_reserved(self, tenant: str) -> int:
@@ -276,13 +272,9 @@ class AdmissionGate:
         return self.borrowed_by_tenant.get(tenant, 0)
 
     def drain_rate(self) -> float:
-        """Blocks released per second over the last ``DRAIN_WINDOW_S``, to the second (0 when nothing was)."""
-        now = time.monotonic()
-        while self._releases and now - self._releases[0][0] > DRAIN_WINDOW_S:
-            self._released_blocks -= self._releases.popleft()[1]
-        # Until a whole window has passed, divide by the time observed, not by the window.
-        span = min(DRAIN_WINDOW_S, max(now - self._started, 1.0))
-        return self._released_blocks / span
+        """Blocks released per second of the last ``DRAIN_WINDOW_S`` in which the gate held any, to the
+        second (0 when none were): an idle spell, when nothing could end, does not lower it."""
+        return self._drained.rate(time.monotonic())
 
 
 def _take(counts: dict[str, int], tenant: str, blocks: int) -> None:

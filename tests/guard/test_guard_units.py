@@ -124,18 +124,20 @@ def test_gate_commits_against_live_usage_with_hysteresis() -> None:
     assert not gate.try_reserve("r3", "acme", 1), "stale telemetry counts as full"
 
 
-def test_drain_rate_counts_only_the_window(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_drain_rate_counts_only_the_window_and_only_its_busy_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = [1000.0]
     monkeypatch.setattr("guard.pool.gate.time", SimpleNamespace(monotonic=lambda: clock[0]))
     gate = AdmissionGate(Admission(), {"acme"})
-    for i, blocks in enumerate((3, 4, 5)):  # released at 1000, 1004 and 1008
+    for i, blocks in enumerate((3, 4, 5)):  # held 1 s each, from 1000, 1004 and 1008; idle between
         clock[0] = 1000.0 + 4 * i
         gate.update(snapshot(free=100))
-        assert gate.try_reserve(f"r{i}", "acme", blocks) and gate.release(f"r{i}")
+        assert gate.try_reserve(f"r{i}", "acme", blocks)
+        clock[0] += 1.0
+        assert gate.release(f"r{i}")
     clock[0] = 1009.0
-    assert gate.drain_rate() == pytest.approx(12 / 9), "9 s observed so far"
+    assert gate.drain_rate() == pytest.approx(12 / 3), "3 busy seconds: the 6 idle ones drained nothing"
     clock[0] = 1012.0
-    assert gate.drain_rate() == pytest.approx(9 / 10), "the first release left the 10 s window"
+    assert gate.drain_rate() == pytest.approx(9 / 2), "the first request left the 10 s window"
     clock[0] = 1030.0
     assert gate.drain_rate() == 0
 

@@ -23,7 +23,7 @@ from engine.protocol import TelemetrySnapshot
 from guard.admission.fairness import TenantQueue, served_before
 from guard.admission.slo import MIN_MARGIN_SEEN, PRIOR_P90_RATIO, WaitCorrection
 from guard.config import Routing
-from guard.pool.estimators import Quantile
+from guard.pool.estimators import IDLE_GAP_S, Pace, Quantile
 from guard.pool.latency import LatencyModel
 from guard.pool.scheduling import Request, profile_for
 
@@ -64,6 +64,26 @@ def test_a_quantile_settles_where_nine_in_ten_observations_lie_below_it() -> Non
     fresh = [rng.gauss(0.0, SIGMA) for _ in range(1000)]
     coverage = sum(sum(x < e for x in fresh) / len(fresh) for e in late[::50]) / len(late[::50])
     assert 0.85 <= coverage <= 0.95, coverage
+
+
+def test_a_pace_counts_busy_seconds_so_an_idle_spell_does_not_lower_it() -> None:
+    """A replica idle for 8 s of the last 10 drains at its rate while it held something, not a fifth of it
+    (the drain rate that refused a burst after an idle spell ``overloaded``)."""
+    pace = Pace(10.0, busy=False)
+    assert pace.rate(50.0) == 0.0
+    pace.busy(100.0)
+    for t in range(100, 102):  # busy 2 s, 10 blocks released a second
+        pace.add(10, t + 0.5)
+    pace.idle(102.0)
+    assert pace.rate(110.0) == 10.0  # 20 blocks over 2 busy seconds, 8 idle ones aside
+    assert pace.rate(112.5) == 0.0  # the busy spell left the window
+    # An idle gap shorter than IDLE_GAP_S is one spell with what surrounds it (a few entries at any rate).
+    pace.busy(200.0)
+    for t in range(200, 205):
+        pace.idle(t + 0.9)
+        pace.add(5, t + 0.9)
+        pace.busy(t + 0.9 + IDLE_GAP_S / 2)
+    assert pace.rate(205.4) == pytest.approx(25 / 5.4)  # busy from 200 on, the short gaps included
 
 
 def test_the_ttft_predictor_converges_to_the_p90_of_what_it_observes() -> None:
