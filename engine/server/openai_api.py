@@ -120,17 +120,17 @@ class OpenAIHandlers:
         # A batch's engine requests are told apart by a suffix; the answer carries the one id.
         ids = [completion_id] if len(batch) == 1 else [f"{completion_id}-{p}" for p in range(len(batch))]
         grammar = await _compile(core, response_format_grammar(body.response_format))
-        requests = [_make_request(core, request_id, prompt_ids, body, body.max_tokens, tenant, {}, grammar)
-                    for request_id, prompt_ids in zip(ids, batch, strict=True)]
+        requests = [_make_request(core, answer_id, prompt_ids, body, body.max_tokens, tenant, {}, grammar)
+                    for answer_id, prompt_ids in zip(ids, batch, strict=True)]
         return await self._respond(http, requests, body, _CompletionFormat(completion_id, body.model))
 
     async def chat_completions(self, http: web.Request) -> web.StreamResponse:
         body = await parse_body(http, ChatCompletionRequest)
-        request, tools = await self.chat_request(body, tenant_of(http), f"chatcmpl-{_answer_key(body)}")
-        return await self._respond(http, [request], body,
-                                   _ChatFormat(request.request_id, body.model, tools, request.resume_text))
+        answer_id = f"chatcmpl-{_answer_key(body)}"
+        request, tools = await self.chat_request(body, tenant_of(http), answer_id)
+        return await self._respond(http, [request], body, _ChatFormat(answer_id, body.model, tools, request.resume_text))
 
-    async def chat_request(self, body: ChatCompletionRequest, tenant: str | None, request_id: str
+    async def chat_request(self, body: ChatCompletionRequest, tenant: str | None, answer_id: str
                            ) -> tuple[Request, ToolCalling | None]:
         """The engine request that answers a chat, and how its text becomes tool calls (None: it is text):
         counted, checked against the context window, its grammar compiled. /v1/responses comes this way too."""
@@ -145,7 +145,7 @@ class OpenAIHandlers:
                            "only with what the interrupted answer sent)", param="resume_token_ids")
         grammar = await _compile(core, tools.grammar() if tools is not None else
                                  response_format_grammar(body.response_format))
-        return _make_request(core, request_id, prompt_ids, body, body.max_output_tokens, tenant, rename,
+        return _make_request(core, answer_id, prompt_ids, body, body.max_output_tokens, tenant, rename,
                              grammar), tools
 
     async def tokenize(self, http: web.Request) -> web.Response:
@@ -300,9 +300,13 @@ async def _compile(core: EngineCore, spec: GrammarSpec | None) -> Grammar | None
         raise ApiError.invalid(exc) from None
 
 
-def _make_request(core: EngineCore, request_id: str, prompt: list[int], body: SamplingRequest,
+def _make_request(core: EngineCore, answer_id: str, prompt: list[int], body: SamplingRequest,
                   max_tokens: int | None, tenant: str | None, rename: dict[str, str],
                   grammar: Grammar | None) -> Request:
+    """The engine request for one prompt of an answer whose ids derive from ``answer_id``. Its own id is that
+    and a suffix of its own: two requests in flight may answer with one id (a client's ``request_id``, as a
+    guard gives each choice of a stream it resumes choice by choice), and the engine keeps each request's
+    stream by its id, so a shared one would deliver one's tokens into the other's answer."""
     try:
         # OpenAI reads top_p=0 as "keep only the likeliest token": greedy, which temperature 0 says exactly
         # (and a nucleus of zero mass is no distribution to sample from).
@@ -310,7 +314,8 @@ def _make_request(core: EngineCore, request_id: str, prompt: list[int], body: Sa
         params = SamplingParams(n=body.n, max_tokens=max_tokens, temperature=0.0 if greedy else body.temperature,
                                 top_p=1.0 if greedy else body.top_p, top_k=body.top_k, seed=body.seed,
                                 stop=body.stop, ignore_eos=body.ignore_eos)
-        return core.make_request(prompt, params, request_id=request_id, tenant=tenant, cache_salt=body.cache_salt,
+        return core.make_request(prompt, params, request_id=f"{answer_id}.{uuid.uuid4().hex[:8]}", tenant=tenant,
+                                 cache_salt=body.cache_salt,
                                  priority=body.priority, stream=body.stream, grammar=grammar,
                                  lora=None if body.model == core.model_name else body.model,  # checked: served
                                  resume=body.resume_token_ids)

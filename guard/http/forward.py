@@ -21,6 +21,7 @@ from guard.errors import Outcome
 from guard.http import migrate
 from guard.http.exchange import Exchange, stamp_headers
 from guard.pool.gate import BORROWED_PRIORITY
+from guard.pool.replica import Replica
 from guard.wire.errors import error_response
 from guard.wire.relay import StreamObserver, UpstreamUnavailable
 from guard.wire.resume_tap import ResumeTap
@@ -46,10 +47,12 @@ async def to_pool(ex: Exchange) -> web.StreamResponse:
         # A ticket that borrows runs at a lower engine priority, so the engine preempts borrowers first.
         body = parsed.upstream_body(cache_salt=entry.salt, max_tokens=max_tokens,
                                     priority=sizing.lane.priority + (BORROWED_PRIORITY if ticket.borrowed else 0))
-        if tap is not None:
-            body = migrate.resume_body(body, parsed, tap)
         metrics.child(metrics.routed, replica.name).inc()
         metrics.child(metrics.prefix_predicted, replica.name).inc(ticket.hit_blocks * sizing.block_size)
+        if tap is not None and tap.choices > 1 and tap.response is not None:  # moved: each choice on its own
+            return await _resume_choices(ex, replica, migrate.choice_bodies(body, parsed, tap))
+        if tap is not None:
+            body = migrate.resume_body(body, parsed, tap)
         try:
             response, ex.outcome = await forward(ex, replica.url, replica.name, body, entry.observer, route=None)
         except UpstreamUnavailable as exc:
@@ -65,6 +68,36 @@ async def to_pool(ex: Exchange) -> web.StreamResponse:
             return response
         if (why := await migrate.move(ex, tap)) is not None:
             return await _give_up(ex, response, tap, why)
+
+
+async def _resume_choices(ex: Exchange, replica: Replica, bodies: list[tuple[int, bytes]]) -> web.StreamResponse:
+    """A moved stream of several choices: each that had not ended continues as a stream of its own on
+    ``replica``, merged into the client's stream (guard/http/migrate.py). Any of them failing ends it with
+    its error event."""
+    observer, relay = ex.entry.observer, ex.clients.relay
+    tap = observer.tap
+    assert tap is not None and tap.response is not None
+    ex.backend = replica.name
+    ex.replicas.append(replica.name)
+    parts: list[tuple[int, Answer, ResumeTap]] = []
+    try:
+        for index, body in bodies:
+            opened = await _open(ex, replica.url, replica.name, body, own := ResumeTap())
+            if isinstance(opened, tuple):  # the engine failed on the way
+                raise UpstreamUnavailable(f"choice {index} was not resumed ({opened[0].status})")
+            parts.append((index, opened, own))
+    except UpstreamUnavailable as exc:
+        for _, upstream, _ in parts:
+            relay.abandon(upstream)
+        ex.outcome = Outcome.UPSTREAM_ERROR
+        await relay.end_stream(tap.response, observer, f"the request's replica failed and {exc}")
+        return tap.response
+    usages = await relay.merge(ex.request, parts, observer)
+    if usages is not None:
+        await relay.end_merged(ex.request, observer, migrate.merged_usage(ex, usages))
+    ex.outcome = (Outcome.CANCELLED if observer.client_gone
+                  else Outcome.UPSTREAM_ERROR if usages is None else Outcome.COMPLETED)
+    return tap.response
 
 
 async def _fail_over(ex: Exchange) -> None:

@@ -2,10 +2,9 @@
 unbroken answer (guard/http/forward.py drives it; guard/wire/relay.py and resume_tap.py do the bytes).
 
 - **Which** (``resumable``): every unary pool request, whatever its ``n`` and prompts (its client has seen
-  nothing: it is sent again whole), and a stream of one choice of one prompt (``resume_token_ids`` is one
-  choice's tokens; a stream of ``n > 1`` choices or prompts fails as before). Its observer gets a
-  ``ResumeTap``, and a stream asks its engine for the token ids of each event (``return_token_ids``), which
-  the tap takes out of what the client gets.
+  nothing: it is sent again whole), and a stream of one prompt (a stream of several prompts fails as
+  before). Its observer gets a ``ResumeTap``, and a stream asks its engine for the token ids of each event
+  (``return_token_ids``), which the tap takes out of what the client gets.
 - **When** (``guard_migrations_total{reason}``): the answer broke off (``reset``, ``closed``), the engine
   ended it with an error that asks for it (``stream_error``: stopping, a failed step; ``drain``: its drain
   timeout ran out, or it refused the request because it drains), or its replica went ``silent``:
@@ -18,6 +17,12 @@ unbroken answer (guard/http/forward.py drives it; guard/wire/relay.py and resume
   it derives from it) and, for a Responses stream, the count of its events (``resume_sequence_number``).
   The engine continues after those tokens and sends only what the client has not seen; its ``usage`` is
   the whole answer's. A unary request, of which the client has seen nothing, is simply sent again.
+- **Several choices** (a stream with ``n > 1``): ``resume_token_ids`` continues one choice, so each choice
+  that had not ended resumes as a request of its own (``choice_bodies``: ``n`` 1, that choice's tokens,
+  and its own seed, ``seed + index``, the one the engine gave it), all on the replica the request was
+  admitted to again; the relay merges their events into the client's stream under each choice's index,
+  and ends it with one ``usage`` for every choice (guard/http/forward.py). One of them failing in turn
+  ends the stream with its error event: such a stream moves once.
 - **Bounds**: at most ``migration.max_migrations`` moves per request; one more failure ends it with an
   explicit error (a stream's ``error`` event, or a 502), as does a pool with no other usable replica (a
   request never moved then fails as it always did: its replica's failure is its answer).
@@ -37,7 +42,7 @@ import time
 
 import pydantic_core
 
-from engine.protocol import CompletionRequest, TelemetrySnapshot
+from engine.protocol import ChatCompletionRequest, CompletionRequest, TelemetrySnapshot
 from guard.admission.ticket import TicketState
 from guard.config import Migration
 from guard.http.exchange import Exchange
@@ -53,17 +58,32 @@ _TOKEN_IDS = b',"return_token_ids":true}'
 
 
 def resumable(parsed: ParsedRequest) -> bool:
-    """A unary request (sent again whole), or a stream of one choice of one prompt: what
-    ``resume_token_ids`` can continue."""
-    if not parsed.stream:
-        return True
+    """A unary request (sent again whole), or a stream of one prompt (each choice continued with its
+    ``resume_token_ids``)."""
     model = parsed.model
-    return parsed.n == 1 and not (isinstance(model, CompletionRequest) and len(model.prompts) != 1)
+    return not parsed.stream or not (isinstance(model, CompletionRequest) and len(model.prompts) != 1)
 
 
 def tap_for(parsed: ParsedRequest) -> ResumeTap | None:
     """The tap of a resumable request (None: not resumable); a Responses stream's counts its events."""
-    return ResumeTap(count_events=parsed.path == RESPONSES) if resumable(parsed) else None
+    return ResumeTap(count_events=parsed.path == RESPONSES, choices=parsed.n) if resumable(parsed) else None
+
+
+def choice_bodies(body: bytes, parsed: ParsedRequest, tap: ResumeTap) -> list[tuple[int, bytes]]:
+    """A stream of several choices resumed: for each choice that had not ended, its index and the body that
+    continues it alone (see the module docstring)."""
+    base = {**pydantic_core.from_json(body), "n": 1, "return_token_ids": True, "request_id": tap.answer_key}
+    seed = parsed.model.seed
+    bodies = []
+    for index in range(parsed.n):
+        if index not in tap.ended:
+            one = dict(base)
+            if token_ids := tap.token_ids(index):  # none yet: it starts over (its first event not sent)
+                one["resume_token_ids"] = token_ids
+            if seed is not None:
+                one["seed"] = seed + index  # the engine seeds choice i of a request with seed + i
+            bodies.append((index, pydantic_core.to_json(one)))
+    return bodies
 
 
 def resume_body(body: bytes, parsed: ParsedRequest, tap: ResumeTap) -> bytes:
@@ -107,6 +127,27 @@ async def move(ex: Exchange, tap: ResumeTap) -> str | None:
         entry.growth.ticket = entry.ticket
     await state.dispatcher.submit(entry.ticket)
     return None
+
+
+def merged_usage(ex: Exchange, usages: list[dict]) -> bytes:
+    """The usage event that ends a merged stream of several choices: the prompt once, and every choice's
+    tokens (an ended one's as its events carried them, the others' as their own streams counted them: what
+    was resumed and what followed). ``usages``: those streams' usage events, whose shape it takes."""
+    tap = ex.entry.observer.tap
+    assert tap is not None
+    done = sum(len(tap.token_ids(index)) for index in tap.ended)
+    if usages:
+        event = usages[0]
+        prompt, completion = event["usage"]["prompt_tokens"], done + sum(u["usage"]["completion_tokens"] for u in usages)
+    else:  # every choice had ended before the break: no stream to take the event's shape from
+        chat = isinstance(ex.parsed.model, ChatCompletionRequest)
+        event = {"id": ("chatcmpl-" if chat else "cmpl-") + (tap.answer_key or ex.request_id),
+                 "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
+                 "model": ex.parsed.model.model, "choices": [], "usage": {}}
+        prompt, completion = ex.limits.prompt_tokens, done
+    usage = {**event["usage"], "prompt_tokens": prompt, "completion_tokens": completion,
+             "total_tokens": prompt + completion}
+    return b"data: " + pydantic_core.to_json({**event, "usage": usage}) + b"\n\n"
 
 
 def silence_deadline(config: Migration, snapshot: TelemetrySnapshot | None) -> float:

@@ -36,6 +36,8 @@ from aiohttp import web
 
 from guard.config import Upstream
 from guard.errors import GuardError
+from guard.wire import choices
+from guard.wire.choices import ChoiceFailed
 from guard.wire.errors import error_response, sse_error_event
 from guard.wire.front_request import FrontRequest, FrontStream
 from guard.wire.resume_tap import RESUMABLE_CODES, ResumeTap
@@ -352,6 +354,62 @@ class Relay:
             else:
                 upstream.release()
 
+    async def merge(self, client: Client, parts: list[tuple[int, Answer, ResumeTap]], observer: StreamObserver
+                    ) -> list[dict] | None:
+        """Continue a stream of several choices that broke off (``observer.tap.response``, still open) with one
+        answer per choice that had not ended (``parts``: the choice's index, its answer, a tap of its own):
+        their events go to the client as they come, under their choice's index, without their usage and
+        ``[DONE]`` (guard/wire/choices.py). Returns their usage events; None when one failed (the client's
+        stream then ended with its error event) or the client left (``observer.client_gone``)."""
+        assert observer.tap is not None and observer.tap.response is not None
+        response, usages = observer.tap.response, []
+
+        async def relay_one(index: int, upstream: Answer, tap: ResumeTap) -> None:
+            if upstream.status != 200 or not upstream.content_type.startswith("text/event-stream"):
+                refusal, _ = await self.unary(upstream, {})
+                raise ChoiceFailed(f"the engine refused to resume choice {index} ({refusal.status}): {refusal.text}")
+            chunk = await upstream.readany()
+            while chunk:
+                events = tap.take(chunk)
+                if tap.interrupted is not None:
+                    raise ChoiceFailed(f"choice {index}'s engine failed ({tap.interrupted})")
+                if events and (kept := choices.renumbered(events, index, usages)) \
+                        and (relayed := observer.feed(kept)):
+                    await self._write(client, response, relayed)
+                chunk = await upstream.readany()
+            if not upstream.is_eof():
+                raise ChoiceFailed(f"choice {index}'s engine stream ended early")
+
+        try:
+            async with asyncio.TaskGroup() as group:  # one failing cancels the others
+                for part in parts:
+                    group.create_task(relay_one(*part))
+        except* ClientGone:
+            observer.client_gone = True
+        except* (ChoiceFailed, UpstreamError, TimeoutError) as failed:
+            await self.end_stream(response, observer, f"the request's stream of {observer.tap.choices} "
+                                  f"choices failed after it was moved: {_first_reason(failed)}")
+        finally:
+            for _, upstream, _ in parts:
+                self.abandon(upstream)
+        return None if observer.client_gone or observer.failed else usages
+
+    async def end_merged(self, client: Client, observer: StreamObserver, last: bytes) -> None:
+        """End a merged stream (``merge``) with ``last`` (its usage event) and ``[DONE]``."""
+        assert observer.tap is not None and observer.tap.response is not None
+        response = observer.tap.response
+        try:
+            if relayed := observer.feed(last + b"data: [DONE]\n\n"):
+                await self._write(client, response, relayed)
+            await response.write_eof()
+        except (ClientGone, ConnectionError):
+            observer.client_gone = True
+
+    def abandon(self, upstream: Answer) -> None:
+        """Stop relaying ``upstream``: forgotten, its connection dropped if its answer was not read to the end."""
+        self._forget(upstream)
+        upstream.release()
+
     async def end_stream(self, response: Stream, observer: StreamObserver, message: str) -> None:
         """End a stream that cannot go on (a resumable one that may not move again) with its error event."""
         observer.failed = True
@@ -499,6 +557,11 @@ def _resumable_error(answer: dict) -> str | None:
     if not isinstance(code, str):
         return None
     return "drain" if code == "engine_draining" else RESUMABLE_CODES.get(code.encode())
+
+
+def _first_reason(failed: BaseExceptionGroup) -> str:
+    first = failed.exceptions[0]
+    return str(first) or type(first).__name__
 
 
 def cached_tokens(usage: dict) -> int | None:

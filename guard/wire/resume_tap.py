@@ -1,11 +1,13 @@
 """What a resumable stream has relayed, so that another replica can take it over (guard/http/migrate.py).
 
 A kvguard engine asked for ``return_token_ids`` precedes each stream event with the comment line
-``: token_ids 0 <id>,<id>,...``: the tokens the event's choice gained (engine/server/openai_api.py). The tap
-sits in front of the stream's observer and lets through whole events only (up to the last blank line; the
-rest waits for its end), without those comment lines, which the client did not ask for. So at every moment
-the token ids it holds are exactly those of the events the client was sent, and a replica resumed with them
-(``resume_token_ids``) sends exactly what the client has not seen yet.
+``: token_ids <choice index> <id>,<id>,...``: the tokens the event's choice gained (engine/server/openai_api.py).
+The tap sits in front of the stream's observer and lets through whole events only (up to the last blank
+line; the rest waits for its end), without those comment lines, which the client did not ask for (a comment
+is a line of its own: the same bytes inside a data line's text are text). So at every moment the token ids
+it holds for each choice are exactly those of the events the client was sent, and a replica resumed with
+them (``resume_token_ids``) sends exactly what the client has not seen yet. A stream of several choices
+(``choices``) also notes which of them ended (their finish reason was relayed): only the others resume.
 
 It also keeps the answer's id key (``request_id``: every id of the answer derives from it), the count of
 ``data:`` events relayed (a Responses stream's next ``sequence_number``), when the stream last sent a byte
@@ -20,18 +22,23 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-COMMENT = b": token_ids 0 "
+COMMENT = b": token_ids "
 ERROR_EVENT = b"event: error\n"
 # An engine error that says the request did not fail, its replica did: drained past its deadline
 # (``resume_elsewhere``), stopping (``engine_unavailable``) or a failed step (``engine_step_failed``).
 RESUMABLE_CODES = {b"resume_elsewhere": "drain", b"engine_unavailable": "stream_error",
                    b"engine_step_failed": "stream_error"}
+# A choice's last event: its finish reason is a string (null before). One choice per event; a quote inside a
+# text is escaped, so this unescaped key only stands for the choice's own.
+_CHOICE_ENDS = re.compile(rb'"choices":\[\{"index":(\d+),[^\n]*?"finish_reason":"')
 _ANSWER_ID = re.compile(rb'"id":\s*"(?:chatcmpl-|cmpl-|resp_)([A-Za-z0-9_-]{1,64})"')
 
 
 @dataclass(slots=True)
 class ResumeTap:
     count_events: bool = False  # count the data events relayed (a Responses stream's sequence numbers)
+    choices: int = 1  # the stream's choices (``n``): with several, which of them ended is noted (``ended``)
+    ended: set[int] = field(default_factory=set)  # of several choices, those whose last event was relayed
     events: int = 0  # data events relayed, when counted
     answer_key: str | None = None  # the answer id's key, from the first event (None: not a kvguard engine's)
     interrupted: str | None = None  # why the answer broke off, when its request is to move (None: it did not)
@@ -40,7 +47,7 @@ class ResumeTap:
     response: Any = None  # the client's stream once it started (a web.StreamResponse or the front's stream)
     _held: bytes = b""  # the last event so far, its blank line not yet come
     _looked: bool = False  # for the answer's id
-    _ids: list[bytes] = field(default_factory=list)  # the comments' id runs, parsed only when resumed
+    _ids: list[bytes] = field(default_factory=list)  # the comments' runs ("<choice> <id>,..."), parsed when resumed
 
     def take(self, chunk: bytes) -> bytes:
         """The whole events ``chunk`` completes, without their token id comments (b"": none yet)."""
@@ -64,11 +71,18 @@ class ResumeTap:
             events = self._withhold_error(events)
         if self.count_events:
             self.events += events.count(b"\ndata:") + events.startswith(b"data:")
+        if self.choices > 1:
+            self.ended.update(int(index) for index in _CHOICE_ENDS.findall(events))
         return events
 
-    def token_ids(self) -> list[int]:
-        """The token ids of every event relayed so far, in order."""
-        return [int(token) for run in self._ids for token in run.split(b",")]
+    def token_ids(self, choice: int = 0) -> list[int]:
+        """The token ids of choice ``choice`` in every event relayed so far, in order."""
+        ids: list[int] = []
+        for run in self._ids:
+            index, _, tokens = run.partition(b" ")
+            if int(index) == choice:
+                ids += map(int, tokens.split(b","))
+        return ids
 
     def flush(self) -> bytes:
         """The stream ended normally: what came after its last blank line (an upstream that does not end its
@@ -81,12 +95,22 @@ class ResumeTap:
         self._held = b""
 
     def _strip(self, events: bytes) -> bytes:
-        parts = events.split(COMMENT)
-        kept = [parts[0]]
-        for part in parts[1:]:
-            end = part.find(b"\n")
-            self._ids.append(part[:end])
-            kept.append(part[end + 1:])
+        """``events`` without their comment lines, whose id runs are kept. A comment begins a line: the same
+        bytes inside a data line are its text (a JSON string holds no raw newline, so a line begins only
+        where one does)."""
+        kept, start = [], 0
+        at = events.find(COMMENT)
+        while at >= 0:
+            if at and events[at - 1] != 10:  # not at a line's start ("\n" is 10): text
+                at = events.find(COMMENT, at + 1)
+                continue
+            end = events.find(b"\n", at)
+            end = len(events) if end < 0 else end
+            kept.append(events[start:at])
+            self._ids.append(events[at + len(COMMENT):end])
+            start = end + 1
+            at = events.find(COMMENT, start)
+        kept.append(events[start:])
         return b"".join(kept)
 
     def _withhold_error(self, events: bytes) -> bytes:

@@ -193,6 +193,67 @@ async def test_a_unary_request_of_several_choices_or_prompts_moves_whole(process
         await assert_nothing_lost(guard, tally, [survivor])
 
 
+def streamed_choices(answer: Answer) -> tuple[dict[int, str], dict[int, list[str]], set[str], list[dict]]:
+    """A stream's text and finish reasons by choice index, the ids its events carried, and its usages."""
+    texts: dict[int, str] = {}
+    finishes: dict[int, list[str]] = {}
+    ids, usages = set(), []
+    events = answer.events()
+    assert events[-1] == b"data: [DONE]" and events.count(b"data: [DONE]") == 1, events[-1][-600:]
+    for event in events[:-1]:
+        data = json.loads(event.split(b"data: ", 1)[1])
+        assert "error" not in data, data
+        ids.add(data["id"])
+        if data.get("usage"):
+            usages.append(data["usage"])
+        for choice in data["choices"]:
+            index = choice["index"]
+            texts[index] = texts.get(index, "") + (choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+            if choice["finish_reason"] is not None:
+                finishes.setdefault(index, []).append(choice["finish_reason"])
+    return texts, finishes, ids, usages
+
+
+async def test_a_stream_of_several_choices_moves_each_choice_on_its_own(processes: Processes) -> None:
+    """``n > 1`` streams (greedy chats of two choices, seeded completions of three) on the busier of two
+    replicas, killed under them: each choice that had not ended resumes as a stream of its own, and the
+    client's stream is the uninterrupted one: every choice's text, one finish each, one id, one usage for all
+    (or none, where the client asked for none), one ``[DONE]``."""
+    tally = Tally()
+    common = {"model": "tiny", "ignore_eos": True, "stream": True, "max_tokens": MAX_TOKENS}
+    kinds = [("/v1/chat/completions", {**common, "n": 2, "temperature": 0.0, "stream_options": {"include_usage": True},
+                                       "messages": [{"role": "user", "content": "two streams of me"}]}),
+             ("/v1/completions", {**common, "n": 3, "temperature": 1.0, "seed": 7, "prompt": "three of me"})]
+    jobs = kinds * 2
+    async with pool_of(processes, 2) as (guard, engines):
+        client = Client(guard.url, tally)
+        started = [asyncio.Event() for _ in jobs]
+        calls = [asyncio.create_task(client.call(payload, path=path, started=started[n]))
+                 for n, (path, payload) in enumerate(jobs)]
+        await asyncio.gather(*(event.wait() for event in started))
+        await asyncio.sleep(0.3)  # every stream under way
+        killed = int(busiest(guard)[1:])  # it runs two of the four at least
+        engines[killed].kill()
+        answers = await asyncio.wait_for(asyncio.gather(*calls), 60)
+        survivor = engines[1 - killed]
+        expected = await asyncio.gather(*(Client(survivor.url, Tally()).call(payload, path=path)
+                                          for path, payload in kinds))
+        for n, answer in enumerate(answers):
+            (_, payload), reference = jobs[n], streamed_choices(expected[n % 2])
+            assert answer.status == 200, answer.body[:400]
+            texts, finishes, ids, usages = streamed_choices(answer)
+            assert texts == reference[0] and len(texts) == payload["n"], (n, texts, reference[0])
+            assert finishes == {index: ["length"] for index in range(payload["n"])}, finishes
+            assert len(ids) == 1, ids
+            if "stream_options" in payload:
+                assert len(usages) == 1 and usages[0]["completion_tokens"] == payload["n"] * MAX_TOKENS, usages
+                assert usages[0]["prompt_tokens"] == reference[3][0]["prompt_tokens"]
+            else:
+                assert not usages, usages
+        assert sum(migrations(guard).values()) >= 2, migrations(guard)
+        await assert_nothing_lost(guard, tally, [survivor])
+
+
 async def test_a_silent_replica_s_requests_move_once_its_deadline_passes(processes: Processes) -> None:
     tally = Tally()
     jobs = [(i, True, "/v1/chat/completions") for i in range(4)] + [(i, False, "/v1/completions") for i in range(2)]

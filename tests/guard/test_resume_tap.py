@@ -1,11 +1,15 @@
 """The resume tap (guard/wire/resume_tap.py) on bytes as a kvguard engine writes them, split anywhere: only whole
-events go through, without their token id comments; the ids it holds are exactly those of what went through;
-an engine error asking for a resume is withheld and named."""
+events go through, without their token id comments; the ids it holds are exactly those of what went through,
+by choice; an engine error asking for a resume is withheld and named. And a choice's own stream renumbered
+into a stream of several (guard/wire/choices.py)."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
+
+from guard.wire.choices import ChoiceFailed, renumbered
 from guard.wire.resume_tap import ResumeTap
 
 EVENTS = [b": token_ids 0 12,13\ndata: " + json.dumps({"id": "chatcmpl-abc123", "choices": [{"delta": {"content": "Hi"}}]}).encode() + b"\n\n",
@@ -52,3 +56,33 @@ def test_a_last_event_without_its_blank_line_is_flushed_at_the_end() -> None:
     tap = ResumeTap()
     assert tap.take(b"data: [DONE]\n") == b""
     assert tap.flush() == b"data: [DONE]\n"
+
+
+def event(index: int, text: str, finish: str | None = None) -> bytes:
+    reason = "null" if finish is None else f'"{finish}"'
+    return (b'data: {"id":"chatcmpl-abc","choices":[{"index":%d,"delta":{"content":"%s"},"finish_reason":%s}]}\n\n'
+            % (index, text.encode(), reason.encode()))
+
+
+def test_token_id_comments_are_kept_by_choice_and_never_reach_the_client() -> None:
+    tap = ResumeTap(choices=2)
+    sent = tap.take(b": token_ids 0 1,2\n" + event(0, "a") + b": token_ids 1 7\n" + event(1, "b", "length")
+                    + b": token_ids 0 3\n" + event(0, "c"))
+    assert sent == event(0, "a") + event(1, "b", "length") + event(0, "c")
+    assert (tap.token_ids(0), tap.token_ids(1), tap.ended, tap.answer_key) == ([1, 2, 3], [7], {1}, "abc")
+
+
+def test_the_same_bytes_inside_a_text_are_text() -> None:
+    """A model may write ": token_ids 0 9" (asked to): inside a data line it is the answer, not a comment."""
+    tap = ResumeTap()
+    text = event(0, ": token_ids 0 9\\n")
+    assert tap.take(b": token_ids 0 4\n" + text) == text and tap.token_ids() == [4]
+
+
+def test_a_choice_s_own_stream_is_renumbered_and_keeps_its_usage_and_done_back() -> None:
+    usages: list[dict] = []
+    usage = b'data: {"id":"chatcmpl-abc","choices":[],"usage":{"prompt_tokens":5,"completion_tokens":3}}\n\n'
+    assert renumbered(event(0, "x") + usage + b"data: [DONE]\n\n", 2, usages) == event(2, "x")
+    assert usages == [{"id": "chatcmpl-abc", "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3}}]
+    with pytest.raises(ChoiceFailed, match="boom"):
+        renumbered(b'event: error\ndata: {"error":{"message":"boom"}}\n\n', 1, usages)
