@@ -305,8 +305,8 @@ def _make_request(core: EngineCore, answer_id: str, prompt: list[int], body: Sam
                   grammar: Grammar | None) -> Request:
     """The engine request for one prompt of an answer whose ids derive from ``answer_id``. Its own id is that
     and a suffix of its own: two requests in flight may answer with one id (a client's ``request_id``, as a
-    guard gives each choice of a stream it resumes choice by choice), and the engine keeps each request's
-    stream by its id, so a shared one would deliver one's tokens into the other's answer."""
+    guard gives each choice of a stream it resumes choice by choice), where the engine, which keeps each
+    request by its id, refuses a second running request with an id it runs already."""
     try:
         # OpenAI reads top_p=0 as "keep only the likeliest token": greedy, which temperature 0 says exactly
         # (and a nucleus of zero mass is no distribution to sample from).

@@ -56,13 +56,17 @@ class Answer:
     through ``readany``/``read``. Close it (drops the connection) or release it (back to the pool when read
     to the end); ``async with`` releases."""
 
-    __slots__ = ("_chunks", "_connection", "_deadline", "_eof", "_error", "_read_timeout", "_size", "_waiter",
-                 "headers", "status")
+    __slots__ = ("_chunks", "_connection", "_deadline", "_eof", "_error", "_given_back", "_read_timeout", "_size",
+                 "_waiter", "headers", "status")
 
     def __init__(self, connection: Connection, read_timeout: float) -> None:
         self.status = 0  # until the headers came
         self.headers: dict[str, str] = {}
         self._connection = connection
+        # Released or closed: the connection is no longer this answer's (another answer may have it from the
+        # pool), so a second release or close must not touch it (releasing twice pooled it twice, and two
+        # answers then read one connection's bytes).
+        self._given_back = False
         self._chunks: list[bytes] = []
         self._size = 0
         self._eof = False
@@ -108,13 +112,20 @@ class Answer:
         return b"".join(parts)
 
     def close(self) -> None:
-        """Drop the connection now; a read waiting or to come raises ``Disconnected``."""
+        """Drop the connection now; a read waiting or to come raises ``Disconnected``. Once is enough: later
+        calls (or a release) leave the connection alone."""
         self.fail(Disconnected("closed by the guard"))
-        self._connection.abort()
+        if not self._given_back:
+            self._given_back = True
+            self._connection.abort()
 
     def release(self) -> None:
-        """Done with the answer: its connection goes back to the pool if the body was read to the end."""
+        """Done with the answer: its connection goes back to the pool if the body was read to the end (else it
+        is dropped). Idempotent, as ``close``."""
+        if self._given_back:
+            return
         if self._eof and self._error is None and not self._chunks:
+            self._given_back = True
             self._connection.release()
         else:
             self.close()

@@ -104,6 +104,24 @@ def test_n_choices_follow_their_seeds(client: openai.OpenAI, llm: LLM) -> None:
     assert streamed == expected
 
 
+def test_requests_in_flight_with_one_request_id_each_get_their_own_answer(client: openai.OpenAI, llm: LLM) -> None:
+    """``request_id`` names the answer, not the engine request: two streams with one id at once (as a guard
+    resumes the choices of one stream apart) each get all of theirs, under the id (the engine, which keeps
+    requests by their own id, refused the second: 400 "must be unique among running requests")."""
+    seeds = (3, 4)
+    expected = [offline(llm, PROMPT, max_tokens=40, temperature=1.0, seed=seed, ignore_eos=True)[0] for seed in seeds]
+    streams = [client.completions.create(model="tiny", prompt=PROMPT, stream=True, max_tokens=40, temperature=1.0,
+                                         seed=seed, extra_body={"ignore_eos": True, "request_id": "shared"})
+               for seed in seeds]  # both sent before either is read
+    texts, ids = ["", ""], set()
+    for n, stream in enumerate(streams):
+        for chunk in stream:
+            ids.add(chunk.id)
+            texts[n] += "".join(choice.text for choice in chunk.choices)
+    assert texts == expected and expected[0] != expected[1]
+    assert ids == {"cmpl-shared"}
+
+
 def test_stop_strings_are_cut_and_never_streamed(client: openai.OpenAI, llm: LLM) -> None:
     full = offline(llm, PROMPT, max_tokens=40, temperature=0.0, ignore_eos=True)[0]
     # A stop string from the middle of the output, at its first occurrence.

@@ -76,6 +76,27 @@ async def test_answers_reuse_one_keep_alive_connection(engine_like):
     client.close()
 
 
+async def test_an_answer_given_back_twice_leaves_its_pooled_connection_alone(engine_like):
+    """Released twice, an answer pooled its connection twice, and two answers then shared it; closed after its
+    release, it aborted the connection another answer may have taken from the pool."""
+    url, peers = engine_like
+    client = UpstreamClient(connect_timeout=1.0)
+    answer = await client.post(url + "/json", b"first", HEADERS, 2.0, 2.0)
+    await answer.read()
+    answer.release()
+    answer.release()
+    both = await asyncio.gather(*(client.post(url + "/json", b"at once %d" % i, HEADERS, 2.0, 2.0) for i in range(2)))
+    assert [await a.read() for a in both] == [b'{"echo": "at once %d", "tenant": "acme"}' % i for i in range(2)]
+    assert len(set(peers[1:])) == 2
+    for done in both:
+        done.release()
+        done.close()  # after its release: the pooled connection stays
+    async with await client.post(url + "/json", b"again", HEADERS, 2.0, 2.0) as again:
+        await again.read()
+    assert peers[-1] in peers[1:3], "a released answer's close dropped its pooled connection"
+    client.close()
+
+
 async def test_connection_close_is_not_reused(engine_like):
     url, peers = engine_like
     client = UpstreamClient(connect_timeout=1.0)
