@@ -321,10 +321,14 @@ def queue_wait(pool: ReplicaPool, departures: Departures, ticket: Judged, ahead:
         return (ahead.blocks + (ticket.blocks if sheddable else 0)) / rate
     # What others borrowed is reclaimed by a ticket that does not borrow itself (guard/pool/gate.py).
     held = pool.committed() - (0 if sheddable else pool.borrowed())
-    wait = pool.expected_wait(max(0, held + ahead.blocks + ticket.blocks - pool.budget()))
-    if sheddable and (pace := departures.rate(SHEDDABLE)) > 0:
-        # The replicas' drain feeds critical work first: a sheddable ticket waits at least for its own
-        # blocks at the pace sheddable work is admitted.
+    short = max(0, held + ahead.blocks + ticket.blocks - pool.budget())
+    wait = pool.expected_wait(short)
+    if sheddable and short and (pace := departures.rate(SHEDDABLE)) > 0:
+        # The replicas' drain feeds critical work first: a sheddable ticket that must wait for room waits at
+        # least for its own blocks at the pace sheddable work is admitted. One that fits now is admitted at
+        # once: that pace, measured only while sheddable tickets queue, stands still while none does, and
+        # a stale one refused every sheddable ticket for as long as none was admitted (a refusal that
+        # sustained itself for minutes in bench/slo.py's S1: nothing queued, so nothing updated it).
         wait = max(wait or 0.0, ticket.blocks / pace)
     return wait
 

@@ -210,6 +210,19 @@ async def test_a_sheddable_request_is_refused_at_arrival_or_queued_and_then_serv
     assert not dispatcher.pool.reservations() and not dispatcher.fair.queued
 
 
+async def test_a_sheddable_request_that_fits_now_is_not_refused_by_a_pace_learned_long_ago(tmp_path: Path) -> None:
+    """The sheddable pace moves only while sheddable tickets queue: a slow one learned earlier (4 blocks in
+    10 s of backlog) would predict 10 s for a ticket that the idle pool admits at once, and refuse it, and
+    every one after it, with nothing ever queued to correct it."""
+    dispatcher = slo_dispatcher(tmp_path)
+    dispatcher.departures.sheddable.left(time.monotonic() - 10.0, 4)
+    ticket = slo_ticket(dispatcher, 1, 4, "fits", header_ms="1000")
+    await dispatcher.submit(ticket)
+    assert ticket.state is TicketState.ADMITTED and ticket.predicted_ttft < 1.0
+    dispatcher.finish(ticket)
+    assert not dispatcher.pool.reservations()
+
+
 def test_the_sheddable_pace_shows_a_drop_a_stall_and_a_new_backlog_at_once(
         monkeypatch: pytest.MonkeyPatch) -> None:
     clock = [1000.0]
