@@ -502,6 +502,9 @@ class Dispatcher:
         while len(queue):
             ticket = self.fair.pop(queue)
             ticket.state = TicketState.DONE
+            self.departures.add(ticket.blocks, emptied=not self.fair.queued)  # left, as a deadline's do
+            if ticket.priority_class == slo.SHEDDABLE:
+                self.departures.sheddable.left(ticket.enqueued_at, 0)
             assert ticket.admitted is not None  # a queued ticket's submit created it before waiting
             ticket.admitted.set_exception(reason)
             rejected += 1

@@ -223,6 +223,25 @@ async def test_a_sheddable_request_that_fits_now_is_not_refused_by_a_pace_learne
     assert not dispatcher.pool.reservations()
 
 
+async def test_tickets_rejected_from_the_queue_count_as_departures_and_leave_it_idle(tmp_path: Path) -> None:
+    """A rejected queue (a confirmed attacker's, or shutdown) is left as a deadline leaves it: its blocks in the
+    queue's pace, and the queue idle after, so the seconds it then stands empty do not lower the pace."""
+    dispatcher = slo_dispatcher(tmp_path)
+    hog = slo_ticket(dispatcher, 0, 85, "hog")
+    await dispatcher.submit(hog)
+    waiting = [asyncio.create_task(dispatcher.submit(slo_ticket(dispatcher, 1, 20, f"q{i}"))) for i in range(2)]
+    await asyncio.sleep(0.01)
+    assert dispatcher.fair.queued == 2 and dispatcher.departures.rate() == 0
+    assert dispatcher.reject_queued("bulk", GuardError(403, "rejected", code="tenant_blocked")) == 2
+    # 40 blocks over the queue's busy time, counted as a second at least (two on a very slow machine)
+    assert 20.0 <= dispatcher.departures.rate() <= 40.0
+    for task in waiting:
+        with pytest.raises(GuardError):
+            await task
+    dispatcher.finish(hog)
+    assert not dispatcher.pool.reservations() and not dispatcher.fair.queued
+
+
 def test_the_sheddable_pace_shows_a_drop_a_stall_and_a_new_backlog_at_once(
         monkeypatch: pytest.MonkeyPatch) -> None:
     clock = [1000.0]
