@@ -501,10 +501,7 @@ class Dispatcher:
         rejected = 0
         while len(queue):
             ticket = self.fair.pop(queue)
-            ticket.state = TicketState.DONE
-            self.departures.add(ticket.blocks, emptied=not self.fair.queued)  # left, as a deadline's do
-            if ticket.priority_class == slo.SHEDDABLE:
-                self.departures.sheddable.left(ticket.enqueued_at, 0)
+            self._left(ticket)  # as a deadline's do
             assert ticket.admitted is not None  # a queued ticket's submit created it before waiting
             ticket.admitted.set_exception(reason)
             rejected += 1
@@ -523,7 +520,12 @@ class Dispatcher:
     def _dequeue(self, ticket: Ticket) -> None:
         if ticket.state is TicketState.QUEUED and self.fair.remove(self.queue_of(ticket.tenant),
                                                                     ticket.order, ticket):
-            ticket.state = TicketState.DONE
-            self.departures.add(ticket.blocks, emptied=not self.fair.queued)
-            if ticket.priority_class == slo.SHEDDABLE:
-                self.departures.sheddable.left(ticket.enqueued_at, 0)
+            self._left(ticket)
+
+    def _left(self, ticket: Ticket) -> None:
+        """``ticket``, just taken off the queue, left it unadmitted (a deadline, its client, a rejection): it
+        is done, and its blocks count in the queue's pace (a sheddable one's as its backlog's too)."""
+        ticket.state = TicketState.DONE
+        self.departures.add(ticket.blocks, emptied=not self.fair.queued)
+        if ticket.priority_class == slo.SHEDDABLE:
+            self.departures.sheddable.left(ticket.enqueued_at, 0)

@@ -236,7 +236,7 @@ class Departures:
     def __init__(self) -> None:
         # Per second in which tickets were queued (guard/pool/estimators.py): the queue's idle spells, when
         # nothing could leave it, would read the pace low after each.
-        self._all, self.sheddable = Pace(DEPARTURE_WINDOW_S, busy=False), BacklogPace()
+        self._all, self.sheddable = Pace(DEPARTURE_WINDOW_S), BacklogPace()
 
     def queued(self) -> None:
         """A ticket was queued."""

@@ -16,7 +16,6 @@ nothing it would notice.
 from __future__ import annotations
 
 import math
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -143,8 +142,8 @@ class Pace:
     time: time in which the owner held something that could end (``busy`` to ``idle``). An idle spell says
     nothing about the pace, and counting it read the pace low after every one: a replica idle for 8 s of
     the last 10 drained at a fifth of its rate by the clock, and a burst that followed was told to wait
-    five times as long (refused ``overloaded`` past a lane's timeout, or a long ``Retry-After``). An owner
-    that never calls ``idle`` is busy from its creation (its pace is per second of the clock).
+    five times as long (refused ``overloaded`` past a lane's timeout, or a long ``Retry-After``). A pace
+    starts idle: its owner holds nothing yet.
 
     Units are counted per whole second of the clock (one entry per second however many events fall in it),
     and idle spells shorter than ``IDLE_GAP_S`` are counted busy, so the window holds a few entries at any
@@ -153,12 +152,12 @@ class Pace:
 
     __slots__ = ("_busy_since", "_seconds", "_spells", "_units", "window")
 
-    def __init__(self, window: float, busy: bool = True) -> None:
+    def __init__(self, window: float) -> None:
         self.window = window
         self._seconds: deque[list[int]] = deque()  # [second, units]
         self._units = 0  # their sum, kept as seconds enter and leave the window
         self._spells: deque[tuple[float, float]] = deque()  # busy spells that ended, (start, end), oldest first
-        self._busy_since: float | None = time.monotonic() if busy else None
+        self._busy_since: float | None = None  # when the current busy spell began (None: idle)
 
     def add(self, units: int, now: float) -> None:
         second = int(now)

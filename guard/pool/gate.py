@@ -111,7 +111,7 @@ class AdmissionGate:
         self.outside = 0  # blocks the last snapshot shows held by traffic that did not come through the guard
         # Blocks released per second over the last DRAIN_WINDOW_S in which the gate held any (busy from the
         # first reservation to the release that leaves none): every submit that queues asks for it.
-        self._drained = Pace(DRAIN_WINDOW_S, busy=False)
+        self._drained = Pace(DRAIN_WINDOW_S)
 
     # -- telemetry -------------------------------------------------------------------------------------
     def update(self, snapshot: TelemetrySnapshot) -> None:

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import pydantic_core
 
+from guard.wire.resume_tap import ERROR_EVENT
+
 _FIRST_CHOICE = b'"choices":[{"index":0,'
 _NO_CHOICE = b'"choices":[]'
-_ERROR_EVENT = b"event: error"
 
 
 class ChoiceFailed(Exception):
@@ -28,7 +29,7 @@ def renumbered(events: bytes, index: int, usages: list[dict]) -> bytes:
     for event in events.split(b"\n\n"):
         if not event or event == b"data: [DONE]":
             continue
-        if event.startswith(_ERROR_EVENT):
+        if event.startswith(ERROR_EVENT):
             raise ChoiceFailed(event.split(b"data: ", 1)[-1].decode(errors="replace"))
         if _NO_CHOICE in event:
             usages.append(pydantic_core.from_json(event.split(b"data: ", 1)[1]))

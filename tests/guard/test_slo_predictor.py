@@ -69,7 +69,7 @@ def test_a_quantile_settles_where_nine_in_ten_observations_lie_below_it() -> Non
 def test_a_pace_counts_busy_seconds_so_an_idle_spell_does_not_lower_it() -> None:
     """A replica idle for 8 s of the last 10 drains at its rate while it held something, not a fifth of it
     (the drain rate that refused a burst after an idle spell ``overloaded``)."""
-    pace = Pace(10.0, busy=False)
+    pace = Pace(10.0)
     assert pace.rate(50.0) == 0.0
     pace.busy(100.0)
     for t in range(100, 102):  # busy 2 s, 10 blocks released a second
