@@ -161,6 +161,19 @@ async def test_a_killed_replica_s_requests_finish_on_the_others_unbroken(process
         await assert_nothing_lost(guard, tally, survivors)
 
 
+async def kill_the_busier(guard: GuardThread, engines: list[EngineProcess], calls: list[asyncio.Task[Answer]],
+                          kinds: list[tuple[str, dict[str, Any]]]) -> tuple[list[Answer], EngineProcess, list[Answer]]:
+    """Kill the busier of two replicas (it runs two of the four calls at least), and once every call is
+    answered, ask the survivor each kind of request directly: (the answers, the survivor, its answers)."""
+    killed = int(busiest(guard)[1:])
+    engines[killed].kill()
+    answers = await asyncio.wait_for(asyncio.gather(*calls), 60)
+    survivor = engines[1 - killed]
+    expected = await asyncio.gather(*(Client(survivor.url, Tally()).call(payload, path=path)
+                                      for path, payload in kinds))
+    return list(answers), survivor, list(expected)
+
+
 def choices_of(answer: Answer) -> tuple[list[tuple[int, str, str]], tuple[int, int]]:
     """A unary answer's choices (index, text, finish reason) and its usage (its cached tokens aside)."""
     data = answer.json()
@@ -180,12 +193,7 @@ async def test_a_unary_request_of_several_choices_or_prompts_moves_whole(process
         client = Client(guard.url, tally)
         calls = [asyncio.create_task(client.call(payload, path=path)) for path, payload in jobs]
         await until(lambda: guard.call(lambda: sum(r.in_flight for r in guard.state.pool)), lambda n: n == 4, 10)
-        killed = int(busiest(guard)[1:])  # it runs two of the four at least
-        engines[killed].kill()
-        answers = await asyncio.wait_for(asyncio.gather(*calls), 60)
-        survivor = engines[1 - killed]
-        expected = await asyncio.gather(*(Client(survivor.url, Tally()).call(payload, path=path)
-                                          for path, payload in kinds))
+        answers, survivor, expected = await kill_the_busier(guard, engines, calls, kinds)
         for n, answer in enumerate(answers):
             assert answer.status == 200, answer.body[:400]
             assert choices_of(answer) == choices_of(expected[n % 2]) and len(choices_of(answer)[0]) == 2
@@ -232,12 +240,7 @@ async def test_a_stream_of_several_choices_moves_each_choice_on_its_own(processe
                  for n, (path, payload) in enumerate(jobs)]
         await asyncio.gather(*(event.wait() for event in started))
         await asyncio.sleep(0.3)  # every stream under way
-        killed = int(busiest(guard)[1:])  # it runs two of the four at least
-        engines[killed].kill()
-        answers = await asyncio.wait_for(asyncio.gather(*calls), 60)
-        survivor = engines[1 - killed]
-        expected = await asyncio.gather(*(Client(survivor.url, Tally()).call(payload, path=path)
-                                          for path, payload in kinds))
+        answers, survivor, expected = await kill_the_busier(guard, engines, calls, kinds)
         for n, answer in enumerate(answers):
             (_, payload), reference = jobs[n], streamed_choices(expected[n % 2])
             assert answer.status == 200, answer.body[:400]
