@@ -11,7 +11,8 @@ relayed bodies can be compared byte for byte.
   ``POST /tokenize``: ``{"count", "max_model_len", "tokens"}`` counted the same way, for clients that ask.
 - ``POST /v1/completions``: non-streaming, one JSON completion of ``max_tokens`` tokens; streaming,
   ``max_tokens`` token events then ``data: [DONE]``, each event written on its own, ``interval_ms``
-  (a body field the proxies pass through untouched) apart: 0 sends them back to back.
+  (a body field the proxies pass through untouched) apart: 0 sends them back to back. With
+  ``return_token_ids`` (a guard asks for it to move a stream), each event comes after its token id comment.
 
     .venv/bin/python bench/fast_upstream.py --port 8200
 """
@@ -104,8 +105,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     interval = float(body.get("interval_ms") or 0) / 1e3
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
-    for _ in range(tokens):
-        await response.write(EVENT)
+    ids = body.get("return_token_ids") is True  # as an engine does, for a guard that may move the stream
+    for token in range(tokens):
+        await response.write(b": token_ids 0 %d\n" % (120 + token) + EVENT if ids else EVENT)
         # A zero sleep still yields, so concurrent streams interleave their events as an engine's do.
         await asyncio.sleep(interval)
     await response.write(DONE)

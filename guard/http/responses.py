@@ -49,6 +49,11 @@ class ResponsesObserver(StreamObserver):
     __slots__ = ()
 
     def feed(self, chunk: bytes) -> bytes:
+        if self.tap is not None:
+            chunk = self.tap.take(chunk)
+        return self.feed_events(chunk) if chunk else b""
+
+    def feed_events(self, chunk: bytes) -> bytes:
         data = self._partial + chunk
         end = data.rfind(b"\n") + 1  # past the last complete line: a line is taken whole
         self._partial, lines = data[end:], data[:end]
@@ -63,8 +68,9 @@ class ResponsesObserver(StreamObserver):
         return chunk
 
     def flush(self) -> bytes:
+        rest = self.feed_events(held) if self.tap is not None and (held := self.tap.flush()) else b""
         self._partial = b""
-        return b""
+        return rest
 
     def _usage(self, line: bytes) -> None:
         try:

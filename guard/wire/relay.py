@@ -97,10 +97,33 @@ class StreamObserver:
     _last: float = field(default=0.0)
 
     def feed(self, chunk: bytes) -> bytes:
-        """Observe ``chunk``; returns what the client gets of it now."""
-        data = self._partial + chunk
-        if not self._dropped and b'"usage"' not in data and b'"error"' not in data and b"[DONE]" not in data:
-            return self._feed_tokens(chunk, data)
+        """Observe ``chunk``; returns what the client gets of it now. With a tap, that is whole events only,
+        less what the tap takes out (see ``ResumeTap``); the relay then reads ``tap.interrupted``."""
+        tap = self.tap
+        if tap is None:
+            return self.feed_events(chunk)
+        # One pass for the tap and the observer: the usual events (tokens only, whole, their comments out)
+        # are counted here; the tap's ``notice`` and the line-by-line reading are for the others.
+        now = time.monotonic()
+        events = tap.whole_events(chunk, now)
+        if not events:
+            return b""
+        if tap.plain and not self._dropped and _tokens_only(events):
+            self._tokens(events, now)
+            return events
+        events = tap.notice(events)
+        return self.feed_events(events) if events else b""
+
+    def feed_events(self, chunk: bytes) -> bytes:
+        """``feed`` without the tap: for a stream without one, and for events a tap already took (each choice
+        of a moved stream has its own, guard/wire/relay.py ``merge``)."""
+        data = self._partial + chunk if self._partial else chunk
+        if not self._dropped and _tokens_only(data):
+            end = data.rfind(b"\n") + 1  # past the last complete line
+            self._partial = data[end:]
+            if end:
+                self._tokens(data[:end], time.monotonic())  # the events of one chunk arrived together
+            return data[:end] if self.strip_usage else chunk
         lines = data.split(b"\n")
         self._partial = lines.pop()
         kept: list[bytes] | None = None  # the lines relayed, once one was dropped (None: all of them)
@@ -119,22 +142,18 @@ class StreamObserver:
             return data[:len(data) - len(self._partial)]
         return b"".join(line + b"\n" for line in kept)
 
-    def _feed_tokens(self, chunk: bytes, data: bytes) -> bytes:
-        """``feed`` where no line can be usage, an error or the end: each complete ``data:`` line is a token
-        (the common case, taken without splitting the chunk into lines)."""
-        end = data.rfind(b"\n") + 1  # past the last complete line
-        self._partial = data[end:]
-        if end:
-            now = time.monotonic()  # the events of one chunk arrived together
-            for _ in range(data.count(b"\ndata:", 0, end) + data.startswith(b"data:")):
-                self._token(now)
-        return data[:end] if self.strip_usage else chunk
+    def _tokens(self, lines: bytes, now: float) -> None:
+        """Complete ``lines`` where none is usage, an error or the end: each ``data:`` line is a token."""
+        for _ in range(lines.count(b"\ndata:") + lines.startswith(b"data:")):
+            self._token(now)
 
     def flush(self) -> bytes:
-        """The stream ended: what is still held back, as it came. A last line without its newline is no SSE
-        event (a client drops an event its stream ends in), so it is relayed but not observed."""
+        """The stream ended: what is still held back, as it came (the tap's unfinished last event too). A
+        last line without its newline is no SSE event (a client drops an event its stream ends in), so it is
+        relayed but not observed."""
+        rest = self.feed_events(held) if self.tap is not None and (held := self.tap.flush()) else b""
         held, self._partial = self._partial, b""
-        return held if self.strip_usage else b""
+        return rest + held if self.strip_usage else rest
 
     def _observe(self, line: bytes) -> bool:
         """Take one complete line into account; True when it is the usage-only line to drop."""
@@ -182,6 +201,11 @@ class StreamObserver:
     def output_tokens(self) -> int:
         """Tokens the client received: the usage figure when there is one, else one per token event."""
         return self.completion_tokens if self.completion_tokens is not None else self.events
+
+
+def _tokens_only(data: bytes) -> bool:
+    """No line of ``data`` can be usage, an error or the end (``find``: cheaper than ``in`` on bytes)."""
+    return data.find(b'"usage"') < 0 and data.find(b'"error"') < 0 and data.find(b"[DONE]") < 0
 
 
 class Relay:
@@ -374,7 +398,7 @@ class Relay:
                 if tap.interrupted is not None:
                     raise ChoiceFailed(f"choice {index}'s engine failed ({tap.interrupted})")
                 if events and (kept := choices.renumbered(events, index, usages)) \
-                        and (relayed := observer.feed(kept)):
+                        and (relayed := observer.feed_events(kept)):
                     await self._write(client, response, relayed)
                 chunk = await upstream.readany()
             if not upstream.is_eof():
@@ -399,7 +423,7 @@ class Relay:
         assert observer.tap is not None and observer.tap.response is not None
         response = observer.tap.response
         try:
-            if relayed := observer.feed(last + b"data: [DONE]\n\n"):
+            if relayed := observer.feed_events(last + b"data: [DONE]\n\n"):
                 await self._write(client, response, relayed)
             await response.write_eof()
         except (ClientGone, ConnectionError):
@@ -448,36 +472,32 @@ class Relay:
             if chunk is None:
                 chunk = await upstream.readany()
             while chunk:
-                if tap is not None:
-                    chunk = tap.take(chunk)
-                    if tap.interrupted is not None:  # the engine's error event asks to resume elsewhere
-                        if chunk and (relayed := observer.feed(chunk)):
-                            await self._write(client, response, relayed)
-                        return False
-                if chunk and (relayed := observer.feed(chunk)):  # nothing when the chunk only began a line
+                if relayed := observer.feed(chunk):  # nothing when the chunk only began a line (or an event)
                     await self._write(client, response, relayed)
+                if tap is not None and tap.interrupted is not None:  # an engine error event asks to move
+                    return False
                 chunk = await upstream.readany()
             completed = upstream.is_eof()
-            if completed and tap is not None and (rest := tap.flush()) and (relayed := observer.feed(rest)):
-                await self._write(client, response, relayed)
             if completed and (held := observer.flush()):
                 await self._write(client, response, held)
         except ClientGone:
             observer.client_gone = True
             return False
         except (UpstreamError, TimeoutError) as exc:  # the engine failed or went quiet mid-stream
+            if tap is not None:
+                tap.reset_held()  # an unfinished event never goes out
             if self.resumable(upstream, tap):
                 tap.interrupted = self._reason_of(exc, upstream)  # type: ignore[union-attr]
-                tap.reset_held()
                 return False
             observer.failed = True
             await _try_write(response, observer.flush() + self.failure_event(
                 f"the engine stream failed: {type(exc).__name__}", upstream))
             return False
         if not completed:
+            if tap is not None:
+                tap.reset_held()
             if self.resumable(upstream, tap):
                 tap.interrupted = "closed"  # type: ignore[union-attr]
-                tap.reset_held()  # type: ignore[union-attr]
                 return False
             observer.failed = True
             await _try_write(response, observer.flush() + self.failure_event("the engine stream ended early",

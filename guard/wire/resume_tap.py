@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 COMMENT = b": token_ids "
+_LINE_COMMENT = b"\n" + COMMENT  # a comment after the first line
 ERROR_EVENT = b"event: error\n"
 # An engine error that says the request did not fail, its replica did: drained past its deadline
 # (``resume_elsewhere``), stopping (``engine_unavailable``) or a failed step (``engine_step_failed``).
@@ -51,23 +52,45 @@ class ResumeTap:
 
     def take(self, chunk: bytes) -> bytes:
         """The whole events ``chunk`` completes, without their token id comments (b"": none yet)."""
-        self.last_byte = time.monotonic()
-        data = self._held + chunk if self._held else chunk
-        if data.endswith(b"\n\n"):  # whole events, nothing left over (a paced stream's every chunk): no search
-            self._held, events = b"", data  # and no copies, on a path taken per chunk (a firehose has hundreds)
-        else:
-            end = data.rfind(b"\n\n") + 2
+        events = self.whole_events(chunk, time.monotonic())
+        return self.notice(events) if events else events
+
+    def whole_events(self, chunk: bytes, now: float) -> bytes:
+        """``take``'s first half, which every chunk needs: the whole events ``chunk`` (arrived at ``now``)
+        completes, their comments taken out and their ids kept (b"": none yet). Unless ``plain`` says so,
+        they must then go through ``notice``; a stream's observer does both in its one pass over the chunk
+        (guard/wire/relay.py), where ``notice`` is needed only for events that say more than tokens."""
+        self.last_byte = now
+        if self._held:
+            chunk, self._held = self._held + chunk, b""
+        if not chunk.endswith(b"\n\n"):  # a paced stream's every chunk ends an event: no search, no copy
+            end = chunk.rfind(b"\n\n") + 2
             if end < 2:
-                self._held = data
+                self._held = chunk
                 return b""
-            self._held, events = data[end:], data[:end]
+            self._held, chunk = chunk[end:], chunk[:end]
+        if chunk.startswith(COMMENT):
+            end = chunk.find(b"\n")
+            if end > 0 and chunk.find(_LINE_COMMENT, end) < 0:  # its only comment, first: a kvguard engine's
+                self._ids.append(chunk[len(COMMENT):end])  # one event per chunk (no list, no join)
+                return chunk[end + 1:]
+            return self._strip(chunk)
+        return self._strip(chunk) if chunk.find(_LINE_COMMENT) >= 0 else chunk
+
+    @property
+    def plain(self) -> bool:
+        """``notice`` has nothing to do for events of tokens only (no error, no finish reason to note): the
+        answer's id is known, the events are not counted and there is one choice."""
+        return self._looked and not self.count_events and self.choices == 1
+
+    def notice(self, events: bytes) -> bytes:
+        """``take``'s second half: ``events`` (whole, from ``whole_events``) less an engine error that asks
+        for a resume, which it withholds; the answer's id, the events counted, the choices that ended."""
         if not self._looked:  # the first events relayed carry the answer's id
             self._looked = True
             if found := _ANSWER_ID.search(events):
                 self.answer_key = found.group(1).decode()
-        if COMMENT in events:
-            events = self._strip(events)
-        if ERROR_EVENT in events:
+        if events.find(ERROR_EVENT) >= 0:
             events = self._withhold_error(events)
         if self.count_events:
             self.events += events.count(b"\ndata:") + events.startswith(b"data:")
@@ -88,7 +111,7 @@ class ResumeTap:
         """The stream ended normally: what came after its last blank line (an upstream that does not end its
         last event with one), as it came, less any token id comment."""
         held, self._held = self._held, b""
-        return self._strip(held) if COMMENT in held else held
+        return self._strip(held) if held.startswith(COMMENT) or held.find(_LINE_COMMENT) >= 0 else held
 
     def reset_held(self) -> None:
         """The stream broke off: what came of an unfinished event was never relayed, and never will be."""
@@ -99,17 +122,16 @@ class ResumeTap:
         bytes inside a data line are its text (a JSON string holds no raw newline, so a line begins only
         where one does)."""
         kept, start = [], 0
-        at = events.find(COMMENT)
+        at = 0 if events.startswith(COMMENT) else events.find(_LINE_COMMENT) + 1 or -1  # where one starts
         while at >= 0:
-            if at and events[at - 1] != 10:  # not at a line's start ("\n" is 10): text
-                at = events.find(COMMENT, at + 1)
-                continue
             end = events.find(b"\n", at)
             end = len(events) if end < 0 else end
             kept.append(events[start:at])
             self._ids.append(events[at + len(COMMENT):end])
             start = end + 1
-            at = events.find(COMMENT, start)
+            at = events.find(_LINE_COMMENT, end) + 1 or -1  # from its own newline: a comment right after
+        if not kept:
+            return events
         kept.append(events[start:])
         return b"".join(kept)
 

@@ -37,6 +37,7 @@ from engine.protocol import (
 )
 from guard.admission.fairness import INPUT_COST, OUTPUT_COST
 from guard.wire.relay import StreamObserver
+from guard.wire.resume_tap import ResumeTap
 
 # -- the observer on byte chunks ----------------------------------------------------------------------------
 
@@ -105,6 +106,28 @@ def test_a_client_that_asked_for_usage_gets_every_chunk_as_it_came(cuts: set[int
     out, observer = relay(STREAM, list(cuts), strip_usage=False)
     assert out == [*pieces(STREAM, list(cuts)), b""]
     assert observer.output_tokens == 9 and observer.finished
+
+
+# The stream as a kvguard engine writes it for a resumable request: each event after the token ids it adds.
+TAPPED = b"".join(b": token_ids 0 %d\n" % i + event if event.startswith(b"data: {") else event
+                  for i, event in enumerate([*TOKENS, USAGE_EVENT, SSE_DONE]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sets(st.integers(1, len(TAPPED) - 1), max_size=12))
+def test_with_a_tap_whole_events_go_out_in_one_pass_as_through_the_tap_then_the_observer(cuts: set[int]) -> None:
+    """``feed`` with a tap counts the usual events itself, sending only the rest through the tap's ``notice``
+    and the line-by-line reading: the same as the tap's ``take`` and then the observer without it."""
+    fused = StreamObserver(on_first_token=lambda now: None, on_gap=lambda gap: None, strip_usage=True,
+                           tap=ResumeTap())
+    apart = StreamObserver(on_first_token=lambda now: None, on_gap=lambda gap: None, strip_usage=True)
+    tap = ResumeTap()
+    for piece in pieces(TAPPED, list(cuts)):
+        assert fused.feed(piece) == apart.feed_events(tap.take(piece)), cuts
+    assert fused.flush() == apart.feed_events(tap.flush()) + apart.flush()
+    assert (fused.events, fused.output_tokens, fused.finished) == (apart.events, 9, True) == (3, 9, True)
+    assert fused.tap.token_ids() == tap.token_ids() == [0, 2, 3, 4]
+    assert fused.tap.answer_key == tap.answer_key == "1"
 
 
 def test_a_last_line_without_its_newline_still_reaches_the_client() -> None:
