@@ -24,6 +24,8 @@ from typing import Any
 
 COMMENT = b": token_ids "
 _LINE_COMMENT = b"\n" + COMMENT  # a comment after the first line
+# A comment line less its own newline, after the newline that ends the line before (which it takes instead).
+_COMMENT_LINES = re.compile(rb"\n: token_ids ([^\n]*)")
 ERROR_EVENT = b"event: error\n"
 # An engine error that says the request did not fail, its replica did: drained past its deadline
 # (``resume_elsewhere``), stopping (``engine_unavailable``) or a failed step (``engine_step_failed``).
@@ -46,6 +48,9 @@ class ResumeTap:
     moves: int = 0  # replicas the request has moved to
     last_byte: float = field(default_factory=time.monotonic)
     response: Any = None  # the client's stream once it started (a web.StreamResponse or the front's stream)
+    # ``notice`` has nothing to do for events of tokens only (no error, no finish reason to note): the answer's
+    # id is known, the events are not counted and there is one choice (set once the id was looked for).
+    plain: bool = False
     _held: bytes = b""  # the last event so far, its blank line not yet come
     _looked: bool = False  # for the answer's id
     _ids: list[bytes] = field(default_factory=list)  # the comments' runs ("<choice> <id>,..."), parsed when resumed
@@ -77,17 +82,11 @@ class ResumeTap:
             return self._strip(chunk)
         return self._strip(chunk) if chunk.find(_LINE_COMMENT) >= 0 else chunk
 
-    @property
-    def plain(self) -> bool:
-        """``notice`` has nothing to do for events of tokens only (no error, no finish reason to note): the
-        answer's id is known, the events are not counted and there is one choice."""
-        return self._looked and not self.count_events and self.choices == 1
-
     def notice(self, events: bytes) -> bytes:
         """``take``'s second half: ``events`` (whole, from ``whole_events``) less an engine error that asks
         for a resume, which it withholds; the answer's id, the events counted, the choices that ended."""
         if not self._looked:  # the first events relayed carry the answer's id
-            self._looked = True
+            self._looked, self.plain = True, not self.count_events and self.choices == 1
             if found := _ANSWER_ID.search(events):
                 self.answer_key = found.group(1).decode()
         if events.find(ERROR_EVENT) >= 0:
@@ -120,20 +119,10 @@ class ResumeTap:
     def _strip(self, events: bytes) -> bytes:
         """``events`` without their comment lines, whose id runs are kept. A comment begins a line: the same
         bytes inside a data line are its text (a JSON string holds no raw newline, so a line begins only
-        where one does)."""
-        kept, start = [], 0
-        at = 0 if events.startswith(COMMENT) else events.find(_LINE_COMMENT) + 1 or -1  # where one starts
-        while at >= 0:
-            end = events.find(b"\n", at)
-            end = len(events) if end < 0 else end
-            kept.append(events[start:at])
-            self._ids.append(events[at + len(COMMENT):end])
-            start = end + 1
-            at = events.find(_LINE_COMMENT, end) + 1 or -1  # from its own newline: a comment right after
-        if not kept:
-            return events
-        kept.append(events[start:])
-        return b"".join(kept)
+        where one does). One split in C, where a loop over the comments cost 0.7 us each (timeit)."""
+        parts = _COMMENT_LINES.split(b"\n" + events)  # a newline first: the first line is a line too
+        self._ids += parts[1::2]
+        return b"".join(parts[::2])[1:]
 
     def _withhold_error(self, events: bytes) -> bytes:
         start = events.find(ERROR_EVENT)
