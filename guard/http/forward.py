@@ -49,14 +49,13 @@ async def to_pool(ex: Exchange) -> web.StreamResponse:
                                     priority=sizing.lane.priority + (BORROWED_PRIORITY if ticket.borrowed else 0))
         metrics.child(metrics.routed, replica.name).inc()
         metrics.child(metrics.prefix_predicted, replica.name).inc(ticket.hit_blocks * sizing.block_size)
-        if tap is not None and tap.choices > 1 and tap.response is not None:  # moved: each choice on its own
+        if tap.choices > 1 and tap.response is not None:  # moved: each choice on its own
             return await _resume_choices(ex, replica, migrate.choice_bodies(body, parsed, tap))
-        if tap is not None:
-            body = migrate.resume_body(body, parsed, tap)
+        body = migrate.resume_body(body, parsed, tap)
         try:
             response, ex.outcome = await forward(ex, replica.url, replica.name, body, entry.observer, route=None)
         except UpstreamUnavailable as exc:
-            if tap is None or tap.response is None:  # nothing sent yet: the pipeline may try a fallback
+            if tap.response is None:  # nothing sent yet: the pipeline may try a fallback
                 await _fail_over(ex)
                 continue
             try:  # a moved stream cannot start over on a fallback: it ends if no replica is left
@@ -64,7 +63,7 @@ async def to_pool(ex: Exchange) -> web.StreamResponse:
             except UpstreamUnavailable:
                 return await _give_up(ex, tap.response, tap, str(exc))
             continue
-        if tap is None or tap.interrupted is None or entry.observer.client_gone:
+        if tap.interrupted is None or entry.observer.client_gone:
             return response
         if (why := await migrate.move(ex, tap)) is not None:
             return await _give_up(ex, response, tap, why)

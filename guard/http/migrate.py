@@ -1,10 +1,9 @@
 """Nothing lost: a request whose replica lets it down mid-answer continues on another, and its client sees one
 unbroken answer (guard/http/forward.py drives it; guard/wire/relay.py and resume_tap.py do the bytes).
 
-- **Which** (``resumable``): every unary pool request, whatever its ``n`` and prompts (its client has seen
-  nothing: it is sent again whole), and a stream of one prompt (a stream of several prompts fails as
-  before). Its observer gets a ``ResumeTap``, and a stream asks its engine for the token ids of each event
-  (``return_token_ids``), which the tap takes out of what the client gets.
+- **Which**: every pool request. A unary one, whatever its ``n`` and prompts, is sent again whole (its
+  client has seen nothing). A stream is relayed through a ``ResumeTap`` (``tap_for``) and asks its engine
+  for the token ids of each event (``return_token_ids``), which the tap takes out of what the client gets.
 - **When** (``guard_migrations_total{reason}``): the answer broke off (``reset``, ``closed``), the engine
   ended it with an error that asks for it (``stream_error``: stopping, a failed step; ``drain``: its drain
   timeout ran out, or it refused the request because it drains), or its replica went ``silent``:
@@ -17,12 +16,13 @@ unbroken answer (guard/http/forward.py drives it; guard/wire/relay.py and resume
   it derives from it) and, for a Responses stream, the count of its events (``resume_sequence_number``).
   The engine continues after those tokens and sends only what the client has not seen; its ``usage`` is
   the whole answer's. A unary request, of which the client has seen nothing, is simply sent again.
-- **Several choices** (a stream with ``n > 1``): ``resume_token_ids`` continues one choice, so each choice
-  that had not ended resumes as a request of its own (``choice_bodies``: ``n`` 1, that choice's tokens,
-  and its own seed, ``seed + index``, the one the engine gave it), all on the replica the request was
-  admitted to again; the relay merges their events into the client's stream under each choice's index,
-  and ends it with one ``usage`` for every choice (guard/http/forward.py). One of them failing in turn
-  ends the stream with its error event: such a stream moves once.
+- **Several choices** (a stream with ``n > 1``, or of several prompts: choice ``i`` of prompt ``p`` is
+  choice ``p * n + i``): ``resume_token_ids`` continues one choice, so each choice that had not ended
+  resumes as a request of its own (``choice_bodies``: its prompt, ``n`` 1, its tokens, and its own seed,
+  ``seed + i``, the one the engine gave it), all on the replica the request was admitted to again; the
+  relay merges their events into the client's stream under each choice's index, and ends it with one
+  ``usage`` for every choice (guard/http/forward.py). One of them failing in turn ends the stream with
+  its error event: such a stream moves once.
 - **Bounds**: at most ``migration.max_migrations`` moves per request; one more failure ends it with an
   explicit error (a stream's ``error`` event, or a 502), as does a pool with no other usable replica (a
   request never moved then fails as it always did: its replica's failure is its answer).
@@ -57,31 +57,34 @@ log = logging.getLogger("guard.migrate")
 _TOKEN_IDS = b',"return_token_ids":true}'
 
 
-def resumable(parsed: ParsedRequest) -> bool:
-    """A unary request (sent again whole), or a stream of one prompt (each choice continued with its
-    ``resume_token_ids``)."""
+def tap_for(parsed: ParsedRequest) -> ResumeTap:
+    """The tap every pool request is relayed through; a Responses stream's counts its events."""
+    return ResumeTap(count_events=parsed.path == RESPONSES, choices=choices_of(parsed))
+
+
+def choices_of(parsed: ParsedRequest) -> int:
+    """The answer's choices: ``n`` for each prompt (a completion may send several: choice ``i`` of prompt
+    ``p`` is choice ``p * n + i``)."""
     model = parsed.model
-    return not parsed.stream or not (isinstance(model, CompletionRequest) and len(model.prompts) != 1)
-
-
-def tap_for(parsed: ParsedRequest) -> ResumeTap | None:
-    """The tap of a resumable request (None: not resumable); a Responses stream's counts its events."""
-    return ResumeTap(count_events=parsed.path == RESPONSES, choices=parsed.n) if resumable(parsed) else None
+    return parsed.n * (len(model.prompts) if isinstance(model, CompletionRequest) else 1)
 
 
 def choice_bodies(body: bytes, parsed: ParsedRequest, tap: ResumeTap) -> list[tuple[int, bytes]]:
     """A stream of several choices resumed: for each choice that had not ended, its index and the body that
     continues it alone (see the module docstring)."""
     base = {**pydantic_core.from_json(body), "n": 1, "return_token_ids": True, "request_id": tap.answer_key}
-    seed = parsed.model.seed
+    model, n = parsed.model, parsed.n
+    prompts = model.prompts if isinstance(model, CompletionRequest) else None
     bodies = []
-    for index in range(parsed.n):
+    for index in range(tap.choices):
         if index not in tap.ended:
             one = dict(base)
+            if prompts is not None:
+                one["prompt"] = prompts[index // n]
             if token_ids := tap.token_ids(index):  # none yet: it starts over (its first event not sent)
                 one["resume_token_ids"] = token_ids
-            if seed is not None:
-                one["seed"] = seed + index  # the engine seeds choice i of a request with seed + i
+            if model.seed is not None:
+                one["seed"] = model.seed + index % n  # the engine seeds choice i of each prompt with seed + i
             bodies.append((index, pydantic_core.to_json(one)))
     return bodies
 
@@ -130,21 +133,21 @@ async def move(ex: Exchange, tap: ResumeTap) -> str | None:
 
 
 def merged_usage(ex: Exchange, usages: list[dict]) -> bytes:
-    """The usage event that ends a merged stream of several choices: the prompt once, and every choice's
-    tokens (an ended one's as its events carried them, the others' as their own streams counted them: what
-    was resumed and what followed). ``usages``: those streams' usage events, whose shape it takes."""
+    """The usage event that ends a merged stream of several choices: each prompt once (as the engine counts
+    them, guard/http/tokens.py), and every choice's tokens (an ended one's as its events carried them, the
+    others' as their own streams counted them: what was resumed and what followed). ``usages``: those
+    streams' usage events, whose shape it takes."""
     tap = ex.entry.observer.tap
     assert tap is not None
     done = sum(len(tap.token_ids(index)) for index in tap.ended)
     if usages:
         event = usages[0]
-        prompt, completion = event["usage"]["prompt_tokens"], done + sum(u["usage"]["completion_tokens"] for u in usages)
     else:  # every choice had ended before the break: no stream to take the event's shape from
         chat = isinstance(ex.parsed.model, ChatCompletionRequest)
         event = {"id": ("chatcmpl-" if chat else "cmpl-") + (tap.answer_key or ex.request_id),
                  "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
                  "model": ex.parsed.model.model, "choices": [], "usage": {}}
-        prompt, completion = ex.limits.prompt_tokens, done
+    prompt, completion = ex.limits.prompt_tokens, done + sum(u["usage"]["completion_tokens"] for u in usages)
     usage = {**event["usage"], "prompt_tokens": prompt, "completion_tokens": completion,
              "total_tokens": prompt + completion}
     return b"data: " + pydantic_core.to_json({**event, "usage": usage}) + b"\n\n"
