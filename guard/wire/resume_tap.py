@@ -24,6 +24,7 @@ from typing import Any
 
 COMMENT = b": token_ids "
 _LINE_COMMENT = b"\n" + COMMENT  # a comment after the first line
+_IDS_AT = len(COMMENT)  # where a comment's ids begin
 # A comment line less its own newline, after the newline that ends the line before (which it takes instead).
 _COMMENT_LINES = re.compile(rb"\n: token_ids ([^\n]*)")
 ERROR_EVENT = b"event: error\n"
@@ -75,9 +76,9 @@ class ResumeTap:
                 return b""
             self._held, chunk = chunk[end:], chunk[:end]
         if chunk.startswith(COMMENT):
-            end = chunk.find(b"\n")
-            if end > 0 and chunk.find(_LINE_COMMENT, end) < 0:  # its only comment, first: a kvguard engine's
-                self._ids.append(chunk[len(COMMENT):end])  # one event per chunk (no list, no join)
+            end = chunk.find(b"\n", _IDS_AT)
+            if chunk.find(_LINE_COMMENT, end) < 0:  # its only comment, first: a kvguard engine's one event
+                self._ids.append(chunk[_IDS_AT:end])  # per chunk (no split, no join)
                 return chunk[end + 1:]
             return self._strip(chunk)
         return self._strip(chunk) if chunk.find(_LINE_COMMENT) >= 0 else chunk
