@@ -6,7 +6,10 @@ pool of one. For every workload of bench/guard_overhead.py (unary, stream, fireh
 two are loaded at once, each by its own closed-loop generator, and each guard's CPU per request is read
 from the scheduler (bench/proc_stats.py). Loading them together puts whatever slows the shared machine on
 both alike, so the ratio B/A resolves a few percent where consecutive runs drift by tens; the order of the
-two starts alternates per round. Figures: medians over rounds, per workload, and the median ratio.
+two starts alternates per round. Each round starts both guards afresh (``--same-guards`` keeps them): two
+runs with the same two processes each disagreed by 2-3 % more than their rounds did, a bias of the
+process pair itself (its memory layout, its hash seed), which only fresh pairs average out. Figures: medians
+over rounds, per workload, and the median ratio.
 
     .venv/bin/python bench/guard_ab.py --baseline <commit>          # A = that commit, B = this tree
     .venv/bin/python bench/guard_ab.py --a /path/to/tree --rounds 8
@@ -52,15 +55,22 @@ def compare(tree_a: Path, args: argparse.Namespace, workdir: Path) -> dict:
     config = {"engine": {"name": "primary", "url": upstream.url}, "secret": "bench-guard-ab",
               "tenants": [{"name": "bench", "api_keys": [API_KEY], "lane": "interactive", "max_queue": 100000}]}
     guards: dict[str, Service] = {}
-    try:
+
+    def start_both() -> None:
+        for service in guards.values():
+            service.stop()
         guards["A"] = start_guard(workdir, config, proxy_cpus, name="guard-a", tree=tree_a)
         guards["B"] = start_guard(workdir, config, proxy_cpus, name="guard-b")
         check_relays({"direct": upstream.url, **{name: g.url for name, g in guards.items()}}, loads)
+
+    try:
         cpu: dict[str, dict[str, list[float]]] = {load.name: {"A": [], "B": []} for load in loads}
         # Requests per second too: a guard's fixed costs (telemetry, timers) spread over fewer requests when
         # its answers come slower, so a ratio of CPU per request is read beside a ratio of rates.
         rates: dict[str, dict[str, list[float]]] = {load.name: {"A": [], "B": []} for load in loads}
         for index in range(args.rounds):
+            if index == 0 or args.fresh:
+                start_both()
             order = ("A", "B") if index % 2 == 0 else ("B", "A")
             for load in loads:
                 with concurrent.futures.ThreadPoolExecutor(2) as pool:
@@ -82,7 +92,7 @@ def compare(tree_a: Path, args: argparse.Namespace, workdir: Path) -> dict:
     return {
         "benchmark": "guard_ab", "machine": describe(torch.device("cpu")), "command": command(),
         "a": str(tree_a), "b": str(REPO), "upstream_tree": args.upstream_tree, "load_generator": kind,
-        "rounds": args.rounds, "duration_s": args.duration,
+        "rounds": args.rounds, "duration_s": args.duration, "fresh_guards_per_round": args.fresh,
         "connections": args.connections,
         "layout": "both guards pinned to core 0; load and upstream to core 1" if pin else "not pinned",
         "cpu_us_per_request": cpu, "requests_per_s": rates,
@@ -104,6 +114,10 @@ def main() -> None:
     parser.add_argument("--firehose-events", type=int, default=256)
     parser.add_argument("--upstream-tree", choices=("a", "b"), default="b",
                         help="whose bench/fast_upstream.py (and engine protocol) the upstream runs (see above)")
+    parser.add_argument("--same-guards", dest="fresh", action="store_false",
+                        help="keep the two guard processes for every round (by default each round starts both "
+                             "afresh: a process's memory layout and hash seed bias its CPU by 1-3 %%, which only "
+                             "fresh processes average out)")
     parser.add_argument("--quick", action="store_true", help="one round of 1-s measurements: checks that it runs")
     parser.add_argument("--json", type=Path, help="write the raw report here")
     args = parser.parse_args()
@@ -127,7 +141,8 @@ def main() -> None:
         print("QUICK RUN: 1-second measurements, not a measurement")
     print(f"A = {report['a']}" + (f" ({args.baseline})" if args.baseline else "") + f"\nB = {report['b']}")
     print(f"load generator: {report['load_generator']}; {report['layout']}; {args.rounds} rounds of "
-          f"{args.duration:g} s, {args.connections} connections")
+          f"{args.duration:g} s, {args.connections} connections; "
+          + ("both guards started afresh each round" if args.fresh else "the same two guards throughout"))
     print(f"{'workload':9} {'A us/req':>9} {'B us/req':>9} {'B/A':>6}")
     for name, row in report["summary"].items():
         print(f"{name:9} {row['a_us']:>9,.0f} {row['b_us']:>9,.0f} {row['ratio_b_over_a']:>6.3f}")
