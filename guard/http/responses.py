@@ -68,7 +68,7 @@ class ResponsesObserver(StreamObserver):
         return chunk
 
     def flush(self) -> bytes:
-        rest = self.feed_events(held) if self.tap is not None and (held := self.tap.flush()) else b""
+        rest = self.feed_events(unfinished) if self.tap is not None and (unfinished := self.tap.flush()) else b""
         self._partial = b""
         return rest
 

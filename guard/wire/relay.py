@@ -120,10 +120,10 @@ class StreamObserver:
         data = self._partial + chunk if self._partial else chunk
         if not self._dropped and _tokens_only(data):
             end = data.rfind(b"\n") + 1  # past the last complete line
-            self._partial = data[end:]
+            self._partial, lines = data[end:], data[:end]
             if end:
-                self._tokens(data[:end], time.monotonic())  # the events of one chunk arrived together
-            return data[:end] if self.strip_usage else chunk
+                self._tokens(lines, time.monotonic())  # the events of one chunk arrived together
+            return lines if self.strip_usage else chunk
         lines = data.split(b"\n")
         self._partial = lines.pop()
         kept: list[bytes] | None = None  # the lines relayed, once one was dropped (None: all of them)
@@ -151,7 +151,7 @@ class StreamObserver:
         """The stream ended: what is still held back, as it came (the tap's unfinished last event too). A
         last line without its newline is no SSE event (a client drops an event its stream ends in), so it is
         relayed but not observed."""
-        rest = self.feed_events(held) if self.tap is not None and (held := self.tap.flush()) else b""
+        rest = self.feed_events(unfinished) if self.tap is not None and (unfinished := self.tap.flush()) else b""
         held, self._partial = self._partial, b""
         return rest + held if self.strip_usage else rest
 
