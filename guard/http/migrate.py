@@ -48,6 +48,7 @@ from guard.config import Migration
 from guard.http.exchange import Exchange
 from guard.http.validate import RESPONSES, ParsedRequest
 from guard.instance import GuardState
+from guard.pool.replica import Replica
 from guard.wire.relay import Relay
 from guard.wire.resume_tap import ResumeTap
 
@@ -117,7 +118,7 @@ async def move(ex: Exchange, tap: ResumeTap) -> str | None:
     if tap.moves >= limit:
         return f"the request's replica failed ({reason}) after it was moved {tap.moves} times (the most " \
                f"migration.max_migrations allows)"
-    if not any(other is not replica and other.usable() for other in state.pool):
+    if not any(other is not replica and _may_take(other) for other in state.pool):
         return f"the request's replica failed ({reason}) and no other engine replica is available"
     if replica is not None:
         replica.breaker.trip()  # failed, silent or draining: no request should go there until it is healthy
@@ -130,6 +131,15 @@ async def move(ex: Exchange, tap: ResumeTap) -> str | None:
         entry.growth.ticket = entry.ticket
     await state.dispatcher.submit(entry.ticket)
     return None
+
+
+def _may_take(replica: Replica) -> bool:
+    """A replica a moved request may be admitted to, now or once its next snapshot comes: its circuit closed,
+    not draining. Not ``usable()``: an idle engine's telemetry comes once a second, so where
+    ``telemetry_stale_s`` is about that, a healthy idle replica is unusable for moments, and a request moved
+    then gave up (a flake of the silent-replica test under load); the dispatcher waits for it instead."""
+    snapshot = replica.gate.snapshot
+    return replica.breaker.closed and snapshot is not None and not snapshot.draining
 
 
 def merged_usage(ex: Exchange, usages: list[dict]) -> bytes:
