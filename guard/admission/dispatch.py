@@ -200,14 +200,14 @@ class Dispatcher:
         if ticket.state is TicketState.ADMITTED:
             return  # admitted at once by pump: no future, no deadline
         ticket.admitted = asyncio.get_running_loop().create_future()  # before any await: pump sets it
-        limit, bound = slo.queue_limit(ticket, ticket.arrived or ticket.enqueued_at, ticket.enqueued_at)
+        limit = slo.queue_limit(ticket, ticket.arrived or ticket.enqueued_at, ticket.enqueued_at)
         try:  # queued, a ticket is served or leaves at its limit
             await asyncio.wait_for(asyncio.shield(ticket.admitted), limit)
         except TimeoutError:
             self._dequeue(ticket)
             if ticket.state is TicketState.ADMITTED:  # admitted in the same instant the deadline passed
                 return
-            raise GuardError(503, f"not admitted within {bound}", code="queue_timeout",
+            raise GuardError(503, f"not admitted within {slo.queue_bound(ticket, limit)}", code="queue_timeout",
                              retry_after=self.pool.retry_after(self.blocks_queued())) from None
         except asyncio.CancelledError:
             self.finish(ticket)  # the client left: out of the queue, or its fresh reservation back

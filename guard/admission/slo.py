@@ -402,18 +402,21 @@ def judge(pool: ReplicaPool, departures: Departures, correction: WaitCorrection,
                            f"{1e3 * objective.tpot_s:g} ms", 1.0)
 
 
-def queue_limit(ticket: Judged, arrived: float, now: float) -> tuple[float, str]:
-    """How long the ticket may wait in the queue from ``now``, and what bounds it: its lane's timeout, or
-    for a sheddable ticket with a TTFT objective what is left of that objective since it ``arrived`` (once
-    it passes, the ticket could only be served late, on room that work still on time needs)."""
-    timeout = ticket.lane.timeout
-    objective = ticket.objective
+def queue_limit(ticket: Judged, arrived: float, now: float) -> float:
+    """How long the ticket may wait in the queue from ``now``: its lane's timeout, or for a sheddable ticket
+    with a TTFT objective what is left of that objective since it ``arrived``, if sooner (once it passes,
+    the ticket could only be served late, on room that work still on time needs)."""
+    timeout, objective = ticket.lane.timeout, ticket.objective
     if objective is None or objective.priority_class != SHEDDABLE or objective.ttft_s is None:
-        return timeout, f"this lane's {timeout:g} s queueing timeout"
-    left = max(0.0, objective.ttft_s - (now - arrived))
-    if left >= timeout:
-        return timeout, f"this lane's {timeout:g} s queueing timeout"
-    return left, f"its {objective.ttft_s:g} s time-to-first-token objective (sheddable: never served late)"
+        return timeout
+    return min(timeout, max(0.0, objective.ttft_s - (now - arrived)))
+
+
+def queue_bound(ticket: Judged, limit: float) -> str:
+    """What ``limit`` (``queue_limit``'s) stood for, as a ticket that waited it out is told."""
+    if limit < ticket.lane.timeout and ticket.objective is not None and ticket.objective.ttft_s is not None:
+        return f"its {ticket.objective.ttft_s:g} s time-to-first-token objective (sheddable: never served late)"
+    return f"this lane's {ticket.lane.timeout:g} s queueing timeout"
 
 
 def placed(ticket: Judged) -> None:

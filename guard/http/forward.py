@@ -12,6 +12,7 @@ request moved to another replica, where its answer continues (guard/http/migrate
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
 from aiohttp import web
@@ -26,6 +27,8 @@ from guard.wire.errors import error_response
 from guard.wire.relay import StreamObserver, UpstreamUnavailable
 from guard.wire.resume_tap import ResumeTap
 from guard.wire.upstream import Answer, UpstreamError
+
+log = logging.getLogger("guard.forward")
 
 
 async def to_pool(ex: Exchange) -> web.StreamResponse:
@@ -118,6 +121,7 @@ async def _fail_over(ex: Exchange) -> None:
 async def _give_up(ex: Exchange, response: web.StreamResponse, tap: ResumeTap, why: str) -> web.StreamResponse:
     """A request that may not move again: its client is told so (its stream's error event, or a 502; one never
     moved, whose client has seen nothing, gets its replica's failure as it came)."""
+    log.warning("request %s ends without moving on: %s", ex.request_id, why)
     ex.outcome = Outcome.UPSTREAM_ERROR
     if tap.response is not None:
         await ex.clients.relay.end_stream(tap.response, ex.entry.observer, why)

@@ -115,15 +115,11 @@ async def move(ex: Exchange, tap: ResumeTap) -> str | None:
     ticket = entry.ticket
     replica = ticket.replica
     limit = state.config.migration.max_migrations
-    why = None
     if tap.moves >= limit:
-        why = f"the request's replica failed ({reason}) after it was moved {tap.moves} times (the most " \
-              f"migration.max_migrations allows)"
-    elif not any(other is not replica and _may_take(other) for other in state.pool):
-        why = f"the request's replica failed ({reason}) and no other engine replica is available"
-    if why is not None:
-        log.warning("request %s does not move: %s", ex.request_id, why)
-        return why
+        return f"the request's replica failed ({reason}) after it was moved {tap.moves} times (the most " \
+               f"migration.max_migrations allows)"
+    if not any(other is not replica and _may_take(other) for other in state.pool):
+        return f"the request's replica failed ({reason}) and no other engine replica is available"
     if replica is not None:
         replica.breaker.trip()  # failed, silent or draining: no request should go there until it is healthy
         log.warning("moving request %s off replica %s (%s)", ex.request_id, replica.name, reason)

@@ -68,7 +68,7 @@ class ResponsesObserver(StreamObserver):
         return chunk
 
     def flush(self) -> bytes:
-        rest = self.feed_events(unfinished) if self.tap is not None and (unfinished := self.tap.flush()) else b""
+        rest = self._unfinished()
         self._partial = b""
         return rest
 

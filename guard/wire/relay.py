@@ -151,9 +151,14 @@ class StreamObserver:
         """The stream ended: what is still held back, as it came (the tap's unfinished last event too). A
         last line without its newline is no SSE event (a client drops an event its stream ends in), so it is
         relayed but not observed."""
-        rest = self.feed_events(unfinished) if self.tap is not None and (unfinished := self.tap.flush()) else b""
+        rest = self._unfinished()
         held, self._partial = self._partial, b""
         return rest + held if self.strip_usage else rest
+
+    def _unfinished(self) -> bytes:
+        """At the stream's end, what the tap held of an event without its blank line, observed (b"": none)."""
+        unfinished = self.tap.flush() if self.tap is not None else b""
+        return self.feed_events(unfinished) if unfinished else b""
 
     def _observe(self, line: bytes) -> bool:
         """Take one complete line into account; True when it is the usage-only line to drop."""

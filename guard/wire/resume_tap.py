@@ -111,7 +111,7 @@ class ResumeTap:
         """The stream ended normally: what came after its last blank line (an upstream that does not end its
         last event with one), as it came, less any token id comment."""
         held, self._held = self._held, b""
-        return self._strip(held) if held.startswith(COMMENT) or held.find(_LINE_COMMENT) >= 0 else held
+        return self._strip(held)
 
     def reset_held(self) -> None:
         """The stream broke off: what came of an unfinished event was never relayed, and never will be."""

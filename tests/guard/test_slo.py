@@ -189,7 +189,7 @@ async def test_a_sheddable_request_is_refused_at_arrival_or_leaves_the_queue_onc
     assert (late.value.status, late.value.code) == (503, "queue_timeout"), late.value
     assert "0.3 s time-to-first-token objective" in late.value.message and not dispatcher.fair.queued
     critical = slo_ticket(dispatcher, 0, 4, "critical", header_ms="300")
-    assert slo.queue_limit(critical, 0.0, 0.0)[0] == critical.lane.timeout > 0.3
+    assert slo.queue_limit(critical, 0.0, 0.0) == critical.lane.timeout > 0.3
     dispatcher.departures = Departures()  # nothing drained again: the next one queues unjudged
     blocker = slo_ticket(dispatcher, 1, 40, "blocker")
     blocked = asyncio.create_task(dispatcher.submit(blocker))
