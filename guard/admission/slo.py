@@ -43,16 +43,22 @@ queue's and the engine's excesses over their medians in quadrature (two parts th
 ``combine``). When the request is placed, its engine part and TPOT are predicted again for the replica it
 is placed on, with the prefix hits and the batch it meets there: what its decision record shows.
 
-A sheddable request whose predicted TTFT (the median) is past its TTFT objective, or whose p90 TPOT on every
-replica is past its TPOT objective (the decode batch it would join there is too large), is refused at once
-(``slo_unattainable``, with ``Retry-After`` from the predicted wait): waiting would only make it late and
-hold blocks that requests still on time need. One that is queued is served while it can still be on time:
-once its TTFT objective has passed unadmitted it leaves the queue (503 ``queue_timeout``, as a lane timeout
-set to the objective drops it: ``queue_limit``), since served then it would be late, on room that work
-still on time needs. So a sheddable request is never late for its queue wait, and a hopeful prediction
-costs only the wait of a ticket that then leaves, where a fearful one loses work: the refusal takes the
-median, not the p90 (bench/slo.py S1 at L = 2: 130 on-time batch requests and 17 late with the p90 and
-no deadline, 260 and 4 with both changes; docs/benchmarks/slo.md). (Judging queued tickets again and
+A sheddable request that would be late even at the soonest of nine in ten such waits (the 0.1 quantile of
+actual over predicted wait, learned from the same tickets as the p90: ``WaitCorrection.soonest``; until
+then half the median), or whose p90 TPOT on every replica is past its TPOT objective (the decode batch it
+would join there is too large), is refused at once (``slo_unattainable``, with ``Retry-After`` from the
+predicted wait): waiting would only make it late and hold blocks that requests still on time need. One that
+is queued is served while it can still be on time: once what is left of its TTFT objective is no more than
+the engine's predicted part, it leaves the queue unadmitted (503 ``queue_timeout``, as a lane timeout set to
+the objective drops it: ``queue_limit``), since served then it would be late, on room that work still on
+time needs. So a sheddable request is not late for its queue wait, and a hopeful prediction costs only the
+wait of a ticket that then leaves, where a fearful one loses work and leaves the engine's room for it
+unused: bench/slo.py S2 at L = 2, refused on the median, the guard served 71-105 batch requests a block
+where B2 (lane timeouts at the objectives) served 92-125, on an engine idle for the difference; refused
+only past the soonest wait, 85-103 against B2's 85-111, request goodput 0.975 -> 1.003 of the better of B1
+and B2, token goodput 0.90 -> 1.01 of B2 (S1 at L = 2 unchanged, 0.99 of B2; docs/benchmarks/slo.md).
+What it costs: the queue then stands at its deadline, so the served batch requests' TTFT says little of
+what was predicted for them (median predicted / actual 1.5-1.8). (Judging queued tickets again and
 refusing those predicted late answered some refusals 4-8 s after arrival, once the sheddable pace halved
 under tickets queued on it: the deadline is the objective itself, not a prediction.)
 Critical and standard requests are never refused for their objective: they are served and counted
@@ -84,6 +90,10 @@ DEPARTURE_WINDOW_S = 5.0
 # The queue wait's p90 over its median until ``MIN_MARGIN_SEEN`` queued tickets have taught it (see the
 # module docstring): a sheddable ticket queued then stays on time while the pace falls to half.
 PRIOR_P90_RATIO = 2.0
+# The soonest of nine in ten such waits (its 0.1 quantile) over the median, until learned as the p90 is: the
+# pace may double. A sheddable ticket is refused only when even that wait would make it late.
+P10 = 0.1
+PRIOR_P10_RATIO = 0.5
 MIN_MARGIN_SEEN = 8
 DECISIVE_SHARE = 0.3  # a queued ticket whose predicted wait was this share of its TTFT objective teaches the margin
 SHEDDABLE_WINDOW_S = 10.0
@@ -279,7 +289,8 @@ class WaitCorrection:
 
     def __init__(self) -> None:
         self._ratio: dict[tuple[str, bool], Quantile] = {}  # (class, way) -> median of log(actual / predicted)
-        self._spread: dict[tuple[str, bool, bool], Quantile] = {}  # (class, way, decisive) -> its quantile
+        self._spread: dict[tuple[str, bool, bool], Quantile] = {}  # (class, way, decisive) -> its 0.9 quantile
+        self._soon: dict[tuple[str, bool, bool], Quantile] = {}  # the same keys -> its 0.1 quantile
 
     def correct(self, key: tuple[str, bool], predicted: float) -> float:
         ratio = self._ratio.get(key)
@@ -290,9 +301,21 @@ class WaitCorrection:
         of ``objective_s`` (None: none): its p90 from the decisive tickets' spread when its own median is
         decisive, else from the others'."""
         median = self.correct(key, predicted)
-        spread = self._spread.get((*key, objective_s is not None and median >= DECISIVE_SHARE * objective_s))
+        spread = self._spread.get(self._spread_key(key, median, objective_s))
         learned = spread is not None and spread.seen >= MIN_MARGIN_SEEN
         return Prediction(median, median * (math.exp(max(0.0, spread.value)) if learned else PRIOR_P90_RATIO))
+
+    def soonest(self, key: tuple[str, bool], predicted: float, objective_s: float | None = None) -> float:
+        """``predict``'s other side: the wait nine in ten such tickets had at least (the 0.1 quantile of actual
+        over the median, from the same tickets as its p90)."""
+        median = self.correct(key, predicted)
+        soon = self._soon.get(self._spread_key(key, median, objective_s))
+        learned = soon is not None and soon.seen >= MIN_MARGIN_SEEN
+        return median * (math.exp(min(0.0, soon.value)) if learned else PRIOR_P10_RATIO)
+
+    @staticmethod
+    def _spread_key(key: tuple[str, bool], median: float, objective_s: float | None) -> tuple[str, bool, bool]:
+        return (*key, objective_s is not None and median >= DECISIVE_SHARE * objective_s)
 
     def observe(self, key: tuple[str, bool] | None, predicted: float | None, actual: float,
                 median: float | None = None, decisive: bool = False) -> None:
@@ -306,7 +329,9 @@ class WaitCorrection:
             return  # predicted to be admitted at once: says nothing about the queue's pace
         if median is None or median <= 0:
             median = self.correct(key, predicted)
-        self._spread.setdefault((*key, decisive), Quantile(P90)).observe(log_ratio(actual, median, MAX_LOG_RATIO))
+        error = log_ratio(actual, median, MAX_LOG_RATIO)
+        self._spread.setdefault((*key, decisive), Quantile(P90)).observe(error)
+        self._soon.setdefault((*key, decisive), Quantile(P10)).observe(error)
         self._ratio.setdefault(key, Quantile(0.5)).observe(log_ratio(actual, predicted, MAX_LOG_RATIO))
 
 
@@ -392,11 +417,15 @@ def judge(pool: ReplicaPool, departures: Departures, correction: WaitCorrection,
     ticket.predicted_tpot, ticket.predicted_tpot_p90 = tpot if tpot is not None else (None, None)
     if objective.priority_class != SHEDDABLE:
         return
-    # The median decides, not the p90: a ticket queued on a hopeful prediction leaves at its objective
-    # (``queue_limit``) having cost only its wait, where one refused on a fearful one is work lost.
+    # Refused only where nine in ten such waits would make it late: a ticket queued on a hopeful prediction
+    # leaves once it can no longer be on time (``queue_limit``) having cost only its wait, where one refused
+    # on a fearful one is work lost, and the engine's room for it unused.
     if objective.ttft_s is not None and wait is not None and ttft.median > objective.ttft_s:
-        raise unattainable(f"predicted time to first token {ttft.median:.2f} s (median)",
-                           f"{objective.ttft_s:g} s", wait)
+        assert ticket.wait_key is not None and ticket.corrected_wait is not None  # set with the wait
+        soonest = ttft.median - ticket.corrected_wait + correction.soonest(ticket.wait_key, wait, objective.ttft_s)
+        if soonest > objective.ttft_s:
+            raise unattainable(f"predicted time to first token {ttft.median:.2f} s (median; {soonest:.2f} s at "
+                               "the soonest of nine in ten such waits)", f"{objective.ttft_s:g} s", wait)
     if objective.tpot_s is not None and tpot is not None and tpot.p90 > objective.tpot_s:
         raise unattainable(f"predicted time per output token {1e3 * tpot.p90:.0f} ms (p90) on every replica",
                            f"{1e3 * objective.tpot_s:g} ms", 1.0)
@@ -404,12 +433,13 @@ def judge(pool: ReplicaPool, departures: Departures, correction: WaitCorrection,
 
 def queue_limit(ticket: Judged, arrived: float, now: float) -> float:
     """How long the ticket may wait in the queue from ``now``: its lane's timeout, or for a sheddable ticket
-    with a TTFT objective what is left of that objective since it ``arrived``, if sooner (once it passes,
-    the ticket could only be served late, on room that work still on time needs)."""
+    with a TTFT objective what is left of that objective since it ``arrived`` less the engine's predicted
+    part (its median), if sooner (once it passes, the ticket could only be served late, on room that work
+    still on time needs)."""
     timeout, objective = ticket.lane.timeout, ticket.objective
     if objective is None or objective.priority_class != SHEDDABLE or objective.ttft_s is None:
         return timeout
-    return min(timeout, max(0.0, objective.ttft_s - (now - arrived)))
+    return min(timeout, max(0.0, objective.ttft_s - (now - arrived) - (ticket.predicted_engine or 0.0)))
 
 
 def queue_bound(ticket: Judged, limit: float) -> str:

@@ -210,6 +210,33 @@ async def test_a_sheddable_request_is_refused_at_arrival_or_leaves_the_queue_onc
     assert not dispatcher.pool.reservations() and not dispatcher.fair.queued
 
 
+async def test_a_sheddable_request_predicted_late_but_not_surely_so_queues_and_leaves_in_time(
+        tmp_path: Path) -> None:
+    """Refused at arrival only where even the soonest of nine in ten such waits would make it late: one
+    predicted at 1.5x its objective (the median) and 0.75x at the soonest (nothing learned yet: half the
+    median) queues, and leaves once it can no longer be on time, its objective less the engine's part."""
+    dispatcher = slo_dispatcher(tmp_path)
+    hog = slo_ticket(dispatcher, 0, 85, "hog")
+    await dispatcher.submit(hog)
+    blocker = slo_ticket(dispatcher, 1, 2, "blocker")
+    blocked = asyncio.create_task(dispatcher.submit(blocker))
+    await asyncio.sleep(0.01)
+    dispatcher.departures.sheddable.left(time.monotonic() - 1.0, 4)  # 4 sheddable blocks in 1 s of backlog
+    hopeful = slo_ticket(dispatcher, 1, 4, "hopeful")  # (2 + 4) blocks at 4 blocks/s: 1.5 s against 1 s
+    task = asyncio.create_task(dispatcher.submit(hopeful))
+    await asyncio.sleep(0.01)
+    assert hopeful.state is TicketState.QUEUED and 1.0 < hopeful.predicted_ttft < 2.0, hopeful.predicted_ttft
+    started = time.monotonic()
+    with pytest.raises(GuardError) as late:
+        await asyncio.wait_for(task, 5.0)
+    assert (late.value.status, late.value.code) == (503, "queue_timeout")
+    assert time.monotonic() - started <= 1.0 - (hopeful.predicted_engine or 0.0) + 0.2
+    blocked.cancel()
+    await asyncio.gather(blocked, return_exceptions=True)
+    dispatcher.finish(hog)
+    assert not dispatcher.pool.reservations() and not dispatcher.fair.queued
+
+
 async def test_a_sheddable_request_that_fits_now_is_not_refused_by_a_pace_learned_long_ago(tmp_path: Path) -> None:
     """The sheddable pace moves only while sheddable tickets queue: a slow one learned earlier (4 blocks in
     10 s of backlog) would predict 10 s for a ticket that the idle pool admits at once, and refuse it, and

@@ -21,7 +21,7 @@ from support.wait import until
 
 from engine.protocol import TelemetrySnapshot
 from guard.admission.fairness import TenantQueue, served_before
-from guard.admission.slo import MIN_MARGIN_SEEN, PRIOR_P90_RATIO, WaitCorrection
+from guard.admission.slo import MIN_MARGIN_SEEN, PRIOR_P10_RATIO, PRIOR_P90_RATIO, WaitCorrection
 from guard.config import Routing
 from guard.pool.estimators import IDLE_GAP_S, Pace, Quantile
 from guard.pool.latency import LatencyModel
@@ -173,6 +173,7 @@ def test_the_queue_margin_is_learned_from_the_waits_queued_tickets_had() -> None
     correction = WaitCorrection()
     key = ("sheddable", True)
     assert correction.predict(key, 2.0, 5.0).p90 == pytest.approx(2.0 * PRIOR_P90_RATIO), "before: the prior"
+    assert correction.soonest(key, 2.0, 5.0) == pytest.approx(2.0 * PRIOR_P10_RATIO), "its other side too"
     rng = random.Random(9)
     for _ in range(400):  # long waits run 1.3x the pace's figure, give or take 10%; short ones anything
         correction.observe(key, 2.0, 2.0 * 1.3 * math.exp(rng.gauss(0.0, 0.1)), decisive=True)
@@ -181,6 +182,8 @@ def test_the_queue_margin_is_learned_from_the_waits_queued_tickets_had() -> None
     assert wait.median == pytest.approx(2.6, rel=0.35), "the median correction learns from every ticket"
     assert wait.p90 / wait.median == pytest.approx(math.exp(1.2816 * 0.1), rel=0.1), \
         "a margin of ~12%, learned from the decisive tickets alone (short waits' spread would make it ~3.6x)"
+    assert correction.soonest(key, 2.0, objective_s=5.0) / wait.median == pytest.approx(
+        math.exp(-1.2816 * 0.1), rel=0.1), "the soonest of nine in ten: the 0.1 quantile, from the same tickets"
     short = correction.predict(key, 0.1, objective_s=5.0)
     assert short.p90 / short.median == pytest.approx(math.exp(1.2816 * 1.0), rel=0.3), "short waits: their own"
     assert correction.predict(("critical", True), 2.0, 5.0).p90 == pytest.approx(2.0 * PRIOR_P90_RATIO), \
