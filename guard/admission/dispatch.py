@@ -253,6 +253,9 @@ class Dispatcher:
         while (queue := self._next_tenant(passed)) is not None:
             ticket = queue.head()
             assert ticket is not None
+            if ticket.admitted is not None and slo.too_late(self.pool, ticket, time.monotonic()):
+                self._drop_late(queue, ticket)  # (None: its submit is placing it at arrival, just judged)
+                continue
             budget = self.pool.budget()  # summed once per placement for the cap and the guarantee
             if not self._within_cap(queue, ticket, budget):
                 passed.add(queue.name)
@@ -268,6 +271,15 @@ class Dispatcher:
                 passed.add(queue.name)
             elif placed == "full":
                 return
+
+    def _drop_late(self, queue: TenantQueue[Ticket], ticket: Ticket) -> None:
+        """A queued sheddable ticket whose turn came too late to be on time leaves, as at its deadline."""
+        self.fair.remove(queue, ticket.order, ticket)
+        self._left(ticket)
+        assert ticket.admitted is not None
+        ticket.admitted.set_exception(GuardError(
+            503, f"not admitted within {slo.queue_bound(ticket, 0.0)}", code="queue_timeout",
+            retry_after=self.pool.retry_after(self.blocks_queued())))
 
     def _admit_queued(self) -> None:
         """The admission round on the gates of this process."""

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from support.admission_parts import BASE, make_dispatcher, pool_of, write
+from support.admission_parts import BASE, make_dispatcher, pool_of, snapshot, write
 from support.guard_server import GuardThread, guard_config
 from support.processes import EngineProcess, Processes
 from support.wait import until
@@ -235,6 +235,30 @@ async def test_a_sheddable_request_predicted_late_but_not_surely_so_queues_and_l
     await asyncio.gather(blocked, return_exceptions=True)
     dispatcher.finish(hog)
     assert not dispatcher.pool.reservations() and not dispatcher.fair.queued
+
+
+async def test_a_queued_sheddable_request_whose_turn_comes_too_late_for_every_replica_leaves_then(
+        tmp_path: Path) -> None:
+    """Its deadline took the engine's part as predicted at arrival; when room comes and every usable replica
+    would now be too slow for what is left of its objective, it leaves at once (as at its deadline) instead
+    of being served late."""
+    dispatcher = slo_dispatcher(tmp_path)
+    hog = slo_ticket(dispatcher, 0, 85, "hog")
+    await dispatcher.submit(hog)
+    queued = slo_ticket(dispatcher, 1, 4, "queued", header_ms="900")
+    task = asyncio.create_task(dispatcher.submit(queued))
+    await asyncio.sleep(0.01)
+    assert queued.state is TicketState.QUEUED
+    replica = dispatcher.pool.replicas[0]
+    assert replica.usable()
+    replica.latency.on_snapshot(snapshot().model_copy(update={"step_time_s": 5.0}), 1)  # the replica slowed down
+    started = time.monotonic()
+    dispatcher.finish(hog)  # room: its turn
+    with pytest.raises(GuardError) as late:
+        await asyncio.wait_for(task, 5.0)
+    assert (late.value.status, late.value.code) == (503, "queue_timeout") and "0.9 s" in late.value.message
+    assert time.monotonic() - started < 0.1, "at once, not at its deadline"
+    assert queued.state is TicketState.DONE and not dispatcher.pool.reservations() and not dispatcher.fair.queued
 
 
 async def test_a_sheddable_request_that_fits_now_is_not_refused_by_a_pace_learned_long_ago(tmp_path: Path) -> None:
