@@ -64,7 +64,7 @@ def ranking_request(ticket: Ticket) -> Request:
     return Request(ticket.blocks, ticket.hashes, ticket.prompt_tokens, ttft_left,
                    None if objective is None else objective.tpot_s,
                    engine_priority(ticket.lane.priority, ticket.borrowed), ticket.lora, ticket.tenant.name,
-                   ticket.model, ticket.objective_name)
+                   ticket.model, ticket.objective_name, ticket.priority_class == slo.SHEDDABLE)
 
 
 RETRY_S = 0.02  # with a ledger: how soon a blocked head is tried again (other guards' releases send no word)

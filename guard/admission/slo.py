@@ -49,7 +49,7 @@ then half the median), or whose p90 TPOT on every replica is past its TPOT objec
 would join there is too large), is refused at once (``slo_unattainable``, with ``Retry-After`` from the
 predicted wait): waiting would only make it late and hold blocks that requests still on time need. One that
 is queued is served while it can still be on time: once what is left of its TTFT objective is no more than
-the engine's predicted part (its p90), or its turn comes when no usable replica's would fit in it
+the engine's predicted part (its median), or its turn comes when no usable replica's would fit in it
 (``too_late``), it leaves the queue unadmitted (503 ``queue_timeout``, as a lane timeout set to the objective
 drops it: ``queue_limit``), since served then it would be late, on room that work still on time needs. So a sheddable request is not late for its queue wait, and a hopeful prediction costs only the
 wait of a ticket that then leaves, where a fearful one loses work and leaves the engine's room for it
@@ -434,26 +434,27 @@ def judge(pool: ReplicaPool, departures: Departures, correction: WaitCorrection,
 def queue_limit(ticket: Judged, arrived: float, now: float) -> float:
     """How long the ticket may wait in the queue from ``now``: its lane's timeout, or for a sheddable ticket
     with a TTFT objective what is left of that objective since it ``arrived`` less the engine's predicted
-    part (its p90, as judged), if sooner (once it passes, the ticket could only be served late, on room
-    that work still on time needs)."""
+    part (its median, as judged), if sooner (once it passes, the ticket would more likely than not be
+    served late, on room that work still on time needs)."""
     timeout, objective = ticket.lane.timeout, ticket.objective
     if objective is None or objective.priority_class != SHEDDABLE or objective.ttft_s is None:
         return timeout
-    return min(timeout, max(0.0, objective.ttft_s - (now - arrived) - (ticket.predicted_engine_p90 or 0.0)))
+    return min(timeout, max(0.0, objective.ttft_s - (now - arrived) - (ticket.predicted_engine or 0.0)))
 
 
 def too_late(pool: ReplicaPool, ticket: Judged, now: float) -> bool:
-    """Whether a queued sheddable ticket, its turn come, would be late on every usable replica (their p90
-    TTFT past what is left of its objective): the ``slo`` filter's test, failing closed. Its deadline
-    (``queue_limit``) took the engine's part as judged at arrival, on the replica best then; the replica it
-    would go to now may be slower (a heterogeneous pool) or busier."""
+    """Whether a queued sheddable ticket, its turn come, would more likely than not be late on every usable
+    replica (their median TTFT past what is left of its objective): the ``slo`` filter's test for the
+    sheddable class, failing closed. Its deadline (``queue_limit``) took the engine's part as judged at
+    arrival, on the replica best then; the replica it would go to now may be slower (a heterogeneous pool)
+    or busier."""
     objective = ticket.objective
     if objective is None or objective.priority_class != SHEDDABLE or objective.ttft_s is None:
         return False
     left = objective.ttft_s - (now - ticket.arrived)
     priority = engine_priority(ticket.lane.priority, True)
     usable = [r for r in pool.replicas if r.usable()]
-    return bool(usable) and all(r.latency.predict_ttft(priority, ticket.prompt_tokens, r.in_flight).p90 > left
+    return bool(usable) and all(r.latency.predict_ttft(priority, ticket.prompt_tokens, r.in_flight).median > left
                                 for r in usable)
 
 

@@ -6,6 +6,7 @@ answers, the series and the decision record."""
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -23,7 +24,8 @@ from guard.admission.ticket import Ticket, TicketState
 from guard.config import ConfigError, Lane, Routing, load_config
 from guard.console.app import CONSOLE
 from guard.errors import GuardError
-from guard.pool.latency import MIN_FIT, LatencyModel, Sent
+from guard.pool.estimators import Quantile
+from guard.pool.latency import MIN_FIT, MIN_SPREAD_SEEN, P90, LatencyModel, Sent
 from guard.pool.scheduling import Request, profile_for
 
 SLO_LANES = """
@@ -331,6 +333,19 @@ def test_the_slo_filter_holds_back_a_replica_predicted_to_be_late() -> None:
     assert all(c.filtered_by is None for c in ranked[:-1])
     unhurried = profile.rank(pool.replicas, Request(4, [], prompt_tokens=100))
     assert all(c.filtered_by is None for c in unhurried), "without an objective nothing is held back"
+
+
+def test_the_slo_filter_holds_a_sheddable_request_to_the_median_and_others_to_the_p90() -> None:
+    profile = profile_for(Routing())
+    pool = pool_of([100, 100, 100])
+    e1 = pool.by_name["e1"]
+    e1.latency.admitted(1, 20_000, 20_000, 0)  # work ahead there
+    e1.latency._spread[None] = Quantile(P90, value=math.log(4.0), seen=MIN_SPREAD_SEEN)  # p90: 4x the median
+    median = e1.latency.predict_ttft(1, 100, e1.in_flight).median
+    for sheddable, held in ((False, True), (True, False)):
+        ranked = profile.rank(pool.replicas, Request(4, [], prompt_tokens=100, ttft_left_s=2 * median, priority=1,
+                                                     sheddable=sheddable))
+        assert (next(c for c in ranked if c.replica is e1).filtered_by == "slo") is held, (sheddable, ranked)
 
 
 # -- live: a guard in front of a real tiny engine ---------------------------------------------------------

@@ -56,6 +56,7 @@ class Request:
     tenant: str = ""
     model: str = ""  # the model id the client asked for
     objective: str | None = None  # its named objective, if it chose one
+    sheddable: bool = False  # its class is sheddable: its objectives are held to the median, not the p90
 
 
 @dataclass(slots=True)
