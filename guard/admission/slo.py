@@ -50,15 +50,17 @@ would join there is too large), is refused at once (``slo_unattainable``, with `
 predicted wait): waiting would only make it late and hold blocks that requests still on time need. One that
 is queued is served while it can still be on time: once what is left of its TTFT objective is no more than
 the engine's predicted part (its median), or its turn comes when no usable replica's would fit in it
-(``too_late``), it leaves the queue unadmitted (503 ``queue_timeout``, as a lane timeout set to the objective
-drops it: ``queue_limit``), since served then it would be late, on room that work still on time needs. So a sheddable request is not late for its queue wait, and a hopeful prediction costs only the
-wait of a ticket that then leaves, where a fearful one loses work and leaves the engine's room for it
-unused: bench/slo.py S2 at L = 2, refused on the median, the guard served 71-105 batch requests a block
-where B2 (lane timeouts at the objectives) served 92-125, on an engine idle for the difference; refused
-only past the soonest wait, 85-103 against B2's 85-111, request goodput 0.975 -> 1.003 of the better of B1
-and B2, token goodput 0.90 -> 1.01 of B2 (S1 at L = 2 unchanged, 0.99 of B2; docs/benchmarks/slo.md).
+(``too_late``), it leaves the queue unadmitted (503 ``queue_timeout``, as a lane timeout set to the
+objective drops it: ``queue_limit``), since served then it would more likely than not be late, on room that
+work still on time needs. (Queued, it is held to the median where other classes are held to the p90: it
+is lent whole and takes nothing from work that must be on time; the ``slo`` filter places it so too.) So a
+hopeful prediction costs only the wait of a ticket that then leaves, where a fearful one loses work and
+leaves the engine's room for it unused: bench/slo.py S2 at L = 2, refused on the median, the guard served
+71-105 batch requests a block where B2 (lane timeouts at the objectives) served 92-125, on an engine idle
+for the difference; refused only past the soonest wait, it matches B2 (request goodput 1.000 of the better
+of B1 and B2, on-time batch 0.92 of B1's batch completions, none served late; docs/benchmarks/slo.md).
 What it costs: the queue then stands at its deadline, so the served batch requests' TTFT says little of
-what was predicted for them (median predicted / actual 1.5-1.8). (Judging queued tickets again and
+what was predicted for them (median predicted / actual 1.3-1.8). (Judging queued tickets again and
 refusing those predicted late answered some refusals 4-8 s after arrival, once the sheddable pace halved
 under tickets queued on it: the deadline is the objective itself, not a prediction.)
 Critical and standard requests are never refused for their objective: they are served and counted
