@@ -207,8 +207,7 @@ class Dispatcher:
             self._dequeue(ticket)
             if ticket.state is TicketState.ADMITTED:  # admitted in the same instant the deadline passed
                 return
-            raise GuardError(503, f"not admitted within {slo.queue_bound(ticket, limit)}", code="queue_timeout",
-                             retry_after=self.pool.retry_after(self.blocks_queued())) from None
+            raise self._queue_timeout(ticket, limit) from None
         except asyncio.CancelledError:
             self.finish(ticket)  # the client left: out of the queue, or its fresh reservation back
             raise
@@ -254,7 +253,7 @@ class Dispatcher:
             ticket = queue.head()
             assert ticket is not None
             if ticket.admitted is not None and slo.too_late(self.pool, ticket, time.monotonic()):
-                self._drop_late(queue, ticket)  # (None: its submit is placing it at arrival, just judged)
+                self._drop_late(ticket)  # (None: its submit is placing it at arrival, just judged)
                 continue
             budget = self.pool.budget()  # summed once per placement for the cap and the guarantee
             if not self._within_cap(queue, ticket, budget):
@@ -272,14 +271,16 @@ class Dispatcher:
             elif placed == "full":
                 return
 
-    def _drop_late(self, queue: TenantQueue[Ticket], ticket: Ticket) -> None:
+    def _drop_late(self, ticket: Ticket) -> None:
         """A queued sheddable ticket whose turn came too late to be on time leaves, as at its deadline."""
-        self.fair.remove(queue, ticket.order, ticket)
-        self._left(ticket)
+        self._dequeue(ticket)
         assert ticket.admitted is not None
-        ticket.admitted.set_exception(GuardError(
-            503, f"not admitted within {slo.queue_bound(ticket, 0.0)}", code="queue_timeout",
-            retry_after=self.pool.retry_after(self.blocks_queued())))
+        ticket.admitted.set_exception(self._queue_timeout(ticket, 0.0))
+
+    def _queue_timeout(self, ticket: Ticket, limit: float) -> GuardError:
+        """Why a queued ticket left unadmitted at ``limit`` (``slo.queue_limit``'s; 0: its turn came too late)."""
+        return GuardError(503, f"not admitted within {slo.queue_bound(ticket, limit)}", code="queue_timeout",
+                          retry_after=self.pool.retry_after(self.blocks_queued()))
 
     def _admit_queued(self) -> None:
         """The admission round on the gates of this process."""

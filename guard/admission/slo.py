@@ -388,13 +388,17 @@ def predicted_ttft(pool: ReplicaPool, departures: Departures, ticket: Judged, ah
         corrected = correction.predict(ticket.wait_key, wait, None if objective is None else objective.ttft_s)
         ticket.corrected_wait = corrected.median
         queue = Prediction(elapsed + corrected.median, elapsed + corrected.p90)
-    priority = engine_priority(ticket.lane.priority, ticket.priority_class == SHEDDABLE)
-    engines = [r.latency.predict_ttft(priority, ticket.prompt_tokens, r.in_flight) for r in pool.replicas
-               if r.usable()]
+    engines = engine_ttfts(pool, ticket)
     engine = Prediction(min((e.median for e in engines), default=0.0), min((e.p90 for e in engines), default=0.0))
     ticket.predicted_queue, ticket.predicted_queue_p90 = queue
     ticket.predicted_engine, ticket.predicted_engine_p90 = engine
     return combine(queue, engine), wait
+
+
+def engine_ttfts(pool: ReplicaPool, ticket: Judged) -> list[Prediction]:
+    """The engine's part of the ticket's TTFT on each usable replica, at the engine priority its class runs at."""
+    priority = engine_priority(ticket.lane.priority, ticket.priority_class == SHEDDABLE)
+    return [r.latency.predict_ttft(priority, ticket.prompt_tokens, r.in_flight) for r in pool.replicas if r.usable()]
 
 
 def best_tpot(pool: ReplicaPool) -> Prediction | None:
@@ -454,10 +458,8 @@ def too_late(pool: ReplicaPool, ticket: Judged, now: float) -> bool:
     if objective is None or objective.priority_class != SHEDDABLE or objective.ttft_s is None:
         return False
     left = objective.ttft_s - (now - ticket.arrived)
-    priority = engine_priority(ticket.lane.priority, True)
-    usable = [r for r in pool.replicas if r.usable()]
-    return bool(usable) and all(r.latency.predict_ttft(priority, ticket.prompt_tokens, r.in_flight).median > left
-                                for r in usable)
+    engines = engine_ttfts(pool, ticket)
+    return bool(engines) and all(engine.median > left for engine in engines)
 
 
 def queue_bound(ticket: Judged, limit: float) -> str:

@@ -44,6 +44,16 @@ def slo_ticket(dispatcher, tenant: int, blocks: int, rid: str, header_ms: str | 
                   objective=objective)
 
 
+async def release_all(dispatcher, hog: Ticket, *waiting: asyncio.Task) -> None:
+    """The end of a test that queued ``waiting`` behind ``hog``: they are cancelled, the hog finishes, and
+    nothing is left reserved or queued."""
+    for task in waiting:
+        task.cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)
+    dispatcher.finish(hog)
+    assert not dispatcher.pool.reservations() and not dispatcher.fair.queued
+
+
 def slo_dispatcher(tmp_path: Path):
     dispatcher, _ = make_dispatcher(tmp_path)
     config = load_config(write(tmp_path, BASE + SLO_LANES))
@@ -206,10 +216,7 @@ async def test_a_sheddable_request_is_refused_at_arrival_or_leaves_the_queue_onc
     assert (refused.value.status, refused.value.code) == (503, "slo_unattainable")
     assert refused.value.retry_after is not None and 1 <= refused.value.retry_after <= 60
     assert late.predicted_ttft > 1.0
-    blocked.cancel()
-    await asyncio.gather(blocked, return_exceptions=True)
-    dispatcher.finish(hog)
-    assert not dispatcher.pool.reservations() and not dispatcher.fair.queued
+    await release_all(dispatcher, hog, blocked)
 
 
 async def test_a_sheddable_request_predicted_late_but_not_surely_so_queues_and_leaves_in_time(
@@ -233,10 +240,7 @@ async def test_a_sheddable_request_predicted_late_but_not_surely_so_queues_and_l
         await asyncio.wait_for(task, 5.0)
     assert (late.value.status, late.value.code) == (503, "queue_timeout")
     assert time.monotonic() - started <= 1.0 - (hopeful.predicted_engine or 0.0) + 0.2
-    blocked.cancel()
-    await asyncio.gather(blocked, return_exceptions=True)
-    dispatcher.finish(hog)
-    assert not dispatcher.pool.reservations() and not dispatcher.fair.queued
+    await release_all(dispatcher, hog, blocked)
 
 
 async def test_a_queued_sheddable_request_whose_turn_comes_too_late_for_every_replica_leaves_then(
