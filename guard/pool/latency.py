@@ -120,12 +120,22 @@ class LatencyModel:
 
     def ahead(self, priority: int) -> int:
         """Prefill tokens pending at ``priority`` or before it: the guard's and the others'."""
-        return (sum(tokens for at, tokens in self.pending.items() if at <= priority)
-                + sum(tokens for at, tokens in self._others.items() if at <= priority))
+        return self._load(priority)[0]
 
     def band(self, priority: int) -> Band:
         """The load band a request sent now at ``priority`` is in (see the module docstring)."""
-        return priority, any(at > priority for at in self.pending) or any(at > priority for at in self._others)
+        return self._load(priority)[1]
+
+    def _load(self, priority: int) -> tuple[int, Band]:
+        """``ahead`` and ``band`` in one pass over the pending prefill (asked for every request sent)."""
+        ahead, lower = 0, False
+        for counts in (self.pending, self._others):
+            for at, tokens in counts.items():
+                if at <= priority:
+                    ahead += tokens
+                else:
+                    lower = True
+        return ahead, (priority, lower)
 
     def running(self, in_flight: int) -> int:
         """Sequences on the replica: ``in_flight`` of the guard's and the others' the telemetry showed."""
@@ -136,7 +146,8 @@ class LatencyModel:
         ``priority``, beside ``in_flight`` other requests of the guard's; returns the work ahead of it (its
         own included) and what it met and was predicted, which ``observe_ttft`` and ``observe_tpot`` are
         given back."""
-        band, running, work = self.band(priority), self.running(in_flight), self.ahead(priority) + uncached_tokens
+        ahead, band = self._load(priority)
+        running, work = in_flight + self._others_running, ahead + uncached_tokens
         sent = Sent(band, running, self._predict(priority, band, work, running), self.predict_tpot(in_flight))
         _bump(self.pending, priority, uncached_tokens)
         _bump(self._prompts, priority, prompt_tokens)
@@ -164,8 +175,8 @@ class LatencyModel:
     def predict_ttft(self, priority: int, uncached_tokens: int, in_flight: int) -> Prediction:
         """Seconds from being sent here at engine ``priority`` to the first token, for a request with
         ``uncached_tokens`` to prefill, with what is pending here now and ``in_flight`` requests of the guard's."""
-        return self._predict(priority, self.band(priority), self.ahead(priority) + uncached_tokens,
-                             self.running(in_flight))
+        ahead, band = self._load(priority)
+        return self._predict(priority, band, ahead + uncached_tokens, self.running(in_flight))
 
     def _predict(self, priority: int, band: Band, work: int, running: int) -> Prediction:
         median = self._residual.correct(band, self.fitted(priority, work, running))
