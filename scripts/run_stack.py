@@ -10,7 +10,8 @@ guard.example.yaml names a pool of two replicas, e0 on :8100 and e1 on :8102, wh
 for seconds, so on the two cores of a small machine a second replica competes with the first and with the
 fallback instead of adding capacity. ``--engine-port 8100 8102`` starts the whole pool.
 
-Starts each process, waits until it answers ``/health``, prints the URLs and the demo API keys, and on
+Starts the engines side by side (their models load at once), then each other process once every one before
+it answers ``/health``; prints the URLs and the demo API keys, and on
 Ctrl-C (or when any process dies) stops them all, the guard first so that it drains its streams. The guard
 refuses the placeholder secret: unless ``KVGUARD_SECRET`` names one, it gets a random one for this run in
 its environment (never in a file), so the tenants' cache salts are new each run, as the engine's cache is.
@@ -160,16 +161,30 @@ def main(processes: list[Step], message: str) -> int:
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
     guard_env = {**os.environ, "KVGUARD_SECRET": os.environ.get("KVGUARD_SECRET") or secrets.token_hex(32)}
-    try:
-        for name, command, url in processes:
-            process = subprocess.Popen(command, cwd=ROOT, env=guard_env if name == "guard" else None)
-            running.append((name, process))
-            deadline = time.monotonic() + HEALTH_TIMEOUT_S
+
+    def all_healthy(started: list[tuple[str, subprocess.Popen, str]]) -> bool:
+        """Wait until each of ``started`` answers its health URL; False (and why, printed) if one cannot."""
+        deadline = time.monotonic() + HEALTH_TIMEOUT_S
+        for name, process, url in started:
             while not healthy(url):
                 if stop or process.poll() is not None or time.monotonic() > deadline:
                     print(f"run_stack: {name} did not become healthy", file=sys.stderr)
-                    return 1
+                    return False
                 time.sleep(0.2)
+        return True
+
+    try:
+        starting: list[tuple[str, subprocess.Popen, str]] = []  # started, not yet seen healthy
+        for name, command, url in processes:
+            if command[1:3] != ["-m", "engine"]:  # an engine needs nothing; the rest waits for all before it
+                if not all_healthy(starting):
+                    return 1
+                starting = []
+            process = subprocess.Popen(command, cwd=ROOT, env=guard_env if name == "guard" else None)
+            running.append((name, process))
+            starting.append((name, process, url))
+        if not all_healthy(starting):
+            return 1
         print(message, flush=True)
         while not stop:
             for name, process in running:

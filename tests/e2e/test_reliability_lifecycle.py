@@ -41,6 +41,11 @@ def ended_properly(answer: Answer) -> bool:
     return isinstance(answer.json(), dict)
 
 
+# Slow (16 s of the suite's 15-minute budget) for what faster tests hold too: a SIGKILLed engine restarted
+# under load and the guard serving from it again (tests/guard/test_guard_routing.py and
+# tests/guard/test_pool_routing.py), an engine SIGTERMed under load and restarted
+# (tests/e2e/test_rolling_restart.py); make test-slow runs it.
+@pytest.mark.slow
 async def test_13_engine_restarted_twice_under_load_hangs_nothing_and_the_guard_recovers_alone(
         processes: Processes) -> None:
     """Six clients in closed loops while the engine is killed (SIGKILL), restarted, stopped (SIGTERM) and
