@@ -14,6 +14,8 @@ over rounds, per workload, and the median ratio.
     .venv/bin/python bench/guard_ab.py --baseline <commit>          # A = that commit, B = this tree
     .venv/bin/python bench/guard_ab.py --a /path/to/tree --rounds 8
     .venv/bin/python bench/guard_ab.py --baseline HEAD --quick      # one 1-s round: checks that it runs
+    .venv/bin/python bench/guard_ab.py --a /path/to/tree --pool 3   # both guards with a pool of three
+    .venv/bin/python bench/guard_ab.py --a <worktree of HEAD> --pool-a 1 --pool 3   # a pool of three against one
 
 The upstream runs this tree's bench/fast_upstream.py. A baseline whose guard cannot read this tree's telemetry
 (a guard refuses fields it does not know, and the engine's snapshot gained some since: a1b9534 is one) needs
@@ -52,15 +54,21 @@ def compare(tree_a: Path, args: argparse.Namespace, workdir: Path) -> dict:
               f"runpy.run_path({str(upstream_tree / 'bench' / 'fast_upstream.py')!r}, run_name='__main__')")
     upstream = start("upstream", pinned([sys.executable, "-c", launch, "--port", str(port)], load_cpus),
                      f"http://127.0.0.1:{port}", workdir, tree=upstream_tree)
-    config = {"engine": {"name": "primary", "url": upstream.url}, "secret": "bench-guard-ab",
-              "tenants": [{"name": "bench", "api_keys": [API_KEY], "lane": "interactive", "max_queue": 100000}]}
+    # A pool of several: the one upstream under as many names, each with its telemetry and KV events, every
+    # request ranked by the scheduling profile (as bench/guard_overhead.py's pool3).
+    def config(replicas: int) -> dict:
+        pool = ({"engine": {"name": "primary", "url": upstream.url}} if replicas == 1
+                else {"engines": [{"name": f"r{i}", "url": upstream.url} for i in range(replicas)]})
+        return {**pool, "secret": "bench-guard-ab",
+                "tenants": [{"name": "bench", "api_keys": [API_KEY], "lane": "interactive", "max_queue": 100000}]}
+
     guards: dict[str, Service] = {}
 
     def start_both() -> None:
         for service in guards.values():
             service.stop()
-        guards["A"] = start_guard(workdir, config, proxy_cpus, name="guard-a", tree=tree_a)
-        guards["B"] = start_guard(workdir, config, proxy_cpus, name="guard-b")
+        guards["A"] = start_guard(workdir, config(args.pool_a or args.pool), proxy_cpus, name="guard-a", tree=tree_a)
+        guards["B"] = start_guard(workdir, config(args.pool), proxy_cpus, name="guard-b")
         check_relays({"direct": upstream.url, **{name: g.url for name, g in guards.items()}}, loads)
 
     try:
@@ -93,7 +101,7 @@ def compare(tree_a: Path, args: argparse.Namespace, workdir: Path) -> dict:
         "benchmark": "guard_ab", "machine": describe(torch.device("cpu")), "command": command(),
         "a": str(tree_a), "b": str(REPO), "upstream_tree": args.upstream_tree, "load_generator": kind,
         "rounds": args.rounds, "duration_s": args.duration, "fresh_guards_per_round": args.fresh,
-        "connections": args.connections,
+        "connections": args.connections, "pool": args.pool, "pool_a": args.pool_a or args.pool,
         "layout": "both guards pinned to core 0; load and upstream to core 1" if pin else "not pinned",
         "cpu_us_per_request": cpu, "requests_per_s": rates,
         "summary": {name: {"a_us": statistics.median(by["A"]), "b_us": statistics.median(by["B"]),
@@ -109,6 +117,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per measurement")
     parser.add_argument("--connections", type=int, default=64)
+    parser.add_argument("--pool", type=int, default=1, help="replicas in each guard's pool (the one upstream under "
+                        "as many names): 3 measures the ranking of a pool of three")
+    parser.add_argument("--pool-a", type=int, help="A's pool, when it differs (default: --pool): with --a at this "
+                        "tree's commit, --pool-a 1 --pool 3 measures a pool of three against a pool of one")
     parser.add_argument("--stream-events", type=int, default=32)
     parser.add_argument("--interval-ms", type=float, default=20.0)
     parser.add_argument("--firehose-events", type=int, default=256)
@@ -141,7 +153,8 @@ def main() -> None:
         print("QUICK RUN: 1-second measurements, not a measurement")
     print(f"A = {report['a']}" + (f" ({args.baseline})" if args.baseline else "") + f"\nB = {report['b']}")
     print(f"load generator: {report['load_generator']}; {report['layout']}; {args.rounds} rounds of "
-          f"{args.duration:g} s, {args.connections} connections; "
+          f"{args.duration:g} s, {args.connections} connections, pools of {args.pool_a or args.pool} (A) and "
+          f"{args.pool} (B); "
           + ("both guards started afresh each round" if args.fresh else "the same two guards throughout"))
     print(f"{'workload':9} {'A us/req':>9} {'B us/req':>9} {'B/A':>6}")
     for name, row in report["summary"].items():

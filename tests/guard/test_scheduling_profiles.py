@@ -61,7 +61,7 @@ def test_random_weighted_draws_in_proportion_to_the_totals():
     picker = RandomWeighted(random.Random(7))
     candidates = [Candidate(r, 0, total=t) for r, t in zip(pool.replicas, (3.0, 1.0, 0.0))]
     candidates.append(Candidate(pool.replicas[0], 0, filtered_by="overload", total=9.0))
-    ctx = Context(Request(4), pool.replicas, {}, 0, 1, 0)
+    ctx = Context(Request(4), pool.replicas, {}, 0, 1, 0, {})
     firsts = [picker.order(list(candidates), ctx)[0].replica.name for _ in range(2000)]
     assert firsts.count("e2") == 0 and 0.65 < firsts.count("e0") / 2000 < 0.85  # 3 : 1, held back last
     assert picker.order(list(candidates), ctx)[-1].filtered_by == "overload"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from guard.pool.scheduling.plugin import Context, free_share, predicted_ttft, register_filter
+from guard.pool.scheduling.plugin import Context, predicted_ttft, register_filter
 
 if TYPE_CHECKING:
     from guard.pool.replica import Replica
@@ -24,7 +24,7 @@ class Saturation:
         self.threshold = threshold
 
     def holds_back(self, replica: Replica, ctx: Context) -> bool:
-        return free_share(replica, ctx.blocks) < 1 - self.threshold
+        return ctx.free[replica] < 1 - self.threshold
 
 
 @register_filter("overload")

@@ -61,7 +61,8 @@ class Request:
 
 @dataclass(slots=True)
 class Context:
-    """One request's ranking: the request, its prompts' cached leading blocks per replica, and the load."""
+    """One request's ranking: the request, its prompts' cached leading blocks per replica, and the load (each
+    read once per ranking, however many plugins read it)."""
 
     request: Request
     candidates: Sequence[Replica]
@@ -69,6 +70,7 @@ class Context:
     prompt_blocks: int  # full blocks of the request's prompts
     busiest: int  # the most requests in flight on any candidate (at least 1)
     least: int  # the fewest
+    free: dict[Replica, float]  # per candidate, the share of its budget left after this reservation (free_share)
 
     # The request's own, for the plugins that read them (shorter to write in a plugin).
     @property

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from guard.pool.scheduling.plugin import Candidate, Context, Filter, Picker, Request, Scorer
+from guard.pool.scheduling.plugin import Candidate, Context, Filter, Picker, Request, Scorer, free_share
 
 if TYPE_CHECKING:
     from guard.pool.replica import Replica
@@ -37,7 +37,8 @@ class Profile:
         hits = {r: sum(r.index.leading_cached(h) for h in hashes) if read else 0 for r in usable}
         candidates = [Candidate(r, hits[r]) for r in usable]
         loads = [r.in_flight for r in usable]
-        ctx = Context(request, usable, hits, sum(len(h) for h in hashes), max(loads) or 1, min(loads))
+        ctx = Context(request, usable, hits, sum(len(h) for h in hashes), max(loads) or 1, min(loads),
+                      {r: free_share(r, request.blocks) for r in usable})
         self._filter(candidates, ctx)
         for candidate in candidates:
             scores = candidate.scores

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from guard.pool.scheduling.plugin import Context, free_share, register_scorer
+from guard.pool.scheduling.plugin import Context, register_scorer
 
 if TYPE_CHECKING:
     from guard.pool.replica import Replica
@@ -28,7 +28,7 @@ class FreeBlocks:
     reads_prefix = False
 
     def score(self, replica: Replica, ctx: Context) -> float:
-        return free_share(replica, ctx.blocks)
+        return ctx.free[replica]
 
 
 @register_scorer("adapter")
