@@ -69,13 +69,22 @@ class ReplicaPool:
         """The engines' block size (one model, one block size); None before any snapshot."""
         return next((r.gate.snapshot.block_size for r in self.replicas if r.gate.snapshot is not None), None)
 
+    # The sums asked on every request are loops: a generator's frame costs more than a pool's few replicas.
     def budget(self) -> int:
         """Blocks the guard may commit on the replicas that are up."""
-        return sum(replica.gate.budget for replica in self.replicas if replica.up())
+        total = 0
+        for replica in self.replicas:
+            if replica.up():
+                total += replica.gate.budget
+        return total
 
     def largest_budget(self) -> int:
         """The most one request can ever be given: it runs on one replica (0 before any snapshot)."""
-        return max(replica.gate.budget for replica in self.replicas)
+        largest = 0
+        for replica in self.replicas:
+            if (budget := replica.gate.budget) > largest:
+                largest = budget
+        return largest
 
     def committed(self) -> int:
         return sum(replica.gate.committed() for replica in self.replicas if replica.up())
@@ -100,12 +109,18 @@ class ReplicaPool:
         return up, held, num_blocks
 
     def tenant_reserved(self, tenant: str) -> int:
-        return sum(replica.gate.tenant_reserved(tenant) for replica in self.replicas)
+        total = 0
+        for replica in self.replicas:
+            total += replica.gate.reserved_by_tenant.get(tenant, 0)
+        return total
 
     def tenant_guaranteed(self, tenant: str) -> int:
         """Blocks the tenant holds within its guaranteed share: its reservations less what they borrow."""
-        return sum(replica.gate.tenant_reserved(tenant) - replica.gate.tenant_borrowed(tenant)
-                   for replica in self.replicas)
+        total = 0
+        for replica in self.replicas:
+            gate = replica.gate
+            total += gate.reserved_by_tenant.get(tenant, 0) - gate.borrowed_by_tenant.get(tenant, 0)
+        return total
 
     def reserved_by_tenant(self) -> dict[str, int]:
         totals: dict[str, int] = {}

@@ -56,12 +56,12 @@ class SloFilter:
     of them; refusing it instead is admission's call (guard/admission/slo.py)."""
 
     def holds_back(self, replica: Replica, ctx: Context) -> bool:
-        sheddable = ctx.request.sheddable
-        if ctx.ttft_left_s is not None:
+        request = ctx.request
+        if (ttft_left := request.ttft_left_s) is not None:
             ttft = predicted_ttft(replica, ctx)
-            if (ttft.median if sheddable else ttft.p90) > ctx.ttft_left_s:
+            if (ttft.median if request.sheddable else ttft.p90) > ttft_left:
                 return True
-        if ctx.tpot_s is None:
+        if (tpot_s := request.tpot_s) is None:
             return False
         tpot = replica.latency.predict_tpot(replica.in_flight)
-        return (tpot.median if sheddable else tpot.p90) > ctx.tpot_s
+        return (tpot.median if request.sheddable else tpot.p90) > tpot_s

@@ -29,12 +29,12 @@ class Profile:
         usable = [r for r in replicas if r.usable()]
         hashes = request.hashes
         if len(usable) < 2:  # nothing to choose between (and a pool of one follows no KV events)
-            return [Candidate(r, sum(r.index.leading_cached(h) for h in hashes) if self.needs_hashes else 0)
+            return [Candidate(r, sum(map(r.index.leading_cached, hashes)) if self.needs_hashes else 0)
                     for r in usable]
         self._turn = (self._turn + 1) % len(usable)
         usable = usable[self._turn:] + usable[:self._turn]
         read = self.needs_hashes and hashes
-        hits = {r: sum(r.index.leading_cached(h) for h in hashes) if read else 0 for r in usable}
+        hits = {r: sum(map(r.index.leading_cached, hashes)) if read else 0 for r in usable}
         candidates = [Candidate(r, hits[r]) for r in usable]
         loads = [r.in_flight for r in usable]
         ctx = Context(request, usable, hits, sum(len(h) for h in hashes), max(loads) or 1, min(loads),
@@ -48,11 +48,14 @@ class Profile:
         return self.picker.order(candidates, ctx)
 
     def _filter(self, candidates: list[Candidate], ctx: Context) -> None:
+        passed = False
         for candidate in candidates:
             for check in self.filters:
                 if check.holds_back(candidate.replica, ctx):
                     candidate.filtered_by = check.name
                     break
-        if all(c.filtered_by is not None for c in candidates):  # every replica held back: fail open
+            else:
+                passed = True
+        if not passed:  # every replica held back: fail open
             for candidate in candidates:
                 candidate.filtered_by = None
