@@ -22,7 +22,7 @@ from support.wait import wait_for
 # "Answer in one sentence": the bare question's first token is a near-tie (0.08 logits between "The" and
 # "L") that the 4-bit weights `make run` serves (as llama.cpp on the same file) break towards French words.
 QUESTION = "What is the capital of France? Answer in one sentence."
-READY_TIMEOUT_S = 600.0  # two model loads and a guard, one after the other, on a CPU others may share
+READY_TIMEOUT_S = 600.0  # two model loads side by side, then a guard, on a CPU others may share
 
 
 def ask(base_url: str, api_key: str) -> tuple[str, dict[str, str]]:
