@@ -67,7 +67,7 @@ def compare(tree_a: Path, args: argparse.Namespace, workdir: Path) -> dict:
     def start_both() -> None:
         for service in guards.values():
             service.stop()
-        guards["A"] = start_guard(workdir, config(args.pool_a or args.pool), proxy_cpus, name="guard-a", tree=tree_a)
+        guards["A"] = start_guard(workdir, config(args.pool_a), proxy_cpus, name="guard-a", tree=tree_a)
         guards["B"] = start_guard(workdir, config(args.pool), proxy_cpus, name="guard-b")
         check_relays({"direct": upstream.url, **{name: g.url for name, g in guards.items()}}, loads)
 
@@ -101,7 +101,7 @@ def compare(tree_a: Path, args: argparse.Namespace, workdir: Path) -> dict:
         "benchmark": "guard_ab", "machine": describe(torch.device("cpu")), "command": command(),
         "a": str(tree_a), "b": str(REPO), "upstream_tree": args.upstream_tree, "load_generator": kind,
         "rounds": args.rounds, "duration_s": args.duration, "fresh_guards_per_round": args.fresh,
-        "connections": args.connections, "pool": args.pool, "pool_a": args.pool_a or args.pool,
+        "connections": args.connections, "pool": args.pool, "pool_a": args.pool_a,
         "layout": "both guards pinned to core 0; load and upstream to core 1" if pin else "not pinned",
         "cpu_us_per_request": cpu, "requests_per_s": rates,
         "summary": {name: {"a_us": statistics.median(by["A"]), "b_us": statistics.median(by["B"]),
@@ -137,6 +137,7 @@ def main() -> None:
         parser.error("give exactly one of --baseline and --a")
     if args.quick:
         args.rounds, args.duration = 1, 1.0
+    args.pool_a = args.pool_a or args.pool
     with tempfile.TemporaryDirectory(prefix="guard-ab-") as workdir:
         tree_a = args.a or Path(workdir) / "tree-a"
         if args.baseline is not None:
@@ -153,7 +154,7 @@ def main() -> None:
         print("QUICK RUN: 1-second measurements, not a measurement")
     print(f"A = {report['a']}" + (f" ({args.baseline})" if args.baseline else "") + f"\nB = {report['b']}")
     print(f"load generator: {report['load_generator']}; {report['layout']}; {args.rounds} rounds of "
-          f"{args.duration:g} s, {args.connections} connections, pools of {args.pool_a or args.pool} (A) and "
+          f"{args.duration:g} s, {args.connections} connections, pools of {args.pool_a} (A) and "
           f"{args.pool} (B); "
           + ("both guards started afresh each round" if args.fresh else "the same two guards throughout"))
     print(f"{'workload':9} {'A us/req':>9} {'B us/req':>9} {'B/A':>6}")

@@ -147,7 +147,7 @@ class LatencyModel:
         own included) and what it met and was predicted, which ``observe_ttft`` and ``observe_tpot`` are
         given back."""
         ahead, band = self._load(priority)
-        running, work = in_flight + self._others_running, ahead + uncached_tokens
+        running, work = self.running(in_flight), ahead + uncached_tokens
         sent = Sent(band, running, self._predict(priority, band, work, running), self.predict_tpot(in_flight))
         _bump(self.pending, priority, uncached_tokens)
         _bump(self._prompts, priority, prompt_tokens)

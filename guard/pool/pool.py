@@ -111,7 +111,7 @@ class ReplicaPool:
     def tenant_reserved(self, tenant: str) -> int:
         total = 0
         for replica in self.replicas:
-            total += replica.gate.reserved_by_tenant.get(tenant, 0)
+            total += replica.gate.tenant_reserved(tenant)
         return total
 
     def tenant_guaranteed(self, tenant: str) -> int:
@@ -119,7 +119,7 @@ class ReplicaPool:
         total = 0
         for replica in self.replicas:
             gate = replica.gate
-            total += gate.reserved_by_tenant.get(tenant, 0) - gate.borrowed_by_tenant.get(tenant, 0)
+            total += gate.tenant_reserved(tenant) - gate.tenant_borrowed(tenant)
         return total
 
     def reserved_by_tenant(self) -> dict[str, int]:
