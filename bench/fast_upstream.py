@@ -33,8 +33,10 @@ from engine.protocol import TelemetrySnapshot, TokenizerInfo
 NUM_BLOCKS = 1 << 24  # admission never limits
 MAX_MODEL_LEN = 1 << 20
 SNAPSHOT_INTERVAL_S = 0.05
+# A token event as the engine writes it, ``"usage":null`` included (its chunks carry the key once usage was asked
+# for, as OpenAI's do, and the guard asks for it on every stream): the bytes the guard's stream path reads.
 EVENT = b'data: {"id":"cmpl-bench","object":"text_completion","created":0,"model":"tiny","choices":' \
-        b'[{"index":0,"text":"x","logprobs":null,"finish_reason":null}]}\n\n'
+        b'[{"index":0,"text":"x","logprobs":null,"finish_reason":null}],"usage":null}\n\n'
 DONE = b"data: [DONE]\n\n"
 
 

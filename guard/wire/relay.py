@@ -209,8 +209,16 @@ class StreamObserver:
 
 
 def _tokens_only(data: bytes) -> bool:
-    """No line of ``data`` can be usage, an error or the end (``find``: cheaper than ``in`` on bytes)."""
-    return data.find(b'"usage"') < 0 and data.find(b'"error"') < 0 and data.find(b"[DONE]") < 0
+    """No line of ``data`` can be usage, an error or the end (``find``: cheaper than ``in`` on bytes). A
+    ``"usage"`` key that is null is no usage: a kvguard engine's token chunks carry ``"usage":null`` once
+    usage was asked for, as OpenAI's do (a quote inside a text is escaped, so ``"usage"`` is only ever a key;
+    one spelled otherwise, as with a space, is read line by line)."""
+    at = data.find(b'"usage"')
+    while at >= 0:
+        if not data.startswith(b'"usage":null', at):
+            return False
+        at = data.find(b'"usage"', at + 12)
+    return data.find(b'"error"') < 0 and data.find(b"[DONE]") < 0
 
 
 class Relay:

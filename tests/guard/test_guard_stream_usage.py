@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from itertools import pairwise
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from support.engine_server import ServerThread
 from support.guard_server import GuardThread, guard_config, usable_guard
@@ -36,7 +36,7 @@ from engine.protocol import (
     sse_error,
 )
 from guard.admission.fairness import INPUT_COST, OUTPUT_COST
-from guard.wire.relay import StreamObserver
+from guard.wire.relay import StreamObserver, _tokens_only
 from guard.wire.resume_tap import ResumeTap
 
 # -- the observer on byte chunks ----------------------------------------------------------------------------
@@ -111,10 +111,13 @@ def test_a_client_that_asked_for_usage_gets_every_chunk_as_it_came(cuts: set[int
 # The stream as a kvguard engine writes it for a resumable request: each event after the token ids it adds.
 TAPPED = b"".join(b": token_ids 0 %d\n" % i + event if event.startswith(b"data: {") else event
                   for i, event in enumerate([*TOKENS, USAGE_EVENT, SSE_DONE]))
+# Cut after each event: the chunks of a paced engine, each token event whole (the observer's token path).
+EVENT_ENDS = {end + 2 for end in range(len(TAPPED) - 3) if TAPPED[end:end + 2] == b"\n\n"}
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.sets(st.integers(1, len(TAPPED) - 1), max_size=12))
+@example(EVENT_ENDS)
 def test_with_a_tap_whole_events_go_out_in_one_pass_as_through_the_tap_then_the_observer(cuts: set[int]) -> None:
     """``feed`` with a tap counts the usual events itself, sending only the rest through the tap's ``notice``
     and the line-by-line reading: the same as the tap's ``take`` and then the observer without it."""
@@ -128,6 +131,21 @@ def test_with_a_tap_whole_events_go_out_in_one_pass_as_through_the_tap_then_the_
     assert (fused.events, fused.output_tokens, fused.finished) == (apart.events, 9, True) == (3, 9, True)
     assert fused.tap.token_ids() == tap.token_ids() == [0, 2, 3, 4]
     assert fused.tap.answer_key == tap.answer_key == "1"
+
+
+@pytest.mark.parametrize(("data", "tokens_only"), [
+    (chunk("Hello"), True),  # "usage":null, as the engine writes every token chunk: no usage
+    (chunk("a") + chunk("b"), True),
+    (chunk(' "usage":{"x": 1} is text'), True),  # the key inside a text is escaped: text
+    (USAGE_EVENT, False),
+    (chunk("a") + USAGE_EVENT, False),
+    (chunk("a").replace(b'"usage":null', b'"usage": null'), False),  # spelled otherwise: read line by line
+    (SSE_DONE, False),
+])
+def test_token_chunks_with_a_null_usage_take_the_token_path(data: bytes, tokens_only: bool) -> None:
+    """A kvguard engine's token chunks carry ``"usage":null``: they are counted as tokens without reading them
+    line by line, and anything that may be usage still is."""
+    assert _tokens_only(data) is tokens_only
 
 
 def test_a_last_line_without_its_newline_still_reaches_the_client() -> None:
