@@ -17,11 +17,14 @@ stand in its way under the threshold: it fits when ``other + (reserved - borrowe
 everything reserved still fits the engine's whole pool (``other + reserved + request <= num_blocks``). So a
 tenant waiting for its share reclaims the headroom the threshold keeps instead of queueing behind the
 borrowers, and no reservation is ever made that the engine could not hold. Guaranteed reservations alone
-never pass the threshold. Requests that borrow run at a lower engine priority (``BORROWED_PRIORITY``): if
-the engine does run short (an output that outgrows its predicted reservation), it preempts them first. ``threshold`` is ``safe_utilization`` while the gate is open; once a
-request does not fit, the gate closes and reopens only below ``resume_utilization`` (hysteresis), so that a
-pool hovering at the edge is not refilled by a stream of small requests. Telemetry that is missing, stale or
-unhealthy counts as a full pool. A reservation is released exactly once, whatever ends the request.
+never pass the threshold. Requests that borrow run at a lower engine priority (``BORROWED_PRIORITY``): if the
+engine does run short (an output that outgrows its predicted reservation), it preempts them first.
+``threshold`` is ``safe_utilization`` while the gate is open; once a request does not fit, the gate closes and
+reopens only below ``resume_utilization`` (hysteresis), so that a pool hovering at the edge is not refilled by
+a stream of small requests. A borrower that does not fit closes it to borrowers only: lent work that finds no
+room does not lower what work within its guarantee may reserve (sheddable heads, offered after the critical
+ones, otherwise held critical work to ``resume_utilization``). Telemetry that is missing, stale or unhealthy
+counts as a full pool. A reservation is released exactly once, whatever ends the request.
 
 Liveness and numbers are told apart, so that a busy engine is never taken for a down one. The engine's
 telemetry stream sends snapshots at step boundaries and, while one step runs for seconds (a long prefill),
@@ -94,7 +97,8 @@ class AdmissionGate:
         self.received_at = 0.0  # when the snapshot arrived, or a busy heartbeat last vouched for it
         self.heard_at = 0.0  # when the engine's telemetry last said anything (a snapshot or a busy heartbeat)
         self.step_started: float | None = None  # when the step busy heartbeats report started; None between
-        self.open = True
+        self.open = True  # the hysteresis (see the module docstring): closed to every reservation
+        self.lending = True  # closed to those that borrow only
         # Of the room under each limit, the part this guard may commit alone: 1, unless guards that share
         # state (guard/state/) lost it and each must keep to its share of every engine.
         self.share = 1.0
@@ -176,7 +180,7 @@ class AdmissionGate:
         """Room for ``blocks`` more, ``borrowed`` of them beyond their tenant's guarantee, under the gate's
         current threshold (telemetry assumed usable)."""
         assert self.snapshot is not None
-        threshold_room, pool_room = self.rooms()
+        threshold_room, pool_room = self.rooms(borrowed)
         # Asked for every reservation: no call at all in the usual case (the link up, or no shared state).
         threshold, pool = ((threshold_room, pool_room) if self.share >= 1.0
                            else (self.mine(threshold_room), self.mine(pool_room)))
@@ -195,11 +199,12 @@ class AdmissionGate:
         share = self.share * room
         return share - sum(max(0, held - share) for held in self.others.values())
 
-    def rooms(self) -> tuple[int, int]:
-        """What the guard's reservations may sum to: under the current threshold, and in the whole pool
-        (each less the blocks held by traffic from outside the guard). Telemetry assumed usable."""
+    def rooms(self, borrowed: int = 0) -> tuple[int, int]:
+        """What the guard's reservations may sum to: under the current threshold for a reservation that
+        borrows ``borrowed`` blocks, and in the whole pool (each less the blocks held by traffic from outside
+        the guard). Telemetry assumed usable."""
         assert self.snapshot is not None
-        share = self.config.safe_utilization if self.open else self.config.resume
+        share = self.config.safe_utilization if self.open and (self.lending or not borrowed) else self.config.resume
         num_blocks = self.snapshot.num_blocks
         return int(share * num_blocks) - self.outside, num_blocks - self.outside
 
@@ -209,12 +214,21 @@ class AdmissionGate:
             raise ValueError(f"reservation {key!r} already exists")
         if not self.usable:
             return False  # no news is not a full pool: the gate's hysteresis state stays as it was
-        if not self.fits(blocks, borrowed):
+        fits = self.fits(blocks, borrowed)
+        self.decided(fits, borrowed)
+        if fits:
+            self.record(key, tenant, blocks, borrowed)
+        return fits
+
+    def decided(self, fitted: bool, borrowed: int) -> None:
+        """The hysteresis after a reservation (``borrowed`` of its blocks lent) was decided, here or by the
+        guards' shared ledger: any fit opens the gate; a miss closes it, to borrowers only if it borrowed."""
+        if fitted:
+            self.open = self.lending = True
+        elif borrowed:
+            self.lending = False
+        else:
             self.open = False
-            return False
-        self.open = True
-        self.record(key, tenant, blocks, borrowed)
-        return True
 
     def record(self, key: str, tenant: str, blocks: int, borrowed: int = 0) -> None:
         """Account a reservation that was decided elsewhere (the guards' shared ledger, guard/state/)."""

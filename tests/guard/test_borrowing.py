@@ -89,6 +89,34 @@ async def test_a_borrower_that_does_not_fit_does_not_hold_up_a_guaranteed_tenant
     assert not dispatcher.pool.reservations()
 
 
+async def test_a_borrower_that_does_not_fit_leaves_the_threshold_of_guaranteed_work_as_it_was(
+        admission: Admitted) -> None:
+    """The gate's hysteresis: a miss closes it to ``resume_utilization`` (76 of 100 blocks here), but a
+    borrower's miss only to borrowers. Before, it closed the gate to everyone, and a guaranteed request that
+    fit under ``safe_utilization`` (85) waited until a release brought the pool down to 76."""
+    dispatcher, config = admission
+    gate = dispatcher.pool.replicas[0].gate
+    first = [ticket(config, 0, 45, "acme-1"), ticket(config, 1, 28, "bulk-1")]  # both within their guarantee
+    for t in first:
+        await dispatcher.submit(t)
+    assert [t.borrowed for t in first] == [0, 0] and gate.reserved == 73
+    lent = ticket(config, 1, 20, "bulk-2")  # past bulk's 28, all borrowed: 73 + 20 > 85, it waits
+    waiting = asyncio.create_task(dispatcher.submit(lent))
+    await asyncio.sleep(0.01)
+    assert lent.state is TicketState.QUEUED and gate.open and not gate.lending
+    within = ticket(config, 0, 8, "acme-2")  # acme 53 of its 56: 73 + 8 = 81, under 85 but past 76
+    await asyncio.wait_for(dispatcher.submit(within), 1.0)
+    assert within.state is TicketState.ADMITTED and within.borrowed == 0
+    assert lent.state is TicketState.QUEUED, "a borrower still needs idle room"
+    for t in first:
+        dispatcher.finish(t)
+    await asyncio.wait_for(waiting, 1.0)
+    assert lent.state is TicketState.ADMITTED and gate.open and gate.lending
+    for t in (within, lent):
+        dispatcher.finish(t)
+    assert not dispatcher.pool.reservations()
+
+
 async def test_revoke_tells_every_running_ticket_of_the_tenant_why(admission: Admitted) -> None:
     dispatcher, config = admission
     told: list[tuple[str, GuardError]] = []
