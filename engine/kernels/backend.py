@@ -22,6 +22,9 @@ class AttentionBackend(Protocol):
     # True when a decode-only step's launches depend on nothing but the batch size (every per-step value is
     # read from device memory), so a CUDA graph captured once stays valid for every replay.
     supports_cuda_graphs: bool
+    # True when the backend's cache is the layout and slot rule of engine/kernels/triton_store.py, so that the
+    # model may store a fused projection's keys and values with RoPE in one kernel (triton_rope_store.py).
+    stores_rotated: bool
 
     def store_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor

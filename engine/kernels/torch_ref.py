@@ -39,6 +39,7 @@ class TorchAttentionBackend:
     name = "torch"
     # The per-sequence loop reads lengths on the host: a captured graph would replay one batch's lengths.
     supports_cuda_graphs = False
+    stores_rotated = False
 
     def store_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor

@@ -30,6 +30,7 @@ class TritonAttentionBackend:
 
     name = "triton"
     supports_cuda_graphs = True
+    stores_rotated = True
 
     def __init__(self, num_sms: int | None = None) -> None:
         self._num_sms = num_sms

@@ -19,6 +19,20 @@ import triton.language as tl
 
 
 @triton.jit
+def rotate_heads(row, mask, cos_row, sin_row, dims, HEAD_DIM: tl.constexpr):
+    """The heads at ``row`` (one pointer per head, ``[heads, 1]``; ``dims`` ``[1, HEAD_DIM]``) rotated by the
+    table rows ``cos_row`` and ``sin_row``, rounded as the module docstring says, in the heads' dtype (the
+    maths of ``rope``, shared with engine/kernels/triton_rope_store.py)."""
+    x = tl.load(row + dims, mask=mask, other=0.0)
+    rolled = tl.load(row + (dims + HEAD_DIM // 2) % HEAD_DIM, mask=mask, other=0.0)
+    cos = tl.load(cos_row + dims).to(x.dtype).to(tl.float32)
+    sin = tl.load(sin_row + dims).to(x.dtype).to(tl.float32)
+    first = (x.to(tl.float32) * cos).to(x.dtype).to(tl.float32)
+    second = (rolled.to(tl.float32) * sin).to(x.dtype).to(tl.float32)
+    return (first + second).to(x.dtype)
+
+
+@triton.jit
 def _rope_kernel(
     x_ptr,
     out_ptr,
@@ -39,14 +53,9 @@ def _rope_kernel(
     heads = tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, HEAD_DIM)[None, :]
     mask = heads < num_heads
-    row = x_ptr + token * x_stride_t + heads * x_stride_h
-    x = tl.load(row + dims, mask=mask, other=0.0)
-    rolled = tl.load(row + (dims + HEAD_DIM // 2) % HEAD_DIM, mask=mask, other=0.0)
-    cos = tl.load(cos_ptr + position * table_stride + dims).to(x.dtype).to(tl.float32)
-    sin = tl.load(sin_ptr + position * table_stride + dims).to(x.dtype).to(tl.float32)
-    first = (x.to(tl.float32) * cos).to(x.dtype).to(tl.float32)
-    second = (rolled.to(tl.float32) * sin).to(x.dtype).to(tl.float32)
-    tl.store(out_ptr + token * out_stride_t + heads * out_stride_h + dims, (first + second).to(x.dtype), mask=mask)
+    rotated = rotate_heads(x_ptr + token * x_stride_t + heads * x_stride_h, mask, cos_ptr + position * table_stride,
+                           sin_ptr + position * table_stride, dims, HEAD_DIM)
+    tl.store(out_ptr + token * out_stride_t + heads * out_stride_h + dims, rotated, mask=mask)
 
 
 def rope(heads: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -106,10 +106,26 @@ class RotaryEmbedding(nn.Module):
         """Rotate ``query [T, heads, D]`` and ``key [T, kv_heads, D]`` by their tokens' positions."""
         return self.rotate(positions, query), self.rotate(positions, key)
 
+    def rotate_and_store(self, positions: torch.Tensor, heads: torch.Tensor, num_heads: int,
+                         backend: AttentionBackend, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+                         ) -> torch.Tensor:
+        """The queries of ``heads [T, num_heads + 2 * kv_heads, D]`` (a fused projection's q, k and v heads side
+        by side) rotated; their keys rotated and their values stored in ``kv_cache`` at ``slot_mapping`` by
+        ``backend``. On CUDA with the Triton backend in one kernel (engine/kernels/triton_rope_store.py),
+        where rotating and storing take two and a tensor between them."""
+        if backend.stores_rotated and self._fuses(heads):
+            from engine.kernels.triton_rope_store import rope_store_kv  # deferred, as in rotate
+
+            return rope_store_kv(heads, num_heads, positions, self.cos_cache, self.sin_cache, kv_cache, slot_mapping)
+        num_kv_heads = (heads.shape[1] - num_heads) // 2
+        query_key = self.rotate(positions, heads[:, : num_heads + num_kv_heads])
+        query, key = query_key.split((num_heads, num_kv_heads), dim=1)
+        backend.store_kv(key, heads[:, num_heads + num_kv_heads :], kv_cache, slot_mapping)
+        return query
+
     def rotate(self, positions: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
         """Rotate ``heads [T, any number of heads, D]`` by their tokens' positions."""
-        head_dim = heads.shape[-1]
-        if cuda_fusion.applies(heads) and heads.stride(-1) == 1 and head_dim & (head_dim - 1) == 0:
+        if self._fuses(heads):
             from engine.kernels.triton_rope import rope  # deferred: triton may be missing on a CPU host
 
             return rope(heads, positions, self.cos_cache, self.sin_cache)
@@ -120,6 +136,12 @@ class RotaryEmbedding(nn.Module):
             step = self._step = (positions, heads.dtype, cos, sin)
         _, _, cos, sin = step
         return heads * cos + heads.roll(heads.shape[-1] // 2, dims=-1) * sin
+
+    @staticmethod
+    def _fuses(heads: torch.Tensor) -> bool:
+        """Whether the Triton kernels take ``heads``: on CUDA (``cuda_fusion``), D contiguous and a power of two."""
+        head_dim = heads.shape[-1]
+        return cuda_fusion.applies(heads) and heads.stride(-1) == 1 and head_dim & (head_dim - 1) == 0
 
 
 def _inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -187,20 +209,19 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
+        kv_cache = kv_caches[self.layer_index]
         if self.qkv_proj is not None and self.lora is NO_LORA:
-            # The heads of q, k and v side by side: q and k rotate in one pass.
+            # The heads of q, k and v side by side: q and k rotate in one pass, k and v stored with it on CUDA.
             heads = self.qkv_proj(hidden).view(num_tokens, -1, self.head_dim)
-            query_key = rotary.rotate(positions, heads[:, : self.num_heads + self.num_kv_heads])
-            query, key = query_key.split((self.num_heads, self.num_kv_heads), dim=1)
-            value = heads[:, self.num_heads + self.num_kv_heads :]
+            query = rotary.rotate_and_store(positions, heads, self.num_heads, self.attn_backend, kv_cache,
+                                            meta.slot_mapping)
         else:
             query, key, value = self._projections(hidden)
             query = self.lora("q_proj", hidden, query).view(num_tokens, self.num_heads, self.head_dim)
             key = self.lora("k_proj", hidden, key).view(num_tokens, self.num_kv_heads, self.head_dim)
             value = self.lora("v_proj", hidden, value).view(num_tokens, self.num_kv_heads, self.head_dim)
             query, key = rotary(positions, query, key)
-        kv_cache = kv_caches[self.layer_index]
-        self.attn_backend.store_kv(key, value, kv_cache, meta.slot_mapping)
+            self.attn_backend.store_kv(key, value, kv_cache, meta.slot_mapping)
         attended = self.attn_backend.forward(query, kv_cache, meta, scale=self.head_dim**-0.5)
         attended = attended.reshape(num_tokens, self.num_heads * self.head_dim)
         return self.lora("o_proj", attended, self.o_proj(attended))
@@ -248,14 +269,24 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
+        residual: torch.Tensor | None,
         positions: torch.Tensor,
         rotary: RotaryEmbedding,
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        attended = self.self_attn(self.input_layernorm(hidden), positions, rotary, kv_caches, meta)
-        hidden, normed = self.post_attention_layernorm.add_forward(hidden, attended)
-        return hidden + self.mlp(normed)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer on the residual stream: ``residual`` is the stream so far and ``hidden`` what the layer
+        before added to it (in the first layer, the embeddings and None); returns what this layer adds (its
+        MLP's output) and the stream before it. So both of a layer's residual adds go into its norms (one
+        kernel each on CUDA, engine/kernels/triton_norm.py), the last layer's into the final norm. The sums
+        are HF's (``x + r`` and ``r + x`` round alike)."""
+        if residual is None:
+            residual, normed = hidden, self.input_layernorm(hidden)
+        else:
+            residual, normed = self.input_layernorm.add_forward(hidden, residual)
+        attended = self.self_attn(normed, positions, rotary, kv_caches, meta)
+        residual, normed = self.post_attention_layernorm.add_forward(attended, residual)
+        return self.mlp(normed), residual
 
 
 class DecoderStack(nn.Module):
@@ -290,9 +321,11 @@ class DecoderStack(nn.Module):
         native = self.native
         if native is not None and native.applies(hidden, positions, kv_caches, meta):
             return self.norm(native.run(hidden, positions, kv_caches, meta))
+        residual = None
         for layer in self.layers:
-            hidden = layer(hidden, positions, self.rotary_emb, kv_caches, meta)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, positions, self.rotary_emb, kv_caches, meta)
+        assert residual is not None, "a model of no layers"
+        return self.norm.add_forward(hidden, residual)[1]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -17,7 +17,9 @@ import engine.model.cuda_fusion as cuda_fusion  # noqa: PLR0402
 from engine import LLM, SamplingParams
 from engine.kernels.triton_norm import rms_norm
 from engine.kernels.triton_rope import rope
+from engine.kernels.triton_rope_store import rope_store_kv
 from engine.kernels.triton_silu import silu_mul
+from engine.kernels.triton_store import store_kv
 from engine.model.config import ModelConfig
 from engine.model.llama import RotaryEmbedding
 
@@ -48,14 +50,17 @@ def test_fused_add_rms_norm_matches_the_separate_ops(dtype: torch.dtype, hidden:
     assert (alone.float() - separate_ops(x, weight, 1e-6).float()).abs().max() <= tolerance * 4
 
 
+# Four query heads and two key/value heads of 16: what the RoPE tests rotate.
+ROPE_CONFIG = ModelConfig(architecture="qwen2", vocab_size=64, hidden_size=64, intermediate_size=64,
+                          num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                          rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None, max_position_embeddings=64,
+                          tie_word_embeddings=True, attention_bias=False, attention_output_bias=False,
+                          bos_token_id=None, eos_token_ids=(), torch_dtype="float32")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_rope_matches_the_separate_ops(dtype: torch.dtype) -> None:
-    config = ModelConfig(architecture="qwen2", vocab_size=64, hidden_size=64, intermediate_size=64,
-                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                         rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None, max_position_embeddings=64,
-                         tie_word_embeddings=True, attention_bias=False, attention_output_bias=False,
-                         bos_token_id=None, eos_token_ids=(), torch_dtype="float32")
-    rotary = RotaryEmbedding(config).to(DEVICE)
+    rotary = RotaryEmbedding(ROPE_CONFIG).to(DEVICE)
     generator = torch.Generator().manual_seed(0)
     qkv = torch.randn(5, 8, 16, generator=generator).to(DEVICE, dtype)  # q, k and v heads side by side
     heads = qkv[:, :6]  # q and k: a view with v's rows between tokens, as Attention passes it
@@ -69,6 +74,29 @@ def test_fused_rope_matches_the_separate_ops(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_with_the_kv_store_stores_what_rope_then_the_store_do(dtype: torch.dtype) -> None:
+    rotary = RotaryEmbedding(ROPE_CONFIG).to(DEVICE)
+    generator = torch.Generator().manual_seed(1)
+    qkv = torch.randn(5, 8, 16, generator=generator).to(DEVICE, dtype)  # 4 q, 2 k and 2 v heads side by side
+    positions = torch.tensor([0, 3, 17, 40, 63], device=DEVICE)
+    slots = torch.tensor([5, 0, -1, 13, 6], device=DEVICE)  # -1: a graph batch's padding row, stored nowhere
+    separate = torch.full((2, 4, 4, 2, 16), 7.0, dtype=dtype, device=DEVICE)  # [k|v, block, offset, head, D]
+    fused = separate.clone()
+    rotated = rope(qkv[:, :6], positions, rotary.cos_cache, rotary.sin_cache)
+    store_kv(rotated[:, 4:], qkv[:, 6:], separate, slots)
+    query = rope_store_kv(qkv, 4, positions, rotary.cos_cache, rotary.sin_cache, fused, slots)
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-2  # one maths (rotate_heads); a compiler may contract
+    assert (query.float() - rotated[:, :4].float()).abs().max() <= tolerance * rotated.float().abs().max()
+    assert (fused.float() - separate.float()).abs().max() <= tolerance * separate.float().abs().max()
+    assert torch.equal(fused[1], separate[1]), "the values are copied as they are"
+    written = torch.zeros(16, dtype=torch.bool)
+    written[[5, 0, 13, 6]] = True
+    assert (fused.flatten(1, 2)[:, ~written.to(DEVICE)] == 7.0).all(), "no other slot is written"
+    with pytest.raises(ValueError, match="are not 4 query heads and 1 key and value heads"):
+        rope_store_kv(qkv, 4, positions, rotary.cos_cache, rotary.sin_cache, fused[:, :, :, :1], slots)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_silu_mul_matches_the_separate_ops(dtype: torch.dtype) -> None:
     generator = torch.Generator().manual_seed(1)
     gate_up = (3 * torch.randn(3, 2 * 1100, generator=generator)).to(DEVICE, dtype)  # two column blocks
@@ -78,10 +106,12 @@ def test_fused_silu_mul_matches_the_separate_ops(dtype: torch.dtype) -> None:
     assert (silu_mul(gate, up).float() - expected.float()).abs().max() <= tolerance * expected.float().abs().max()
 
 
-def test_the_fused_model_gives_the_unfused_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+# The Triton backend stores the keys and values with RoPE (triton_rope_store.py); the torch one after it.
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_fused_model_gives_the_unfused_tokens(monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
     prompts = [[3, 14, 15, 92, 65, 35], [89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50]]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    options = dict(model="tiny", device=DEVICE.type, dtype="float32", num_blocks=32)
+    options = dict(model="tiny", device=DEVICE.type, dtype="float32", num_blocks=32, attention_backend=backend)
     unfused = [o.token_ids for o in LLM(**options).generate(prompts, params)]
     # Without CUDA, this stands in for a CUDA tensor: the fused path is the subject, not the device.
     monkeypatch.setattr(cuda_fusion, "applies", lambda tensor: True)

@@ -79,7 +79,8 @@ def torch_layer(layer: DecoderLayer, hidden: torch.Tensor, positions: torch.Tens
     hooks = [m.register_forward_pre_hook(lambda _, args, name=name: largest.__setitem__(name, args[0].abs().max()))
              for name, m in projections.items()]
     try:
-        out = layer(hidden, positions, rotary, [cache] * (layer.self_attn.layer_index + 1), meta)
+        added, residual = layer(hidden, None, positions, rotary, [cache] * (layer.self_attn.layer_index + 1), meta)
+        out = residual + added  # the layer's whole output, as the next layer's input norm adds it
     finally:
         for hook in hooks:
             hook.remove()
