@@ -28,6 +28,7 @@ from engine.kernels import (
     triton_norm,
     triton_prefill,
     triton_rope,
+    triton_rope_store,
     triton_silu,
     triton_store,
 )
@@ -96,6 +97,11 @@ def kernels(shape: Shape, element_size: int) -> dict[str, tuple[triton.JITFuncti
         # RoPE over a fused q/k view (heads + kv_heads), and the MLP gate, as rope and silu_mul launch them.
         "rope": (triton_rope._rope_kernel,
                  {"HEAD_DIM": shape.head_dim, "BLOCK_H": triton.next_power_of_2(shape.heads + shape.kv_heads)}, 4),
+        # RoPE with the K/V store over a fused q/k/v view, as rope_store_kv launches it.
+        "rope_store": (triton_rope_store._rope_store_kernel,
+                       {"NUM_HEADS": shape.heads, "NUM_KV_HEADS": shape.kv_heads, "HEAD_DIM": shape.head_dim,
+                        "BLOCK_SIZE": shape.block_size, "BLOCK_Q": triton.next_power_of_2(shape.heads),
+                        "BLOCK_KV": triton.next_power_of_2(shape.kv_heads)}, 4),
         "silu_mul": (triton_silu._silu_mul_kernel, {"BLOCK": triton_silu.BLOCK}, 4),
         # The LoRA BGMV pair at the default --max-lora-rank (16), with the tiles lora_bgmv launches.
         "lora_shrink": (triton_lora._shrink_kernel, {"BLOCK_R": 16, "BLOCK_K": 64}, 4),
