@@ -12,8 +12,10 @@ straight into their cache slot, cast to the cache's dtype as ``store_kv`` casts 
     kv_cache[0, slot]   = rope(k heads of t)          slot = slot_mapping[t]: block slot // block_size,
     kv_cache[1, slot]   = v heads of t                                      offset slot % block_size
 
-so the result is bit for bit that of ``rope`` then ``store_kv`` (tests/engine/test_cuda_fusion.py). A
-negative slot (a CUDA-graph batch's padding row) writes nothing to the cache.
+so the result is that of ``rope`` then ``store_kv``, rounding for rounding (a compiler may still contract
+a multiply-add differently in the two: tests/engine/test_cuda_fusion.py compares them within the RoPE test's
+tolerance; equal in Triton's interpreter). A negative slot (a CUDA-graph batch's padding row) writes nothing
+to the cache.
 """
 
 from __future__ import annotations
