@@ -356,4 +356,10 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits ``[N, vocab]`` for the rows of ``hidden`` the caller samples from."""
-        return project(hidden, self.model.embed_tokens if self.lm_head is None else self.lm_head).float()
+        return self.project_logits(hidden).float()
+
+    def project_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head's logits ``[N, vocab]`` in the model's dtype: ``compute_logits`` before its fp32 cast,
+        which changes no value, so their argmax is the fp32 logits' (a decode graph's greedy draw,
+        engine/worker/cuda_graphs.py)."""
+        return project(hidden, self.model.embed_tokens if self.lm_head is None else self.lm_head)

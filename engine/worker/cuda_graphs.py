@@ -14,6 +14,12 @@ Each size is captured the first time a batch of that size arrives (the kernels' 
 capture cost a few tens of milliseconds once). All graphs share one memory pool: they never run
 concurrently, and a replay's output is consumed before the next replay overwrites the pool.
 
+A graph holds the whole decode step up to its greedy draw: the model, the LM head's logits in the model's
+dtype and their argmax per row (``Replayed``). A step whose every draw is greedy and unconstrained takes its
+tokens from there, with no fp32 copy of the logits (at batch 256 and a 152k vocabulary, 156 MB written and
+read again) and no launch outside the graph but the tokens' copy home (engine/worker/runner.py); any other
+step samples from the fp32 cast of the graph's logits.
+
 Only a backend whose launches depend on nothing but the batch size may be captured
 (``AttentionBackend.supports_cuda_graphs``); the host-side values of the captured ``AttentionMetadata``
 (``seq_lens_cpu``, ``max_seq_len``) are placeholders such a backend never reads. Batches larger than
@@ -23,6 +29,7 @@ Only a backend whose launches depend on nothing but the batch size may be captur
 from __future__ import annotations
 
 import bisect
+from typing import NamedTuple
 
 import torch
 
@@ -33,6 +40,23 @@ from engine.worker.batch import StepInputs
 MAX_CAPTURED_BATCH = 256
 # 1, 2, 4, 8, then every multiple of 16: padding wastes at most 15 rows of a batch above 16.
 CAPTURE_SIZES = (1, 2, 4, 8, *range(16, MAX_CAPTURED_BATCH + 1, 16))
+
+
+def greedy_draw(model: LlamaForCausalLM, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a decode graph holds after the model: the LM head's logits in the model's dtype, and their argmax
+    per row (engine/worker/memory_profile.py counts it in the graphs' pool)."""
+    logits = model.project_logits(hidden)
+    return logits, logits.argmax(dim=-1)
+
+
+class Replayed(NamedTuple):
+    """A decode step's outputs, row for row: final hidden states ``[n, hidden]``, the LM head's logits
+    ``[n, vocab]`` in the model's dtype, and their argmax ``[n]`` (int64). Views of a graph's static
+    buffers: the next replay overwrites them."""
+
+    hidden: torch.Tensor
+    logits: torch.Tensor
+    greedy: torch.Tensor
 
 
 class DecodeGraphs:
@@ -53,10 +77,10 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(rows, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(rows + 1, dtype=torch.int32, device=device)  # one token per row
         self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Replayed]] = {}
 
-    def run(self, inputs: StepInputs) -> torch.Tensor | None:
-        """Final hidden states ``[n, hidden]`` of a decode-only step, or None if it has no graph size."""
+    def run(self, inputs: StepInputs) -> Replayed | None:
+        """A decode-only step's outputs (``Replayed``, its ``n`` rows), or None if it has no graph size."""
         n, width = inputs.meta.block_tables.shape
         if n > MAX_CAPTURED_BATCH:
             return None
@@ -71,25 +95,29 @@ class DecodeGraphs:
         # context re-read for nothing.
         self.slot_mapping[n:size].fill_(-1)
         self.seq_lens[n:size].fill_(1)
-        graph, hidden = self.graphs.get(size) or self._capture(size)
+        graph, outputs = self.graphs.get(size) or self._capture(size)
         graph.replay()
-        return hidden[:n]
+        return Replayed(*(output[:n] for output in outputs))
 
-    def _capture(self, size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        args = self._static_args(size)
+    def step(self, size: int) -> Replayed:
+        """The step a ``size``-row graph holds, run on the static buffers (captured, or eagerly)."""
+        hidden = self.model(*self._static_args(size))
+        return Replayed(hidden, *greedy_draw(self.model, hidden))
+
+    def _capture(self, size: int) -> tuple[torch.cuda.CUDAGraph, Replayed]:
         # An eager run first, on a side stream as capture requires: it compiles the Triton kernels for this
         # shape (nothing may compile inside a capture). It runs on the live inputs, so the K/V it stores are
         # the very ones the replay stores again.
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self.model(*args)
+            self.step(size)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            hidden = self.model(*args)
-        self.graphs[size] = (graph, hidden)
-        return graph, hidden
+            outputs = self.step(size)
+        self.graphs[size] = (graph, outputs)
+        return graph, outputs
 
     def _static_args(
         self, size: int

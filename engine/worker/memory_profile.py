@@ -6,8 +6,9 @@ warm-up forwards on a scratch cache of just the blocks they need, before the poo
 
 - the largest eager step: ``max_num_batched_tokens`` prefill tokens, then logits and sampling (temperature
   and top-p, the most memory-hungry path) for ``max_num_seqs`` rows;
-- the largest decode batch captured in a CUDA graph: graphs keep their own memory pool, which the regular
-  allocator cannot reuse, so its peak is counted on top.
+- the largest decode batch captured in a CUDA graph, its LM head and greedy draw included (the graph holds
+  them: engine/worker/cuda_graphs.py): graphs keep their own memory pool, which the regular allocator
+  cannot reuse, so its peak is counted on top.
 
 Both also compile the Triton kernels for these shapes before the first request arrives.
 """
@@ -19,7 +20,7 @@ import torch
 from engine.kernels import AttentionMetadata
 from engine.model.llama import LlamaForCausalLM
 from engine.sampling_params import SamplingParams
-from engine.worker.cuda_graphs import MAX_CAPTURED_BATCH
+from engine.worker.cuda_graphs import MAX_CAPTURED_BATCH, greedy_draw
 from engine.worker.sampler import sample
 
 
@@ -36,20 +37,24 @@ def activation_bytes(
     prefill_tokens = min(max_num_batched_tokens, max_model_len - 1)
     total = _step_peak(model, [prefill_tokens], max_num_seqs, block_size, device)
     if model.attn_backend.supports_cuda_graphs:
-        total += _step_peak(model, [1] * min(max_num_seqs, MAX_CAPTURED_BATCH), 0, block_size, device)
+        total += _step_peak(model, [1] * min(max_num_seqs, MAX_CAPTURED_BATCH), 0, block_size, device, graph=True)
     torch.cuda.empty_cache()  # hand the warm-up's cached blocks back, so that free memory is true again
     return total
 
 
 def _step_peak(
-    model: LlamaForCausalLM, query_lens: list[int], sampled_rows: int, block_size: int, device: torch.device
+    model: LlamaForCausalLM, query_lens: list[int], sampled_rows: int, block_size: int, device: torch.device,
+    graph: bool = False,
 ) -> int:
-    """Peak allocation of a step of fresh sequences of ``query_lens`` tokens, beyond its scratch cache."""
+    """Peak allocation of a step of fresh sequences of ``query_lens`` tokens, beyond its scratch cache (with
+    ``graph``, as a decode graph holds it)."""
     input_ids, positions, kv_caches, meta = scratch_step(model, query_lens, block_size, device)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     baseline = torch.cuda.memory_allocated(device)
     hidden = model(input_ids, positions, kv_caches, meta)
+    if graph:
+        greedy_draw(model, hidden)
     if sampled_rows:
         rows = torch.zeros(sampled_rows, dtype=torch.int64, device=device)  # any row: only the shape matters
         params = SamplingParams(temperature=1.0, top_p=0.9)

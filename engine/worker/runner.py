@@ -7,7 +7,9 @@ behind them. Only the last token of a chunk that samples produces logits; prefil
 the end produce none.
 
 On CUDA, with a backend that allows it, a decode-only step replays a captured CUDA graph
-(``engine.worker.cuda_graphs``); every other step, and every step on CPU, runs the model eagerly.
+(``engine.worker.cuda_graphs``), which ends in each row's greedy draw: a step whose every draw is greedy
+and unconstrained takes its tokens from there and makes no fp32 logits. Every other step, and every step on
+CPU, runs the model eagerly.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ if TYPE_CHECKING:
 class StepResult:
     """One executed step. On CUDA its work may still be running: only ``sampled()`` waits for it."""
 
-    logits: torch.Tensor  # [chunks that sample, vocab] float32, in scheduling order
+    # [chunks that sample, vocab] float32, in scheduling order; None for a graph step drawn greedily there
+    logits: torch.Tensor | None
     tokens: torch.Tensor  # [draws] int64 on the device: one per entry of the output's ``sampling``, in its order
     num_tokens: int
     bytes_moved: int  # weights read once, KV read over every context, KV written for new tokens
@@ -112,21 +115,32 @@ class ModelRunner:
         # A step with adapters runs eagerly: the captured graphs hold no adapter layout.
         lora = self.lora_slots is not None and self.lora_slots.prepare([c.lora for c in out.chunks],
                                                                         batch.query_lens)
-        hidden = None
+        replayed = None
         if self.graphs is not None and batch.max_query_len == 1 and not lora:
-            hidden = self.graphs.run(inputs)
-        if hidden is None:
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
+            replayed = self.graphs.run(inputs)
         sampling = out.sampling
-        if len(sampling.rows) == sampling.num_rows and grammar is None:
-            draws = logits  # one draw per row, in row order: no copy (a grammar would mask it in place)
-        else:
-            draws = logits.index_select(0, torch.tensor(sampling.rows, dtype=torch.int64, device=self.device))
-        tokens = sample(draws, sampling.params, sampling.generators, grammar)
+        every_row = len(sampling.rows) == sampling.num_rows  # one draw per row, in row order
         num_tokens = len(batch.input_ids)
         kv_bytes = self.kv_bytes_per_token * (sum(batch.seq_lens) + num_tokens)
+        if replayed is not None and grammar is None and all(p.greedy for p in sampling.params):
+            # Drawn in the graph: its argmax on the model-dtype logits is the fp32 logits' (the cast changes
+            # no value). index_select copies, so the next replay cannot overwrite the tokens on their way home.
+            tokens = replayed.greedy.index_select(0, inputs.logits_indices)
+            if not every_row:
+                tokens = tokens.index_select(0, self._rows(sampling.rows))
+            return StepResult(None, tokens, num_tokens, self.weight_bytes + kv_bytes)
+        if replayed is not None:
+            logits = replayed.logits.index_select(0, inputs.logits_indices).float()
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+            logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
+        # One draw per row needs no copy (a grammar would mask the logits in place).
+        draws = logits if every_row and grammar is None else logits.index_select(0, self._rows(sampling.rows))
+        tokens = sample(draws, sampling.params, sampling.generators, grammar)
         return StepResult(logits, tokens, num_tokens, self.weight_bytes + kv_bytes)
+
+    def _rows(self, rows: list[int]) -> torch.Tensor:
+        return torch.tensor(rows, dtype=torch.int64, device=self.device)
 
     def _apply_copies(self, copies: BlockCopies) -> None:
         # Swap-outs read blocks that this step may already have handed to other sequences: copy them first.

@@ -17,12 +17,13 @@ import torch
 
 pytest.importorskip("triton")  # before the imports below: the Triton backend imports triton
 
+from engine import LLM, SamplingParams
 from engine.kernels import AttentionMetadata, TorchAttentionBackend
 from engine.kernels.triton_backend import TritonAttentionBackend
 from engine.model.loader import load_model
 from engine.sched.output import ScheduledChunk
 from engine.worker.batch import HostBatch
-from engine.worker.cuda_graphs import CAPTURE_SIZES, DecodeGraphs
+from engine.worker.cuda_graphs import CAPTURE_SIZES, DecodeGraphs, Replayed
 from engine.worker.memory_profile import scratch_step
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -32,22 +33,22 @@ MAX_BLOCKS_PER_SEQ = 8
 
 
 class EagerReplay:
-    """Stands in for a captured CUDA graph: ``replay`` reruns the call and refreshes the static output."""
+    """Stands in for a captured CUDA graph: ``replay`` reruns the call and refreshes the static outputs."""
 
-    def __init__(self, call, output: torch.Tensor) -> None:
+    def __init__(self, call, outputs: Replayed) -> None:
         self.call = call
-        self.output = output
+        self.outputs = outputs
 
     def replay(self) -> None:
-        self.output.copy_(self.call())
+        for output, fresh in zip(self.outputs, self.call(), strict=True):
+            output.copy_(fresh)
 
 
 class EagerDecodeGraphs(DecodeGraphs):
-    def _capture(self, size: int) -> tuple[EagerReplay, torch.Tensor]:
-        args = self._static_args(size)
-        replay = EagerReplay(lambda: self.model(*args), self.model(*args))
-        self.graphs[size] = (replay, replay.output)
-        return replay, replay.output
+    def _capture(self, size: int) -> tuple[EagerReplay, Replayed]:
+        replay = EagerReplay(lambda: self.step(size), self.step(size))
+        self.graphs[size] = (replay, replay.outputs)
+        return replay, replay.outputs
 
 
 @pytest.fixture(scope="module")
@@ -114,15 +115,45 @@ def test_padded_replays_match_eager_steps_and_padding_writes_nothing(model, monk
             eager_cache.copy_(fresh)
         batch = decode_batch(context_lens, seed)
         before = [c.clone() for c in graph_caches]
-        hidden = graphs.run(batch.to_device(DEVICE))
+        replayed = graphs.run(batch.to_device(DEVICE))
         expected = eager(model, eager_caches, batch)
-        assert hidden.shape == expected.shape
-        assert torch.allclose(hidden, expected, atol=1e-5)
+        assert replayed.hidden.shape == expected.shape
+        assert torch.allclose(replayed.hidden, expected, atol=1e-5)
+        assert torch.allclose(replayed.logits.float(), model.compute_logits(expected), atol=1e-4)
+        assert torch.equal(replayed.greedy, replayed.logits.float().argmax(dim=-1)), "the fp32 logits' argmax"
         for old, graph_cache, eager_cache in zip(before, graph_caches, eager_caches):
             assert written_slots(old, graph_cache) == sorted(batch.slot_mapping)
             # Not bit-equal: the projections ran on 8 (or 4) rows instead of 5 (or 3), another GEMM blocking.
             assert torch.allclose(graph_cache, eager_cache, atol=1e-5)
     assert sorted(graphs.graphs) == [4, 8]
+
+
+@torch.inference_mode()
+def test_a_greedy_decode_step_draws_in_the_graph_and_a_sampled_one_from_its_logits(monkeypatch) -> None:
+    """Through the engine: with the graph stand-in in its runner, greedy decode steps take their tokens from
+    the graph's argmax and make no fp32 logits, seeded sampled ones draw from the graph's logits, and both
+    give the tokens the eager runner gives."""
+    llm = LLM(model="tiny", device=DEVICE.type, dtype="float32", num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+              attention_backend="triton")
+    prompts = [[3, 14, 15, 92, 65], [89, 79, 32, 38, 46, 26, 43]]
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=4, temperature=0.8, seed=7, ignore_eos=True)
+    expected = [[o.token_ids for o in llm.generate(prompts, params)] for params in (greedy, sampled)]
+    runner = llm.core.runner
+    if DEVICE.type != "cuda":
+        monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    runner.graphs = (DecodeGraphs if DEVICE.type == "cuda" else EagerDecodeGraphs)(
+        runner.model, runner.kv_caches, MAX_BLOCKS_PER_SEQ, DEVICE)
+    results = []
+    execute = runner.execute
+    monkeypatch.setattr(runner, "execute", lambda *args, **kwargs: results.append(execute(*args, **kwargs))
+                        or results[-1])
+    for params, tokens in zip((greedy, sampled), expected, strict=True):
+        results.clear()
+        assert [o.token_ids for o in llm.generate(prompts, params)] == tokens
+        drawn_in_graph = sum(result.logits is None for result in results)
+        assert drawn_in_graph == (3 if params is greedy else 0), "a prefill step and three decode steps"
+    assert runner.graphs.graphs, "decode steps replayed"
 
 
 def written_slots(before: torch.Tensor, after: torch.Tensor) -> list[int]:
