@@ -1,14 +1,18 @@
 """The engine's throughput at two commits, side by side in one run: did a change cost tokens/s?
 
-Each round runs both trees in turn (A B, then B A in the next round, so neither always goes first on a
-shared machine whose speed drifts), each in a fresh process that imports only its own tree:
+Each round runs both trees at the same time, each in a fresh process that imports only its own tree, pinned
+to a core of its own (the two swap cores every round), so that whatever slows the shared machine falls on
+both alike: run one after the other, the rounds of one tree alone spread 2x on the 2-core EPYC VM (tiny
+1,949-3,813 tok/s in one run) and a change that runs the very same ops measured 0.87. The figure is the
+median over rounds of each round's B/A; without ``taskset`` or a second core the trees run in turn, A B,
+then B A. The workloads:
 
 - ``tiny``: the built-in model on the CPU through the public ``LLM`` API (``--requests`` prompts of 64 to
   256 token ids, 32 to 128 output tokens each, ``ignore_eos``, greedy, one torch thread);
 - ``smoke``: that tree's own ``bench/engine_throughput.py --smoke`` (toy Qwen/Llama shapes), its engine
   tokens/s as it prints them.
 
-Reported: the median tokens/s of each tree per workload, and B over A.
+Reported: the median tokens/s of each tree per workload, and the median of the rounds' B/A.
 
     .venv/bin/python bench/engine_ab.py --baseline c643250            # A = that commit, B = this tree
     .venv/bin/python bench/engine_ab.py --a /path/to/tree --b . --rounds 6
@@ -20,14 +24,17 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from run_info import command, describe
+from stack import pinned
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -47,26 +54,44 @@ print(json.dumps({{"tokens_per_s": sum(len(o.token_ids) for o in outputs) / elap
 """
 
 
-def run_tiny(tree: Path, requests: int) -> float:
-    result = _run(tree, [sys.executable, "-c", TINY_WORKLOAD.format(requests=requests)])
-    return json.loads(result.strip().splitlines()[-1])["tokens_per_s"]
+class Workload:
+    """One way of measuring a tree's tokens/s: the command, and how to read its output."""
+
+    def __init__(self, argv: Callable[[Path], list[str]], read: Callable[[str, Path], float]) -> None:
+        self.argv, self.read = argv, read
 
 
-def run_smoke(tree: Path) -> float:
-    result = _run(tree, [sys.executable, str(tree / "bench" / "engine_throughput.py"), "--smoke"])
+def tiny(requests: int) -> Workload:
+    return Workload(lambda tree: [sys.executable, "-c", TINY_WORKLOAD.format(requests=requests)],
+                    lambda out, tree: json.loads(out.strip().splitlines()[-1])["tokens_per_s"])
+
+
+def _smoke_tokens_per_s(out: str, tree: Path) -> float:
     # a result row: the model's label (``-smoke-shaped`` before 59b6d91, ``-smoke`` since), then tokens/s
-    rows = [line for line in result.splitlines() if "-smoke" in line and " output tokens" in line]
+    rows = [line for line in out.splitlines() if "-smoke" in line and " output tokens" in line]
     if not rows:
-        raise RuntimeError(f"no result rows in the smoke run of {tree}:\n{result}")
+        raise RuntimeError(f"no result rows in the smoke run of {tree}:\n{out}")
     return statistics.fmean(float(re.split(r"\s+", row)[1].replace(",", "")) for row in rows)
 
 
-def _run(tree: Path, argv: list[str]) -> str:
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    done = subprocess.run(argv, cwd=tree, env=env, capture_output=True, text=True, timeout=1800, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"{argv[1]} in {tree} failed:\n{done.stderr[-4000:]}")
-    return done.stdout
+SMOKE = Workload(lambda tree: [sys.executable, str(tree / "bench" / "engine_throughput.py"), "--smoke"],
+                 _smoke_tokens_per_s)
+
+
+def run_together(workload: Workload, trees: dict[str, Path], cpus: dict[str, str | None]) -> dict[str, float]:
+    """Tokens/s of each tree, their processes started at once (each on ``cpus[name]``, None: unpinned)."""
+    started = {}
+    for name, tree in trees.items():
+        env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
+        started[name] = subprocess.Popen(pinned(workload.argv(tree), cpus[name]), cwd=tree, env=env,
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    results = {}
+    for name, process in started.items():
+        out, err = process.communicate(timeout=1800)
+        if process.returncode != 0:
+            raise RuntimeError(f"{workload.argv(trees[name])[1]} in {trees[name]} failed:\n{err[-4000:]}")
+        results[name] = workload.read(out, trees[name])
+    return results
 
 
 def main() -> None:
@@ -77,6 +102,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--no-smoke", action="store_true", help="only the tiny workload")
+    parser.add_argument("--in-turn", action="store_true", help="run the trees one after the other, unpinned")
     args = parser.parse_args()
     if (args.baseline is None) == (args.a is None):
         parser.error("give exactly one of --baseline and --a")
@@ -90,17 +116,26 @@ def main() -> None:
                            check=True, capture_output=True)
         try:
             trees = {"A": tree_a.resolve(), "B": args.b.resolve()}
-            workloads = {"tiny": lambda tree: run_tiny(tree, args.requests)}
+            workloads = {"tiny": tiny(args.requests)}
             if not args.no_smoke:
-                workloads["smoke"] = run_smoke
+                workloads["smoke"] = SMOKE
+            side_by_side = not args.in_turn and shutil.which("taskset") is not None and (os.cpu_count() or 1) >= 2
+            print("layout: " + ("A and B at once, each pinned to a core of its own, the cores swapped every round"
+                                if side_by_side else "A and B in turn, unpinned"))
             results: dict[str, dict[str, list[float]]] = {w: {"A": [], "B": []} for w in workloads}
             for round_ in range(args.rounds):
-                order = ("A", "B") if round_ % 2 == 0 else ("B", "A")
-                for name in order:
-                    for workload, run in workloads.items():
-                        results[workload][name].append(run(trees[name]))
+                first, second = ("A", "B") if round_ % 2 == 0 else ("B", "A")
+                for workload, by_tree in results.items():
+                    if side_by_side:
+                        measured = run_together(workloads[workload], trees, {first: "0", second: "1"})
+                    else:  # in turn: each alone, unpinned
+                        measured = {name: run_together(workloads[workload], {name: trees[name]}, {name: None})[name]
+                                    for name in (first, second)}
+                    for name, tokens_per_s in measured.items():
+                        by_tree[name].append(tokens_per_s)
                 print(f"round {round_ + 1}: " + "; ".join(
-                    f"{w} A {r['A'][-1]:,.0f} B {r['B'][-1]:,.0f} tok/s" for w, r in results.items()))
+                    f"{w} A {r['A'][-1]:,.0f} B {r['B'][-1]:,.0f} tok/s B/A {r['B'][-1] / r['A'][-1]:.3f}"
+                    for w, r in results.items()))
         finally:
             if args.baseline is not None:
                 subprocess.run(["git", "worktree", "remove", "--force", str(tree_a)], cwd=ROOT, check=False,
@@ -108,8 +143,10 @@ def main() -> None:
     print(f"A = {trees['A']}" + (f" ({args.baseline})" if args.baseline else ""), f"B = {trees['B']}", sep="\n")
     for workload, by_tree in results.items():
         a, b = statistics.median(by_tree["A"]), statistics.median(by_tree["B"])
-        print(f"{workload:<6} median tokens/s  A {a:>9,.0f}  B {b:>9,.0f}  B/A {b / a:.3f}  "
-              f"(rounds A {[round(x) for x in by_tree['A']]}, B {[round(x) for x in by_tree['B']]})")
+        ratios = [b_ / a_ for a_, b_ in zip(by_tree["A"], by_tree["B"], strict=True)]
+        print(f"{workload:<6} median tokens/s  A {a:>9,.0f}  B {b:>9,.0f}  B/A {statistics.median(ratios):.3f} "
+              f"(rounds {min(ratios):.3f}-{max(ratios):.3f}; A {[round(x) for x in by_tree['A']]}, "
+              f"B {[round(x) for x in by_tree['B']]})")
 
 
 if __name__ == "__main__":
