@@ -360,6 +360,5 @@ class LlamaForCausalLM(nn.Module):
 
     def project_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head's logits ``[N, vocab]`` in the model's dtype: ``compute_logits`` before its fp32 cast,
-        which changes no value, so their argmax is the fp32 logits' (a decode graph's greedy draw,
-        engine/worker/cuda_graphs.py)."""
+        which changes no value (a decode graph draws greedily from them: engine/worker/cuda_graphs.py)."""
         return project(hidden, self.model.embed_tokens if self.lm_head is None else self.lm_head)

@@ -14,11 +14,13 @@ Each size is captured the first time a batch of that size arrives (the kernels' 
 capture cost a few tens of milliseconds once). All graphs share one memory pool: they never run
 concurrently, and a replay's output is consumed before the next replay overwrites the pool.
 
-A graph holds the whole decode step up to its greedy draw: the model, the LM head's logits in the model's
-dtype and their argmax per row (``Replayed``). A step whose every draw is greedy and unconstrained takes its
-tokens from there, with no fp32 copy of the logits (at batch 256 and a 152k vocabulary, 156 MB written and
-read again) and no launch outside the graph but the tokens' copy home (engine/worker/runner.py); any other
-step samples from the fp32 cast of the graph's logits.
+A step whose every draw is greedy and unconstrained replays a graph that goes on to the draw: the LM head's
+logits in the model's dtype and their argmax per row (``Replayed.greedy``), so it makes no fp32 copy of the
+logits (at batch 256 and a 152k vocabulary, 156 MB written and read again) and launches nothing outside the
+graph but the tokens' copy home (engine/worker/runner.py). Any other step replays the graph of the same size
+that ends at the hidden states, and samples from their logits as an eager step does. Only the outputs a
+graph keeps (hidden states and token ids, small beside a batch's logits) stay allocated in the pool; the
+logits are an intermediate of the replay (the memory profile counts them at the largest size).
 
 Only a backend whose launches depend on nothing but the batch size may be captured
 (``AttentionBackend.supports_cuda_graphs``); the host-side values of the captured ``AttentionMetadata``
@@ -42,21 +44,19 @@ MAX_CAPTURED_BATCH = 256
 CAPTURE_SIZES = (1, 2, 4, 8, *range(16, MAX_CAPTURED_BATCH + 1, 16))
 
 
-def greedy_draw(model: LlamaForCausalLM, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """What a decode graph holds after the model: the LM head's logits in the model's dtype, and their argmax
-    per row (engine/worker/memory_profile.py counts it in the graphs' pool)."""
-    logits = model.project_logits(hidden)
-    return logits, logits.argmax(dim=-1)
+def greedy_draw(model: LlamaForCausalLM, hidden: torch.Tensor) -> torch.Tensor:
+    """Each row's greedy token: the argmax of the LM head's logits in the model's dtype, which is their fp32
+    cast's (the cast changes no value). What a drawing graph holds after the model."""
+    return model.project_logits(hidden).argmax(dim=-1)
 
 
 class Replayed(NamedTuple):
-    """A decode step's outputs, row for row: final hidden states ``[n, hidden]``, the LM head's logits
-    ``[n, vocab]`` in the model's dtype, and their argmax ``[n]`` (int64). Views of a graph's static
-    buffers: the next replay overwrites them."""
+    """A decode step's outputs, row for row: final hidden states ``[n, hidden]`` and, from a graph that draws,
+    each row's greedy token ``[n]`` (int64; None otherwise). Views of a graph's static outputs: the next
+    replay overwrites them."""
 
     hidden: torch.Tensor
-    logits: torch.Tensor
-    greedy: torch.Tensor
+    greedy: torch.Tensor | None
 
 
 class DecodeGraphs:
@@ -77,10 +77,11 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(rows, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(rows + 1, dtype=torch.int32, device=device)  # one token per row
         self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Replayed]] = {}
+        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, Replayed]] = {}  # by (size, draws)
 
-    def run(self, inputs: StepInputs) -> Replayed | None:
-        """A decode-only step's outputs (``Replayed``, its ``n`` rows), or None if it has no graph size."""
+    def run(self, inputs: StepInputs, draw: bool = False) -> Replayed | None:
+        """A decode-only step's outputs (``Replayed``, its ``n`` rows; with ``draw``, its greedy tokens too),
+        or None if it has no graph size."""
         n, width = inputs.meta.block_tables.shape
         if n > MAX_CAPTURED_BATCH:
             return None
@@ -95,28 +96,28 @@ class DecodeGraphs:
         # context re-read for nothing.
         self.slot_mapping[n:size].fill_(-1)
         self.seq_lens[n:size].fill_(1)
-        graph, outputs = self.graphs.get(size) or self._capture(size)
+        graph, (hidden, greedy) = self.graphs.get((size, draw)) or self._capture(size, draw)
         graph.replay()
-        return Replayed(*(output[:n] for output in outputs))
+        return Replayed(hidden[:n], None if greedy is None else greedy[:n])
 
-    def step(self, size: int) -> Replayed:
+    def step(self, size: int, draw: bool) -> Replayed:
         """The step a ``size``-row graph holds, run on the static buffers (captured, or eagerly)."""
         hidden = self.model(*self._static_args(size))
-        return Replayed(hidden, *greedy_draw(self.model, hidden))
+        return Replayed(hidden, greedy_draw(self.model, hidden) if draw else None)
 
-    def _capture(self, size: int) -> tuple[torch.cuda.CUDAGraph, Replayed]:
+    def _capture(self, size: int, draw: bool) -> tuple[torch.cuda.CUDAGraph, Replayed]:
         # An eager run first, on a side stream as capture requires: it compiles the Triton kernels for this
         # shape (nothing may compile inside a capture). It runs on the live inputs, so the K/V it stores are
         # the very ones the replay stores again.
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self.step(size)
+            self.step(size, draw)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            outputs = self.step(size)
-        self.graphs[size] = (graph, outputs)
+            outputs = self.step(size, draw)
+        self.graphs[size, draw] = (graph, outputs)
         return graph, outputs
 
     def _static_args(

@@ -6,8 +6,8 @@ warm-up forwards on a scratch cache of just the blocks they need, before the poo
 
 - the largest eager step: ``max_num_batched_tokens`` prefill tokens, then logits and sampling (temperature
   and top-p, the most memory-hungry path) for ``max_num_seqs`` rows;
-- the largest decode batch captured in a CUDA graph, its LM head and greedy draw included (the graph holds
-  them: engine/worker/cuda_graphs.py): graphs keep their own memory pool, which the regular allocator
+- the largest decode batch captured in a CUDA graph, with the LM head and the greedy draw of the graph that
+  draws (engine/worker/cuda_graphs.py): graphs keep their own memory pool, which the regular allocator
   cannot reuse, so its peak is counted on top.
 
 Both also compile the Triton kernels for these shapes before the first request arrives.
@@ -53,7 +53,7 @@ def _step_peak(
     torch.cuda.reset_peak_memory_stats(device)
     baseline = torch.cuda.memory_allocated(device)
     hidden = model(input_ids, positions, kv_caches, meta)
-    if graph:
+    if graph:  # the drawing graph's intermediates: the LM head's logits and their argmax
         greedy_draw(model, hidden)
     if sampled_rows:
         rows = torch.zeros(sampled_rows, dtype=torch.int64, device=device)  # any row: only the shape matters

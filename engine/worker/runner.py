@@ -7,9 +7,8 @@ behind them. Only the last token of a chunk that samples produces logits; prefil
 the end produce none.
 
 On CUDA, with a backend that allows it, a decode-only step replays a captured CUDA graph
-(``engine.worker.cuda_graphs``), which ends in each row's greedy draw: a step whose every draw is greedy
-and unconstrained takes its tokens from there and makes no fp32 logits. Every other step, and every step on
-CPU, runs the model eagerly.
+(``engine.worker.cuda_graphs``); one whose every draw is greedy and unconstrained replays a graph that also
+draws, and makes no fp32 logits. Every other step, and every step on CPU, runs the model eagerly.
 """
 
 from __future__ import annotations
@@ -115,25 +114,26 @@ class ModelRunner:
         # A step with adapters runs eagerly: the captured graphs hold no adapter layout.
         lora = self.lora_slots is not None and self.lora_slots.prepare([c.lora for c in out.chunks],
                                                                         batch.query_lens)
-        replayed = None
-        if self.graphs is not None and batch.max_query_len == 1 and not lora:
-            replayed = self.graphs.run(inputs)
         sampling = out.sampling
         every_row = len(sampling.rows) == sampling.num_rows  # one draw per row, in row order
         num_tokens = len(batch.input_ids)
         kv_bytes = self.kv_bytes_per_token * (sum(batch.seq_lens) + num_tokens)
-        if replayed is not None and grammar is None and all(p.greedy for p in sampling.params):
-            # Drawn in the graph: its argmax on the model-dtype logits is the fp32 logits' (the cast changes
-            # no value). index_select copies, so the next replay cannot overwrite the tokens on their way home.
+        replayed = None
+        if self.graphs is not None and batch.max_query_len == 1 and not lora:
+            draw = grammar is None and all(p.greedy for p in sampling.params)
+            replayed = self.graphs.run(inputs, draw)
+        if replayed is not None and replayed.greedy is not None:
+            # Drawn in the graph. index_select copies, so the next replay cannot overwrite the tokens on their
+            # way home.
             tokens = replayed.greedy.index_select(0, inputs.logits_indices)
             if not every_row:
                 tokens = tokens.index_select(0, self._rows(sampling.rows))
             return StepResult(None, tokens, num_tokens, self.weight_bytes + kv_bytes)
         if replayed is not None:
-            logits = replayed.logits.index_select(0, inputs.logits_indices).float()
+            hidden = replayed.hidden
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-            logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
+        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
         # One draw per row needs no copy (a grammar would mask the logits in place).
         draws = logits if every_row and grammar is None else logits.index_select(0, self._rows(sampling.rows))
         tokens = sample(draws, sampling.params, sampling.generators, grammar)
