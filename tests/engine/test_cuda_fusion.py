@@ -111,7 +111,8 @@ def test_fused_silu_mul_matches_the_separate_ops(dtype: torch.dtype) -> None:
 def test_the_fused_model_gives_the_unfused_tokens(monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
     prompts = [[3, 14, 15, 92, 65, 35], [89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50]]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    options = dict(model="tiny", device=DEVICE.type, dtype="float32", num_blocks=32, attention_backend=backend)
+    options = {"model": "tiny", "device": DEVICE.type, "dtype": "float32", "num_blocks": 32,
+               "attention_backend": backend}
     unfused = [o.token_ids for o in LLM(**options).generate(prompts, params)]
     # Without CUDA, this stands in for a CUDA tensor: the fused path is the subject, not the device.
     monkeypatch.setattr(cuda_fusion, "applies", lambda tensor: True)
