@@ -101,10 +101,14 @@ def test_saturation_sends_sheddable_lanes_to_the_fallback(engines) -> None:
         bulk_body = {"model": "tiny", "prompt": "b" * 40, "max_tokens": 120, "ignore_eos": True}
 
         async def scenario() -> tuple[list, list]:
-            bulk = []
-            for _ in range(40):  # a steady stream of batch work, more than the pool holds
+            # A steady stream of batch work, more than the pool holds, until 10 more arrived once the guard was
+            # under pressure (about 40 in all): on a loaded machine the mode once changed after the first 40.
+            bulk, after_pressure = [], 0
+            while after_pressure < 10 and len(bulk) < 160:
                 bulk.append(asyncio.create_task(stream_once(guard.url, bulk_body, "sk-bulk")))
                 await asyncio.sleep(0.05)
+                if after_pressure or (len(bulk) >= 30 and guard.call(lambda: guard.state.modes.mode) != "normal"):
+                    after_pressure += 1
             chat = []
             for _ in range(5):
                 chat.append(await stream_once(guard.url, {"model": "tiny", "prompt": "hello", "max_tokens": 8},
