@@ -107,7 +107,7 @@ def trace_steps(core: EngineCore) -> list[StepRecord]:
     kinds: deque[tuple[bool, int]] = deque()
 
     def traced_execute(out: SchedulerOutput, *args, **kwargs) -> StepResult:
-        kinds.append((all(s.num_new_tokens == 1 for s in out.scheduled), len(out.scheduled)))
+        kinds.append((len(out.token_ids) == len(out.seqs), len(out.seqs)))
         return execute(out, *args, **kwargs)
 
     def traced_on_step(duration_s: float, num_tokens: int, has_decode: bool, bytes_moved: int) -> None:

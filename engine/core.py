@@ -263,7 +263,7 @@ class EngineCore:
             return []
         else:
             out = self.scheduler.schedule()
-            if not out.scheduled:
+            if not out.seqs:
                 # Validation guarantees every request fits an idle pool; an empty step with work left is a
                 # bug, and raising beats spinning forever.
                 raise RuntimeError("scheduler: no sequence could be scheduled although requests are pending")

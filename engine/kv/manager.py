@@ -24,7 +24,6 @@ from engine.kv.hashing import extend_block_hashes
 from engine.kv.sequence import KVSequence
 from engine.kv.swap import SwapSpace
 
-
 _NO_IDS = array("q")  # a sequence without device blocks (never modified)
 
 

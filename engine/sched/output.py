@@ -1,9 +1,9 @@
 """The scheduler's output: the one contract between scheduling and execution.
 
-``Scheduler.schedule`` fills a ``SchedulerOutput``; the worker runs it from the plain data alone
-(``chunks``, ``copies``, ``sampling``: token ids, positions, block ids, sampling parameters), without any
-scheduler or KV-manager state; then ``Scheduler.advance`` and ``settle`` commit the step from ``scheduled``
-and the tokens the worker sampled. ``scheduled`` and ``chunks`` are parallel lists in scheduling order.
+``Scheduler.schedule`` fills a ``SchedulerOutput``; the worker runs it from the plain data alone (the
+chunks' columns, ``copies``, ``sampling``: token ids, positions, block ids, sampling parameters), without any
+scheduler or KV-manager state; then ``Scheduler.advance`` and ``settle`` commit the step from ``seqs``,
+``num_new_tokens`` and ``num_samples`` and the tokens the worker sampled.
 """
 
 from __future__ import annotations
@@ -21,31 +21,6 @@ if TYPE_CHECKING:
 
     from engine.model.lora import LoraAdapter
     from engine.sched.request import Sequence
-
-
-@dataclass(slots=True)
-class ScheduledSeq:
-    """The scheduler's record of one sequence in the step, for committing it."""
-
-    seq: Sequence
-    num_new_tokens: int
-    num_samples: int  # 0 for a prefill chunk that does not reach the end; else 1 + the forks it spawns
-
-
-@dataclass(slots=True)
-class ScheduledChunk:
-    """What the worker computes for one sequence: the tokens at positions ``start .. start + len - 1``."""
-
-    token_ids: list[int]
-    start: int  # tokens of the sequence already in the KV cache
-    # Device blocks holding positions 0 .. start + len(token_ids) - 1, in order: the KV manager's array('q')
-    # (engine/kv/manager.py), or any sequence of ints.
-    block_table: Sequence[int]
-    sample: bool  # its last token's logits are wanted: a row of the step's logits
-    lora: LoraAdapter | None = None  # the adapter its tokens run with; None: the base model
-    # >= 0: its last token is ``PENDING``, sampled by the previous step and still on the device, in this row
-    # of that step's tokens (the scheduler ran ahead, see ``Scheduler.advance``).
-    pending_row: int = -1
 
 
 @dataclass(slots=True)
@@ -70,18 +45,52 @@ class SamplingBatch:
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    chunks: list[ScheduledChunk] = field(default_factory=list)
+    """One step's plan, one column per field: entry ``i`` of every list below is the ``i``-th sequence
+    scheduled (parallel lists rather than a record per sequence: a decode step of a few hundred sequences
+    builds none, and the worker takes whole columns as they are).
+
+    Sequence ``seqs[i]`` computes its tokens at positions ``starts[i] .. starts[i] + num_new_tokens[i] - 1``,
+    whose ids are the next ``num_new_tokens[i]`` entries of ``token_ids``."""
+
+    seqs: list[Sequence] = field(default_factory=list)  # for the commit; the worker never reads it
+    num_new_tokens: list[int] = field(default_factory=list)
+    # 0 for a prefill chunk that does not reach the end; else 1 + the forks it spawns. > 0: the chunk's last
+    # token's logits are wanted, a row of the step's logits.
+    num_samples: list[int] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)  # tokens of the sequence already in the KV cache
+    token_ids: list[int] = field(default_factory=list)  # every chunk's tokens, one chunk after another
+    # Device blocks holding positions 0 .. start + num_new_tokens - 1, in order: the KV manager's array('q')
+    # (engine/kv/manager.py), or any sequence of ints.
+    block_tables: list[Sequence[int]] = field(default_factory=list)
+    loras: list[LoraAdapter | None] = field(default_factory=list)  # the adapter a chunk runs with (None: base)
+    # >= 0: the chunk's last token is ``PENDING``, sampled by the previous step and still on the device, in
+    # this row of that step's tokens (the scheduler ran ahead, see ``Scheduler.advance``); else -1.
+    pending_rows: list[int] = field(default_factory=list)
+    num_pending: int = 0  # entries of ``pending_rows`` >= 0
     copies: BlockCopies = field(default_factory=BlockCopies)
     sampling: SamplingBatch = field(default_factory=SamplingBatch)
     preempted: list[Sequence] = field(default_factory=list)
     # The sequence each sampled token goes to, in the order of ``sampling``: filled by ``Scheduler.advance``.
     targets: list[Sequence] = field(default_factory=list)
 
+    def add(self, seq: Sequence, token_ids: list[int], start: int, block_table: Sequence[int], num_samples: int,
+            lora: LoraAdapter | None = None, pending_row: int = -1) -> None:
+        """Schedule ``token_ids``, the tokens of ``seq`` at positions ``start`` onwards (see the class)."""
+        self.seqs.append(seq)
+        self.num_new_tokens.append(len(token_ids))
+        self.num_samples.append(num_samples)
+        self.starts.append(start)
+        self.token_ids += token_ids
+        self.block_tables.append(block_table)
+        self.loras.append(lora)
+        self.pending_rows.append(pending_row)
+        if pending_row >= 0:
+            self.num_pending += 1
+
     @property
     def has_decode(self) -> bool:
         """Some sequence computes just its newest token and samples: the step yields an inter-token gap."""
-        return any(s.num_new_tokens == 1 and s.num_samples for s in self.scheduled)
+        return any(new == 1 and samples for new, samples in zip(self.num_new_tokens, self.num_samples))
 
     def grammar_draws(self) -> tuple[int, list[tuple[int, xgrammar.GrammarMatcher]]]:
         """The step's draws in the order of ``sampling``: how many there are, and each one held to a grammar
@@ -89,9 +98,8 @@ class SchedulerOutput:
         own token, then one per fork it spawns: completions ``seq.index`` onwards."""
         constrained: list[tuple[int, xgrammar.GrammarMatcher]] = []
         draw = 0
-        for item in self.scheduled:
-            seq = item.seq
+        for seq, samples in zip(self.seqs, self.num_samples):
             if matchers := seq.request.matchers:
-                constrained += [(draw + k, matchers[seq.index + k]) for k in range(item.num_samples)]
-            draw += item.num_samples
+                constrained += [(draw + k, matchers[seq.index + k]) for k in range(samples)]
+            draw += samples
         return draw, constrained

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from operator import attrgetter
 
 from engine.kv.manager import KVCacheManager
-from engine.sched.output import ScheduledChunk, ScheduledSeq, SchedulerOutput
+from engine.sched.output import SchedulerOutput
 from engine.sched.request import PENDING, Request, SeqStatus, Sequence
 from engine.sched.stats import SchedulerLoad, SchedulerStats, TenantLoad
 
@@ -93,21 +93,20 @@ class Scheduler:
 
         After this, ``schedule`` can plan the next step while this one's tokens are still on the device: a
         decode's input is then its ``PENDING`` token, which the worker takes from this step's sampled tokens
-        (``ScheduledChunk.pending_row``).
+        (``SchedulerOutput.pending_rows``).
         """
         targets = out.targets
         commit = self.kv.commit
-        for item in out.scheduled:
-            seq = item.seq
+        for seq, num_new, num_samples in zip(out.seqs, out.num_new_tokens, out.num_samples):
             if seq.status is SeqStatus.FINISHED:
-                targets += [seq] * item.num_samples
+                targets += [seq] * num_samples
                 continue
-            seq.num_computed_tokens += item.num_new_tokens
+            seq.num_computed_tokens += num_new
             commit(seq)
-            if item.num_samples:  # forks copy the tokens computed so far: the commit above comes first
+            if num_samples:  # forks copy the tokens computed so far: the commit above comes first
                 targets.append(seq)
-                if item.num_samples > 1:
-                    targets += [self._fork(seq, index) for index in range(1, item.num_samples)]
+                if num_samples > 1:
+                    targets += [self._fork(seq, index) for index in range(1, num_samples)]
                     seq.forks_pending = 0
         for row, seq in enumerate(targets):
             if seq.status is not SeqStatus.FINISHED:
@@ -269,18 +268,19 @@ class Scheduler:
         self._add_to_step(seq, num_new, out)
 
     def _add_to_step(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
-        """Put ``seq`` in the step: its record for the commit, and the worker's chunk (its block table is
-        final here: later decisions of this step never touch the blocks of a sequence already scheduled)."""
+        """Put ``seq`` in the step (its block table is final here: later decisions of this step never touch
+        the blocks of a sequence already scheduled)."""
         start = seq.num_computed_tokens
         end = start + num_new
         token_ids = seq.token_ids
-        num_samples = 1 + seq.forks_pending if end == len(token_ids) else 0
         request = seq.request
-        out.scheduled.append(ScheduledSeq(seq, num_new, num_samples))
-        out.chunks.append(ScheduledChunk(token_ids[start:end], start, self.kv.block_ids(seq), num_samples > 0,
-                                         request.lora, seq.pending_row if num_samples else -1))
-        if num_samples:
+        if end == len(token_ids):
+            num_samples = 1 + seq.forks_pending
+            out.add(seq, token_ids[start:end], start, self.kv.block_ids(seq), num_samples, request.lora,
+                    seq.pending_row)
             out.sampling.add(request.params, request.generators, seq.index, num_samples)
+        else:
+            out.add(seq, token_ids[start:end], start, self.kv.block_ids(seq), 0, request.lora)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         seq.num_preemptions += 1

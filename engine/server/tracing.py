@@ -13,7 +13,7 @@ at each preemption.
 
 The step loop is not slowed and the HTTP side never waits on a step: the engine thread only appends the
 times it already has (the step's start and end, ``AsyncEngine._step``) and what the scheduler's output
-says (``SchedulerOutput.scheduled`` and ``.preempted``) to the ``Timeline`` of each traced request in the
+says (``SchedulerOutput.seqs`` and ``.preempted``) to the ``Timeline`` of each traced request in the
 step, a dict lookup per scheduled sequence while any traced request is live, nothing otherwise. The spans
 are built with those explicit times on the event loop when the HTTP request ends, from the timelines and
 the ``Request`` objects (``arrival_time``, ``first_token_time``), and leave through the SDK's
@@ -75,24 +75,23 @@ _TRACE = web.RequestKey("kvguard_trace", RequestTrace)
 def record_step(timelines: dict[str, Timeline], out: SchedulerOutput, started: float, finished: float) -> None:
     """Engine thread, after a step: note it in the timelines of the traced requests it touched, and forget
     the requests it finished. Call only while ``timelines`` is not empty."""
-    for item in out.scheduled:
-        seq = item.seq
+    for seq, num_new in zip(out.seqs, out.num_new_tokens):
         timeline = timelines.get(seq.request.request_id)
         if timeline is None:
             continue
         if not timeline.scheduled:
             timeline.scheduled = started
         timeline.last = finished
-        position = seq.num_computed_tokens - item.num_new_tokens  # committed already: where the chunk began
-        if item.num_new_tokens > 1 or position < seq.num_prompt_tokens:  # a prompt chunk, or a recompute
-            timeline.prefills.append((started, finished, position, item.num_new_tokens))
+        position = seq.num_computed_tokens - num_new  # committed already: where the chunk began
+        if num_new > 1 or position < seq.num_prompt_tokens:  # a prompt chunk, or a recompute
+            timeline.prefills.append((started, finished, position, num_new))
     for seq in out.preempted:
         if (timeline := timelines.get(seq.request.request_id)) is not None:
             mode = "swap" if seq.status is SeqStatus.SWAPPED else "recompute"
             timeline.preemptions.append((started, mode, seq.index))
-    for item in out.scheduled:
-        if item.seq.request.finished:
-            timelines.pop(item.seq.request.request_id, None)
+    for seq in out.seqs:
+        if seq.request.finished:
+            timelines.pop(seq.request.request_id, None)
 
 
 def timelines_for(http: web.Request, requests: list[Request]) -> list[Timeline | None]:

@@ -27,12 +27,13 @@ from itertools import accumulate
 import torch
 
 from engine.kernels import AttentionMetadata
-from engine.sched.output import ScheduledChunk
+from engine.sched.output import SchedulerOutput
 
 
 @dataclass(slots=True)
 class HostBatch:
-    """One step's inputs as host lists, in scheduling order."""
+    """One step's inputs as host lists, in scheduling order (some of them the scheduler's own columns: read,
+    do not modify)."""
 
     input_ids: list[int]
     positions: list[int]
@@ -53,35 +54,29 @@ class HostBatch:
         return max(self.query_lens)
 
     @classmethod
-    def build(cls, chunks: list[ScheduledChunk], block_size: int) -> HostBatch:
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        tables: list[Sequence[int]] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        logits_indices: list[int] = []
+    def build(cls, out: SchedulerOutput, block_size: int) -> HostBatch:
+        """The inputs of ``out``'s chunks; a step of decodes alone (most steps) takes its columns as they are."""
+        starts, query_lens, tables = out.starts, out.num_new_tokens, out.block_tables
+        rows = accumulate(query_lens)  # each chunk's last token is input row (this - 1)
+        if len(starts) == len(out.token_ids):  # one token a chunk: decodes (a one-token prompt is one too)
+            positions = starts
+            slots = [table[p // block_size] * block_size + p % block_size for table, p in zip(tables, starts)]
+        else:
+            positions, slots = [], []
+            for table, start, num_new in zip(tables, starts, query_lens):
+                span = range(start, start + num_new)
+                positions += span
+                slots += [table[p // block_size] * block_size + p % block_size for p in span]
+        seq_lens = [start + num_new for start, num_new in zip(starts, query_lens)]
+        logits_indices = [row - 1 for row, samples in zip(rows, out.num_samples) if samples]
         pending_positions: list[int] = []
         pending_rows: list[int] = []
-        for chunk in chunks:
-            start, end = chunk.start, chunk.start + len(chunk.token_ids)
-            table = chunk.block_table
-            input_ids += chunk.token_ids
-            if end - start == 1:  # a decode, most chunks of most steps: no ranges, no comprehension
-                positions.append(start)
-                slots.append(table[start // block_size] * block_size + start % block_size)
-            else:
-                positions += range(start, end)
-                slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
-            tables.append(table)
-            query_lens.append(end - start)
-            seq_lens.append(end)
-            if chunk.sample:
-                logits_indices.append(len(input_ids) - 1)
-            if chunk.pending_row >= 0:
-                pending_positions.append(len(input_ids) - 1)
-                pending_rows.append(chunk.pending_row)
-        return cls(input_ids, positions, slots, tables, query_lens, seq_lens, logits_indices, pending_positions,
+        if out.num_pending:
+            for row, pending in zip(accumulate(query_lens), out.pending_rows):
+                if pending >= 0:
+                    pending_positions.append(row - 1)
+                    pending_rows.append(pending)
+        return cls(out.token_ids, positions, slots, tables, query_lens, seq_lens, logits_indices, pending_positions,
                    pending_rows)
 
     def to_device(self, device: torch.device) -> StepInputs:

@@ -104,7 +104,7 @@ class ModelRunner:
         tokens fill ``out``'s ``PENDING`` inputs on the device, behind it on the same stream.
         """
         self._apply_copies(out.copies)
-        batch = HostBatch.build(out.chunks, self.block_size)
+        batch = HostBatch.build(out, self.block_size)
         inputs = batch.to_device(self.device)
         if inputs.pending is not None:
             if previous is None:
@@ -112,8 +112,7 @@ class ModelRunner:
             positions, rows = inputs.pending
             inputs.input_ids.index_copy_(0, positions, previous.tokens.index_select(0, rows))
         # A step with adapters runs eagerly: the captured graphs hold no adapter layout.
-        lora = self.lora_slots is not None and self.lora_slots.prepare([c.lora for c in out.chunks],
-                                                                        batch.query_lens)
+        lora = self.lora_slots is not None and self.lora_slots.prepare(out.loras, batch.query_lens)
         sampling = out.sampling
         every_row = len(sampling.rows) == sampling.num_rows  # one draw per row, in row order
         num_tokens = len(batch.input_ids)

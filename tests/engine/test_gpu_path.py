@@ -21,7 +21,7 @@ from engine import LLM, SamplingParams
 from engine.kernels import AttentionMetadata, TorchAttentionBackend
 from engine.kernels.triton_backend import TritonAttentionBackend
 from engine.model.loader import load_model
-from engine.sched.output import ScheduledChunk
+from engine.sched.output import SchedulerOutput
 from engine.worker.batch import HostBatch
 from engine.worker.cuda_graphs import CAPTURE_SIZES, DecodeGraphs, Replayed
 from engine.worker.memory_profile import scratch_step
@@ -170,9 +170,10 @@ def written_slots(before: torch.Tensor, after: torch.Tensor) -> list[int]:
 
 def test_step_inputs_are_the_host_lists_in_one_device_buffer() -> None:
     # A prefill chunk that samples, one that does not, and a decode: tables of 2, 1 and 3 blocks.
-    chunks = [ScheduledChunk([7, 8, 9], 2, [4, 9], True), ScheduledChunk([1, 2], 0, [5], False),
-              ScheduledChunk([3], 10, [6, 2, 8], True)]
-    batch = HostBatch.build(chunks, BLOCK_SIZE)
+    out = SchedulerOutput()
+    for token_ids, start, table, samples in [([7, 8, 9], 2, [4, 9], 1), ([1, 2], 0, [5], 0), ([3], 10, [6, 2, 8], 1)]:
+        out.add(None, token_ids, start, table, samples)  # type: ignore[arg-type]: the worker reads no sequence
+    batch = HostBatch.build(out, BLOCK_SIZE)
     inputs = batch.to_device(DEVICE)
     expected = AttentionMetadata.from_host(batch.slot_mapping, batch.block_tables, batch.query_lens,
                                            batch.seq_lens, DEVICE)

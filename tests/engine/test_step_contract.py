@@ -19,10 +19,9 @@ def test_a_chunked_prefill_then_a_fork_through_the_step_contract() -> None:
     core.add(core.make_request(prompt, SamplingParams(max_tokens=3, temperature=0.0, n=2)))
 
     out = core.scheduler.schedule()
-    (item,), (chunk,) = out.scheduled, out.chunks
-    seq = item.seq
-    assert (chunk.token_ids, chunk.start, chunk.sample) == (prompt[:8], 0, False), "8 of 10 prompt tokens fit"
-    assert chunk.block_table == core.kv.block_ids(seq) and len(chunk.block_table) == 2
+    (seq,), (table,) = out.seqs, out.block_tables
+    assert (out.token_ids, out.starts, out.num_samples) == (prompt[:8], [0], [0]), "8 of 10 prompt tokens fit"
+    assert table == core.kv.block_ids(seq) and len(table) == 2
     assert out.sampling.rows == []
     result = core.runner.execute(out)
     assert result.sampled() == [] and result.num_tokens == 8
@@ -32,9 +31,9 @@ def test_a_chunked_prefill_then_a_fork_through_the_step_contract() -> None:
     check_block_accounting(core)
 
     out = core.scheduler.schedule()
-    (chunk,) = out.chunks
-    assert (chunk.token_ids, chunk.start, chunk.sample) == (prompt[8:], 8, True)
-    assert chunk.block_table == core.kv.block_ids(seq) and len(chunk.block_table) == 3
+    (table,) = out.block_tables
+    assert (out.token_ids, out.starts, out.num_samples) == (prompt[8:], [8], [2]), "it samples, and forks one"
+    assert table == core.kv.block_ids(seq) and len(table) == 3
     assert out.sampling.rows == [0, 0], "the prompt's last logits give both completions their first token"
     result = core.runner.execute(out)
     core.scheduler.advance(out)
