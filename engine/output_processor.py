@@ -65,7 +65,7 @@ class OutputProcessor:
             if ((matcher is not None and matcher.is_terminated())
                     or (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids):
                 reason = "stop"
-            elif seq.num_output_tokens >= request.max_tokens:
+            elif len(seq.token_ids) - seq.num_prompt_tokens >= request.max_tokens:  # its output tokens
                 reason = "length"
         if reason is not None and detokenizer is not None and not seq.stopped_by_string:
             seq.text += detokenizer.flush()
@@ -99,9 +99,10 @@ class OutputProcessor:
         for seq in request.seqs:
             if seq.detokenizer is None and self.tokenizer is not None and seq.status is SeqStatus.FINISHED:
                 seq.text = self.tokenizer.decode(seq.output_token_ids)
-            token_ids = seq.output_token_ids if not resumed else seq.token_ids[seq.num_prompt_tokens + resumed:]
-            completions.append(CompletionOutput(seq.index, seq.text[skip:] if skip else seq.text, token_ids,
-                                                seq.finish_reason))
+            # A window on the sequence's tokens, not a copy: the server reads only each step's new ones.
+            completions.append(CompletionOutput.window(seq.index, seq.text[skip:] if skip else seq.text,
+                                                       seq.token_ids, seq.num_prompt_tokens + resumed,
+                                                       seq.finish_reason))
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
                              request.num_cached_tokens, finished, resumed)
 

@@ -5,12 +5,54 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-@dataclass(slots=True)
 class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    """One completion so far: ``index``, ``text``, ``token_ids``, ``finish_reason`` ("stop" | "length" |
+    "abort" | None while running).
+
+    ``window`` makes one without copying its tokens: a view of ``source[start:end]``, entries that never
+    change (a sequence's list only grows past them), copied out the first time ``token_ids`` is read. A
+    server that sends each step's new tokens (``num_tokens``, ``token_ids_from``) then never copies the
+    whole output every step, and a caller that keeps only the last output copies it once."""
+
+    __slots__ = ("index", "text", "finish_reason", "_source", "_start", "_end")
+
+    def __init__(self, index: int, text: str, token_ids: list[int], finish_reason: str | None) -> None:
+        self.index, self.text, self.finish_reason = index, text, finish_reason
+        self._source, self._start, self._end = token_ids, 0, len(token_ids)
+
+    @classmethod
+    def window(cls, index: int, text: str, source: list[int], start: int, finish_reason: str | None
+               ) -> CompletionOutput:
+        """The completion whose tokens are ``source[start:]`` as it is now (see the class)."""
+        output = cls.__new__(cls)
+        output.index, output.text, output.finish_reason = index, text, finish_reason
+        output._source, output._start, output._end = source, start, len(source)
+        return output
+
+    @property
+    def token_ids(self) -> list[int]:
+        if self._start or self._end != len(self._source):  # a window: copy it out once
+            self._source, self._start = self._source[self._start:self._end], 0
+        return self._source
+
+    @property
+    def num_tokens(self) -> int:
+        """``len(token_ids)``, without copying them."""
+        return self._end - self._start
+
+    def token_ids_from(self, first: int) -> list[int]:
+        """``token_ids[first:]``, without copying the others."""
+        return self._source[self._start + first:self._end]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, CompletionOutput):
+            return NotImplemented
+        return (self.index, self.text, self.token_ids, self.finish_reason) == (
+            other.index, other.text, other.token_ids, other.finish_reason)
+
+    def __repr__(self) -> str:
+        return (f"CompletionOutput(index={self.index!r}, text={self.text!r}, token_ids={self.token_ids!r}, "
+                f"finish_reason={self.finish_reason!r})")
 
 
 @dataclass(slots=True)

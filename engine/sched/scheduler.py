@@ -96,22 +96,26 @@ class Scheduler:
         (``SchedulerOutput.pending_rows``).
         """
         targets = out.targets
-        commit = self.kv.commit
+        commit, block_size = self.kv.commit, self.kv.block_size
         for seq, num_new, num_samples in zip(out.seqs, out.num_new_tokens, out.num_samples):
             if seq.status is SeqStatus.FINISHED:
                 targets += [seq] * num_samples
                 continue
             seq.num_computed_tokens += num_new
-            commit(seq)
-            if num_samples:  # forks copy the tokens computed so far: the commit above comes first
-                targets.append(seq)
-                if num_samples > 1:
-                    targets += [self._fork(seq, index) for index in range(1, num_samples)]
-                    seq.forks_pending = 0
-        for row, seq in enumerate(targets):
-            if seq.status is not SeqStatus.FINISHED:
+            if num_new > 1 or seq.num_computed_tokens % block_size == 0:  # a decode fills a block only there
+                commit(seq)
+            if num_samples == 1:
                 seq.token_ids.append(PENDING)
-                seq.pending_row = row
+                seq.pending_row = len(targets)
+                targets.append(seq)
+            elif num_samples:  # forks copy the tokens computed so far: they come before the parent's PENDING
+                first = len(targets)
+                targets.append(seq)
+                targets += [self._fork(seq, index) for index in range(1, num_samples)]
+                seq.forks_pending = 0
+                for row in range(first, len(targets)):
+                    targets[row].token_ids.append(PENDING)
+                    targets[row].pending_row = row
 
     def settle(self, out: SchedulerOutput, sampled: list[int]) -> list[Request]:
         """Finish a step's commit once its tokens are known (``sampled``, in the order of ``out.sampling``):
@@ -122,8 +126,10 @@ class Scheduler:
         now = time.monotonic()
         check_stop = self.check_stop
         tokens = 0
+        per_tenant: dict[str, int] = {}
+        finished = SeqStatus.FINISHED
         for seq, token in zip(out.targets, sampled, strict=True):
-            if seq.status is SeqStatus.FINISHED:
+            if seq.status is finished:
                 continue
             request = seq.request
             if request.first_token_time is None:
@@ -132,13 +138,14 @@ class Scheduler:
             seq.token_ids[-1] = token
             seq.pending_row = -1
             tokens += 1
-            if request.tenant is not None:
-                self.stats.tenant(request.tenant).generation_tokens += 1
-            reason = check_stop(seq, token)
-            if reason is not None:
+            if (tenant := request.tenant) is not None:
+                per_tenant[tenant] = per_tenant.get(tenant, 0) + 1
+            if (reason := check_stop(seq, token)) is not None:
                 self.finish(seq, reason)
             touched[request.request_id] = request
         self.stats.generation_tokens += tokens
+        for tenant, count in per_tenant.items():
+            self.stats.tenant(tenant).generation_tokens += count
         return list(touched.values())
 
     def can_run_ahead(self) -> bool:

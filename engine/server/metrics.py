@@ -199,7 +199,7 @@ class LatencyRecorder:
             if timing is None:
                 continue
             for completion in output.outputs:
-                count = len(completion.token_ids)
+                count = completion.num_tokens
                 before = timing.tokens_seen.get(completion.index, 0)
                 if count == before:
                     continue

@@ -247,9 +247,10 @@ async def _send_delta(response: web.StreamResponse, fmt: _Format, index: int, co
         sent.chars[index] = end
         chunk = fmt.chunk(index, completion.text[start:end], _finish_reason(completion))
         data = sse_data(chunk) if chunk is not None else b""
-        if sent.tokens is not None and len(token_ids := completion.token_ids) > (first := sent.tokens.get(index, 0)):
-            sent.tokens[index] = len(token_ids)
-            data = b": token_ids %d %s\n" % (index, ",".join(map(str, token_ids[first:])).encode()) + data
+        if sent.tokens is not None and completion.num_tokens > (first := sent.tokens.get(index, 0)):
+            sent.tokens[index] = completion.num_tokens
+            data = b": token_ids %d %s\n" % (index, ",".join(map(str, completion.token_ids_from(first))).encode()
+                                              ) + data
         if data:
             await response.write(data)
 
@@ -332,7 +333,7 @@ def _usage(outputs: list[RequestOutput]) -> Usage:
     """The usage of a whole answer: summed over its requests (a batch's prompts) and their choices, a resumed
     completion's resumed tokens included."""
     prompt = sum(len(output.prompt_token_ids) for output in outputs)
-    completion = sum(len(c.token_ids) + output.num_resumed_tokens for output in outputs for c in output.outputs)
+    completion = sum(c.num_tokens + output.num_resumed_tokens for output in outputs for c in output.outputs)
     cached = sum(output.num_cached_tokens for output in outputs)
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))

@@ -90,10 +90,11 @@ class ResponsesHandlers:
                         self._keep(tenant, answer, conversation)  # before its last event: a client that
                     else:  # asks for it as soon as that arrives must find it
                         events = builder.grow(output.outputs[0].text)
-                    token_ids = output.outputs[0].token_ids
-                    if return_token_ids and len(token_ids) > tokens_sent:
-                        events = b": token_ids 0 %s\n" % ",".join(map(str, token_ids[tokens_sent:])).encode() + events
-                        tokens_sent = len(token_ids)
+                    completion = output.outputs[0]
+                    if return_token_ids and completion.num_tokens > tokens_sent:
+                        events = b": token_ids 0 %s\n" % ",".join(map(str, completion.token_ids_from(tokens_sent))
+                                                                 ).encode() + events
+                        tokens_sent = completion.num_tokens
                     if events:
                         await response.write(events)
         except (RequestFailed, EngineUnavailable) as exc:
