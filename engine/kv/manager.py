@@ -47,6 +47,11 @@ class KVCacheManager:
         do not modify."""
         return self._ids.get(seq.seq_id, _NO_IDS)
 
+    def block_ids_of(self, seqs: list[KVSequence]) -> list[array]:
+        """``block_ids`` of each of ``seqs``."""
+        ids = self._ids
+        return [ids.get(seq.seq_id, _NO_IDS) for seq in seqs]
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

@@ -37,10 +37,9 @@ class SamplingBatch:
         """Draw ``count`` tokens from the next row, with ``generators[first : first + count]``."""
         row = self.num_rows
         self.num_rows += 1
-        for index in range(first, first + count):
-            self.rows.append(row)
-            self.params.append(params)
-            self.generators.append(generators[index])
+        self.rows += [row] * count
+        self.params += [params] * count
+        self.generators += generators[first:first + count]
 
 
 @dataclass(slots=True)
@@ -72,20 +71,6 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     # The sequence each sampled token goes to, in the order of ``sampling``: filled by ``Scheduler.advance``.
     targets: list[Sequence] = field(default_factory=list)
-
-    def add(self, seq: Sequence, token_ids: list[int], start: int, block_table: Sequence[int], num_samples: int,
-            lora: LoraAdapter | None = None, pending_row: int = -1) -> None:
-        """Schedule ``token_ids``, the tokens of ``seq`` at positions ``start`` onwards (see the class)."""
-        self.seqs.append(seq)
-        self.num_new_tokens.append(len(token_ids))
-        self.num_samples.append(num_samples)
-        self.starts.append(start)
-        self.token_ids += token_ids
-        self.block_tables.append(block_table)
-        self.loras.append(lora)
-        self.pending_rows.append(pending_row)
-        if pending_row >= 0:
-            self.num_pending += 1
 
     @property
     def has_decode(self) -> bool:

@@ -79,6 +79,7 @@ class Scheduler:
             budget = self._resume_swapped(out, budget)
             if not self.swapped:
                 self._admit_waiting(out, budget)
+        self._lay_out(out)
         return out
 
     def advance(self, out: SchedulerOutput) -> None:
@@ -209,14 +210,15 @@ class Scheduler:
             if budget == 0:
                 still_running.append(seq)
                 continue
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             while not self.kv.allocate(seq, num_new, out.copies):
                 victim = queue.pop() if queue else seq
                 self._preempt(victim, out)
                 if victim is seq:
                     break
             else:
-                self._add_to_step(seq, num_new, out)
+                out.seqs.append(seq)
+                out.num_new_tokens.append(num_new)
                 still_running.append(seq)
                 budget -= num_new
         self.running = still_running
@@ -272,22 +274,32 @@ class Scheduler:
     def _start(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
-        self._add_to_step(seq, num_new, out)
+        out.seqs.append(seq)
+        out.num_new_tokens.append(num_new)
 
-    def _add_to_step(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
-        """Put ``seq`` in the step (its block table is final here: later decisions of this step never touch
-        the blocks of a sequence already scheduled)."""
-        start = seq.num_computed_tokens
-        end = start + num_new
-        token_ids = seq.token_ids
-        request = seq.request
-        if end == len(token_ids):
-            num_samples = 1 + seq.forks_pending
-            out.add(seq, token_ids[start:end], start, self.kv.block_ids(seq), num_samples, request.lora,
-                    seq.pending_row)
-            out.sampling.add(request.params, request.generators, seq.index, num_samples)
+    def _lay_out(self, out: SchedulerOutput) -> None:
+        """Fill the worker's columns of the sequences scheduled (``out.seqs``, ``out.num_new_tokens``) and the
+        draws, one pass per column once every decision is taken: a scheduled sequence's tokens and blocks are
+        final when it is scheduled (nothing later in a step touches the blocks of a sequence already
+        scheduled, or its computed tokens)."""
+        seqs, nums = out.seqs, out.num_new_tokens
+        starts = out.starts = [seq.num_computed_tokens for seq in seqs]
+        samples = out.num_samples = [1 + seq.forks_pending if start + num == len(seq.token_ids) else 0
+                                     for seq, start, num in zip(seqs, starts, nums)]
+        if len(seqs) == sum(nums):  # one token each: decodes, most steps
+            out.token_ids = [seq.token_ids[start] for seq, start in zip(seqs, starts)]
         else:
-            out.add(seq, token_ids[start:end], start, self.kv.block_ids(seq), 0, request.lora)
+            for seq, start, num in zip(seqs, starts, nums):
+                out.token_ids += seq.token_ids[start:start + num]
+        out.block_tables = self.kv.block_ids_of(seqs)
+        requests = [seq.request for seq in seqs]
+        out.loras = [request.lora for request in requests]
+        pending = out.pending_rows = [seq.pending_row if sampled else -1 for seq, sampled in zip(seqs, samples)]
+        out.num_pending = len(pending) - pending.count(-1)
+        sampling = out.sampling
+        for seq, request, count in zip(seqs, requests, samples):
+            if count:
+                sampling.add(request.params, request.generators, seq.index, count)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         seq.num_preemptions += 1

@@ -194,9 +194,7 @@ def test_the_engine_thread_notes_prompt_chunks_and_preemptions_not_decodes():
     for (computed, new, samples), step in zip([(16, 16, 0), (20, 4, 1), (21, 1, 1)], range(1, 4), strict=True):
         seq.num_computed_tokens = computed
         seq.token_ids += [5] * samples
-        out = SchedulerOutput()
-        out.add(seq, [1] * new, computed - new, [], samples)
-        record_step(timelines, out, step, step + 0.5)
+        record_step(timelines, SchedulerOutput(seqs=[seq], num_new_tokens=[new]), step, step + 0.5)
     seq.status = SeqStatus.SWAPPED
     record_step(timelines, SchedulerOutput(preempted=[seq]), 4.0, 4.5)
     timeline = timelines["r"]
@@ -204,7 +202,5 @@ def test_the_engine_thread_notes_prompt_chunks_and_preemptions_not_decodes():
     assert timeline.prefills == [(1, 1.5, 0, 16), (2, 2.5, 16, 4)]  # the decode step is no prefill
     assert timeline.preemptions == [(4.0, "swap", 0)]
     seq.status, seq.finish_reason = SeqStatus.FINISHED, "length"
-    out = SchedulerOutput()
-    out.add(seq, [5], 20, [], 1)
-    record_step(timelines, out, 5.0, 5.5)
+    record_step(timelines, SchedulerOutput(seqs=[seq], num_new_tokens=[1]), 5.0, 5.5)
     assert timelines == {}  # a finished request is forgotten by the engine thread

@@ -170,9 +170,8 @@ def written_slots(before: torch.Tensor, after: torch.Tensor) -> list[int]:
 
 def test_step_inputs_are_the_host_lists_in_one_device_buffer() -> None:
     # A prefill chunk that samples, one that does not, and a decode: tables of 2, 1 and 3 blocks.
-    out = SchedulerOutput()
-    for token_ids, start, table, samples in [([7, 8, 9], 2, [4, 9], 1), ([1, 2], 0, [5], 0), ([3], 10, [6, 2, 8], 1)]:
-        out.add(None, token_ids, start, table, samples)  # type: ignore[arg-type]: the worker reads no sequence
+    out = SchedulerOutput(num_new_tokens=[3, 2, 1], num_samples=[1, 0, 1], starts=[2, 0, 10],
+                          token_ids=[7, 8, 9, 1, 2, 3], block_tables=[[4, 9], [5], [6, 2, 8]], pending_rows=[-1] * 3)
     batch = HostBatch.build(out, BLOCK_SIZE)
     inputs = batch.to_device(DEVICE)
     expected = AttentionMetadata.from_host(batch.slot_mapping, batch.block_tables, batch.query_lens,
