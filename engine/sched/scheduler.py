@@ -202,26 +202,25 @@ class Scheduler:
         return SchedulerLoad(len(self.running), len(self.waiting), len(self.swapped), tenants, prefill)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        self.running.sort(key=_sort_key)
-        queue = deque(self.running)
-        still_running: list[Sequence] = []
-        while queue:
-            seq = queue.popleft()
-            if budget == 0:
-                still_running.append(seq)
-                continue
+        running = self.running
+        running.sort(key=_sort_key)
+        seqs, nums, copies, allocate = out.seqs, out.num_new_tokens, out.copies, self.kv.allocate
+        # running[:end] stay running; a victim is the last of them not scheduled yet, and leaves (to ``end``)
+        scheduled, end = 0, len(running)
+        while scheduled < end and budget:
+            seq = running[scheduled]
             num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
-            while not self.kv.allocate(seq, num_new, out.copies):
-                victim = queue.pop() if queue else seq
-                self._preempt(victim, out)
-                if victim is seq:
+            while not allocate(seq, num_new, copies):
+                end -= 1
+                self._preempt(running[end], out)
+                if end == scheduled:  # it was the victim: nobody after it was left
                     break
             else:
-                out.seqs.append(seq)
-                out.num_new_tokens.append(num_new)
-                still_running.append(seq)
+                seqs.append(seq)
+                nums.append(num_new)
+                scheduled += 1
                 budget -= num_new
-        self.running = still_running
+        del running[end:]
         return budget
 
     def _resume_swapped(self, out: SchedulerOutput, budget: int) -> int:
@@ -297,6 +296,11 @@ class Scheduler:
         pending = out.pending_rows = [seq.pending_row if sampled else -1 for seq, sampled in zip(seqs, samples)]
         out.num_pending = len(pending) - pending.count(-1)
         sampling = out.sampling
+        if samples.count(1) == len(samples):  # one draw a sequence (decodes): the columns at once
+            sampling.rows, sampling.num_rows = list(range(len(seqs))), len(seqs)
+            sampling.params = [request.params for request in requests]
+            sampling.generators = [request.generators[seq.index] for seq, request in zip(seqs, requests)]
+            return
         for seq, request, count in zip(seqs, requests, samples):
             if count:
                 sampling.add(request.params, request.generators, seq.index, count)
