@@ -277,13 +277,13 @@ class EngineCore:
         self.last_schedule = out
         self.stats.on_step(time.perf_counter() - started, result.num_tokens, out.has_decode, result.bytes_moved)
         outputs = []
+        output = self.output_processor.output
         for request in touched:
-            finished = request.finished
-            if finished:
+            if request.finished:
                 del self.requests[request.request_id]
-            elif finished_only:
-                continue
-            outputs.append(self.output_processor.output(request, finished))
+                outputs.append(output(request, True))
+            elif not finished_only:
+                outputs.append(output(request, False))
         return outputs
 
     def _drop_idle_ahead(self) -> None:

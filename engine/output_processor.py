@@ -100,9 +100,8 @@ class OutputProcessor:
             if seq.detokenizer is None and self.tokenizer is not None and seq.status is SeqStatus.FINISHED:
                 seq.text = self.tokenizer.decode(seq.output_token_ids)
             # A window on the sequence's tokens, not a copy: the server reads only each step's new ones.
-            completions.append(CompletionOutput.window(seq.index, seq.text[skip:] if skip else seq.text,
-                                                       seq.token_ids, seq.num_prompt_tokens + resumed,
-                                                       seq.finish_reason))
+            completions.append(CompletionOutput(seq.index, seq.text[skip:] if skip else seq.text, seq.token_ids,
+                                                seq.finish_reason, seq.num_prompt_tokens + resumed))
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
                              request.num_cached_tokens, finished, resumed)
 

@@ -9,30 +9,24 @@ class CompletionOutput:
     """One completion so far: ``index``, ``text``, ``token_ids``, ``finish_reason`` ("stop" | "length" |
     "abort" | None while running).
 
-    ``window`` makes one without copying its tokens: a view of ``source[start:end]``, entries that never
-    change (a sequence's list only grows past them), copied out the first time ``token_ids`` is read. A
-    server that sends each step's new tokens (``num_tokens``, ``token_ids_from``) then never copies the
-    whole output every step, and a caller that keeps only the last output copies it once."""
+    With ``start``, its tokens are ``token_ids[start:]`` as the list is now, held as a window, not a copy: the
+    entries of the window must never change (a sequence's list only grows past them). They are copied out
+    the first time ``token_ids`` is read, so a server that reads each step's new tokens (``num_tokens``,
+    ``token_ids_from``) never copies the whole output every step, and a caller that keeps only the last
+    output copies it once."""
 
     __slots__ = ("index", "text", "finish_reason", "_source", "_start", "_end")
 
-    def __init__(self, index: int, text: str, token_ids: list[int], finish_reason: str | None) -> None:
+    def __init__(self, index: int, text: str, token_ids: list[int], finish_reason: str | None,
+                 start: int = 0) -> None:
         self.index, self.text, self.finish_reason = index, text, finish_reason
-        self._source, self._start, self._end = token_ids, 0, len(token_ids)
-
-    @classmethod
-    def window(cls, index: int, text: str, source: list[int], start: int, finish_reason: str | None
-               ) -> CompletionOutput:
-        """The completion whose tokens are ``source[start:]`` as it is now (see the class)."""
-        output = cls.__new__(cls)
-        output.index, output.text, output.finish_reason = index, text, finish_reason
-        output._source, output._start, output._end = source, start, len(source)
-        return output
+        self._source, self._start, self._end = token_ids, start, len(token_ids)
 
     @property
     def token_ids(self) -> list[int]:
         if self._start or self._end != len(self._source):  # a window: copy it out once
-            self._source, self._start = self._source[self._start:self._end], 0
+            self._source = self._source[self._start:self._end]
+            self._start, self._end = 0, len(self._source)
         return self._source
 
     @property

@@ -66,3 +66,24 @@ def test_telemetry_counts_the_tokens_still_to_prefill_per_priority() -> None:
     while core.has_unfinished:
         core.step()
     assert core.telemetry().prefill_tokens == {}
+
+
+def test_each_steps_output_keeps_its_own_tokens_while_the_sequences_grow() -> None:
+    """A step's outputs are windows on the sequences' token lists (``CompletionOutput``): read after later
+    steps (as the server's loop does, behind the engine thread), each still holds exactly the tokens of its
+    step, for every completion of ``n`` and with a step run ahead."""
+    core = EngineCore(EngineConfig(model="tiny", device="cpu", block_size=4, num_blocks=64, async_scheduling=True))
+    core.add(core.make_request(list(range(1, 7)), SamplingParams(max_tokens=9, temperature=0.0, n=2,
+                                                                 ignore_eos=True), stream=True))
+    steps = []
+    while core.has_unfinished:
+        steps += [[(c.num_tokens, c.token_ids_from(1), c.index) for c in output.outputs] + [output]
+                  for output in core.step()]
+    final = steps[-1][-1]
+    assert final.finished and [len(c.token_ids) for c in final.outputs] == [9, 9]
+    for *views, output in steps:
+        for (count, after_first, index), completion in zip(views, output.outputs, strict=True):
+            assert completion.num_tokens == count == len(completion.token_ids), "nothing grew into a window"
+            assert completion.token_ids == final.outputs[index].token_ids[:count]
+            assert completion.token_ids_from(1) == after_first == completion.token_ids[1:]
+    assert [v[0][0] for v in steps] == list(range(1, 10)), "one output a step, one token more each"
