@@ -16,6 +16,7 @@ by generation are reported on their own, with the longest step (a full collectio
 
     .venv/bin/python bench/step_overhead.py                        # batches 64 and 256, context 512
     .venv/bin/python bench/step_overhead.py --batch 256 --json out.json
+    .venv/bin/python bench/step_overhead.py --model-stubbed         # the step's Python alone (hot caches)
     .venv/bin/python bench/step_overhead.py --smoke                 # a few steps: checks that it runs
 """
 
@@ -50,10 +51,24 @@ def build_core(batch: int, context: int, steps: int, device: str) -> EngineCore:
     return core
 
 
-def measure(batch: int, context: int, steps: int, device: str) -> dict:
+def stub_model(core: EngineCore) -> None:
+    """Replace the model's forward and LM head with constant outputs (zeros: every draw is token 0, and the
+    sequences ignore EOS), so that a step is its host work alone. With no forward between two steps to evict
+    the host's data from the caches, this is the Python of a step with hot caches: a floor, not a figure of
+    the real step."""
+    config = core.loaded.config
+    logits = torch.zeros(core.config.max_num_seqs, config.vocab_size)
+    model = core.runner.model
+    model.forward = lambda input_ids, *_: torch.zeros(len(input_ids), config.hidden_size)
+    model.compute_logits = lambda hidden: logits[:len(hidden)]
+
+
+def measure(batch: int, context: int, steps: int, device: str, stubbed: bool = False) -> dict:
     core = build_core(batch, context, steps, device)
     while core.scheduler.waiting or any(s.num_uncomputed_tokens > 1 for s in core.scheduler.running):
         core.step()  # prefill every prompt
+    if stubbed:
+        stub_model(core)
     for _ in range(5):
         core.step()  # settle: every sequence decoding
     collections = {generation: [0, 0.0] for generation in range(3)}  # generation -> [count, seconds]
@@ -79,7 +94,7 @@ def measure(batch: int, context: int, steps: int, device: str) -> dict:
     total = sum(durations)
     per_step_ms = summarize(phases.rows)["phases_ms"]
     host_ms = sum(ms for name, ms in per_step_ms.items() if name != "model")  # on a CPU, sampling is host work
-    return {"batch": batch, "context": context, "steps": steps, "step_ms": total / steps * 1e3,
+    return {"batch": batch, "context": context, "steps": steps, "model_stubbed": stubbed, "step_ms": total / steps * 1e3,
             "host_ms": host_ms, "host_us_per_seq": host_ms * 1e3 / batch, "phases_ms": per_step_ms,
             "longest_step_ms": max(durations) * 1e3, "frozen_objects": gc.get_freeze_count(),
             "gc": {f"gen{generation}": {"collections": count, "ms": seconds * 1e3}
@@ -93,14 +108,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--model-stubbed", action="store_true",
+                        help="the model's forward and LM head return constants: the step's host work alone, hot caches")
     parser.add_argument("--smoke", action="store_true", help="batch 4, 3 steps: checks that it runs")
     args = parser.parse_args()
     if args.smoke:
         args.batch, args.context, args.steps = [4], 16, 3
     torch.manual_seed(0)
-    results = [measure(batch, args.context, args.steps, args.device) for batch in args.batch]
+    results = [measure(batch, args.context, args.steps, args.device, args.model_stubbed) for batch in args.batch]
     print_preamble(torch.device(args.device), args.smoke)
-    print(f"tiny model, decode-only steps, context {args.context} tokens at the start, {args.steps} steps timed")
+    print(f"tiny model{' (stubbed: host work alone)' if args.model_stubbed else ''}, decode-only steps, context "
+          f"{args.context} tokens at the start, {args.steps} steps timed")
     print("ms per step; gc: collections (ms in all) of the oldest generation, then of the younger two")
     print(f"{'batch':>5} {'step':>8} {'host':>7} {'us/seq':>7}  " + " ".join(f"{p:>8}" for p in PHASES)
           + f"  {'longest':>8}  {'full gc':>11}  {'young gc':>11}")
