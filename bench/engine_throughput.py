@@ -65,7 +65,6 @@ from engine.worker.bandwidth import peak_bandwidth
 from engine.worker.runner import StepResult
 
 GPU_REPORT = Path(__file__).parent / "results" / "gpu" / "engine_throughput.json"
-SHIPPED_ASYNC = EngineConfig.__dataclass_fields__["async_scheduling"].default
 DEFAULT_MODELS = ["qwen2.5-0.5b", "llama-3.2-1b"]
 
 
@@ -88,6 +87,11 @@ class StepRecord:
     batch: int
     bytes_moved: int
     duration_s: float
+
+
+def shipped_async(device: torch.device) -> bool:
+    """Whether the engine as shipped runs ahead on ``device`` (``EngineConfig.run_ahead``, unset)."""
+    return EngineConfig().run_ahead(device)
 
 
 def make_workload(count: int, inputs: tuple[int, int], outputs: tuple[int, int], vocab: int, seed: int) -> Workload:
@@ -197,7 +201,7 @@ def run_engine(directory: Path, work: Workload, args: argparse.Namespace, device
 
 def greedy_tokens(directory: Path, work: Workload, args: argparse.Namespace, device: torch.device) -> list:
     """Every request's greedy tokens from a fresh fp32 engine (the shipped scheduling, no timing)."""
-    llm = make_llm(directory, work, args, device, SHIPPED_ASYNC, dtype="float32")
+    llm = make_llm(directory, work, args, device, shipped_async(device), dtype="float32")
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in work.output_lens]
     tokens = [o.outputs[0].token_ids for o in llm.generate(work.prompts, params)]
     del llm
@@ -230,7 +234,7 @@ def run_kernel_profile(directory: Path, work: Workload, args: argparse.Namespace
     ``args.kernel_profile`` decode-only steps at the largest batch. A failure is reported, not raised: the
     timed figures stand without the profile."""
     try:
-        llm = make_llm(directory, work, args, device, SHIPPED_ASYNC)
+        llm = make_llm(directory, work, args, device, shipped_async(device))
         try:
             llm.core.runner.graphs = None
             return profile_decode(llm.core, work.prompts[: args.max_num_seqs], args.kernel_profile)
@@ -286,13 +290,14 @@ def engine_row(name: str, directory: Path, work: Workload, args: argparse.Namesp
     """One model's engine figures: the engine as shipped at the top level, the other configurations nested;
     ``publish``ed after each part, most telling first, so that a run cut short keeps what it measured."""
     label = name + ("-smoke" if args.smoke else "")
-    shipped = run_engine(directory, work, args, device, SHIPPED_ASYNC)
+    ahead = shipped_async(device)
+    shipped = run_engine(directory, work, args, device, ahead)
     row = {
         "model": label, **engine_figures(shipped),
         "hf_tokens_per_s": None, "ratio": None,  # transformers runs last (run_hf), and fills these in
         "output_tokens": work.output_tokens, "dtype": shipped["dtype"], "attention_backend": shipped["backend"],
         "num_blocks": shipped["num_blocks"], "peak_bandwidth_gbps": shipped["peak_bandwidth"] / 1e9,
-        "async_scheduling": SHIPPED_ASYNC, "cuda_fusion": cuda_fusion.ENABLED and device.type == "cuda",
+        "async_scheduling": ahead, "cuda_fusion": cuda_fusion.ENABLED and device.type == "cuda",
         "workload": {"num_requests": len(work.prompts), "input_lens": list(args.input_len),
                      "output_lens": list(args.output_len), "max_num_seqs": args.max_num_seqs,
                      "max_num_batched_tokens": args.max_num_batched_tokens, "seed": args.seed},
@@ -301,17 +306,17 @@ def engine_row(name: str, directory: Path, work: Workload, args: argparse.Namesp
     publish(row)
     print("\n".join(breakdown_lines(label, shipped["breakdown"])))
     if args.async_scheduling == "both":
-        other = run_engine(directory, work, args, device, not SHIPPED_ASYNC)
-        row["other_scheduling"] = {"async_scheduling": not SHIPPED_ASYNC, **engine_figures(other),
+        other = run_engine(directory, work, args, device, not ahead)
+        row["other_scheduling"] = {"async_scheduling": not ahead, **engine_figures(other),
                                    "identical_requests": identical(other, shipped)}
-        by_setting = {SHIPPED_ASYNC: shipped, not SHIPPED_ASYNC: other}
+        by_setting = {ahead: shipped, not ahead: other}
         row["async_speedup"] = by_setting[True]["tokens_per_s"] / by_setting[False]["tokens_per_s"]
         row["faster_async_scheduling"] = row["async_speedup"] > 1  # the evidence for the default (issue 46)
         publish(row)
-        print("\n".join(breakdown_lines(label + ("+async" if not SHIPPED_ASYNC else "-async"), other["breakdown"])))
+        print("\n".join(breakdown_lines(label + ("+async" if not ahead else "-async"), other["breakdown"])))
     if args.unfused:
         with cuda_fusion_enabled(False):
-            unfused = run_engine(directory, work, args, device, SHIPPED_ASYNC)
+            unfused = run_engine(directory, work, args, device, ahead)
         row["unfused"] = {**engine_figures(unfused), "identical_requests": identical(unfused, shipped)}
         publish(row)
         print("\n".join(breakdown_lines(label + "-unfused", unfused["breakdown"])))
@@ -421,7 +426,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--async-scheduling", choices=["shipped", "both"], default="shipped",
-                        help=f"both: also the other run-ahead setting than the shipped one ({SHIPPED_ASYNC}), nested")
+                        help="both: also the other run-ahead setting than the shipped one (on CUDA only), nested")
     parser.add_argument("--unfused", action="store_true", help="also the timed run with the CUDA fusions off, nested")
     parser.add_argument("--fusion-check", type=int, default=0, metavar="N",
                         help="greedy tokens fused vs unfused in fp32 on the first N requests (0: off)")

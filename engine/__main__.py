@@ -79,7 +79,8 @@ _OPTIONS: dict[str, tuple[Callable[[str], object] | None, str]] = {
     "max_lora_rank": (int, "largest LoRA rank accepted (device slots are sized for it)"),
     "allow_runtime_lora": (None, "allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter"),
     "async_scheduling": (None, ("schedule a steady decode's next step before this one's tokens are read "
-                                "back, overlapping the host's work with the GPU's (no gain on CPU)")),
+                                "back, overlapping the host's work with the GPU's (unset: on CUDA only; no "
+                                "gain on CPU)")),
 }
 _CHOICES: dict[str, Sequence[str]] = {"dtype": sorted(DTYPES), "preemption_mode": PREEMPTION_MODES,
                                       "attention_backend": ATTENTION_BACKENDS, "weight_format": WEIGHT_FORMATS}

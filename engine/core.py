@@ -96,8 +96,9 @@ class EngineCore:
         # (engine/server/tracing.py): which sequences ran what, and which were preempted. Read on the
         # stepping thread, between steps.
         self.last_schedule: SchedulerOutput | None = None
-        # With async_scheduling: the step scheduled and queued ahead, whose tokens the next call reads back.
+        # With run-ahead: the step scheduled and queued ahead, whose tokens the next call reads back.
         self._ahead: tuple[SchedulerOutput, StepResult] | None = None
+        self.run_ahead = config.run_ahead(self.device)
         freeze_startup_heap()  # last: everything built above lives as long as the engine
 
     @property
@@ -250,7 +251,7 @@ class EngineCore:
         (``LLM.generate``): an output per request per step is most of the host work of a large decode batch
         after the schedule, and a streaming server needs it (text deltas, inter-token latency), not they.
 
-        With ``async_scheduling``, a steady decode runs one step ahead: the step after this one is
+        With run-ahead (``EngineConfig.run_ahead``: on CUDA by default), a steady decode runs one step ahead: the step after this one is
         scheduled and queued on the device before this one's tokens are read back (``Scheduler.advance``),
         so the host's work overlaps the device's. Each call still returns one step's tokens; a sequence that
         they end has computed one token too many, which is dropped.
@@ -269,7 +270,7 @@ class EngineCore:
                 raise RuntimeError("scheduler: no sequence could be scheduled although requests are pending")
             result = self._execute(out)
         self.scheduler.advance(out)
-        if self.config.async_scheduling and self.scheduler.can_run_ahead():
+        if self.run_ahead and self.scheduler.can_run_ahead():
             ahead = self.scheduler.schedule()
             self._ahead = (ahead, self._execute(ahead, result))
         touched = self.scheduler.settle(out, result.sampled())

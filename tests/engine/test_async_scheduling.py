@@ -8,6 +8,7 @@ import random
 
 import openai
 import pytest
+import torch
 from support.engine_server import ServerThread
 from support.invariants import assert_all_blocks_back
 
@@ -15,7 +16,7 @@ from engine import LLM, SamplingParams
 from engine.outputs import RequestOutput
 from engine.worker.runner import ModelRunner
 
-OPTIONS = dict(model="tiny", device="cpu", block_size=4, max_num_seqs=16, max_num_batched_tokens=64)
+OPTIONS = {"model": "tiny", "device": "cpu", "block_size": 4, "max_num_seqs": 16, "max_num_batched_tokens": 64}
 
 
 def workload() -> tuple[list[list[int]], list[SamplingParams]]:
@@ -36,7 +37,7 @@ def count_run_ahead(runner: ModelRunner) -> list[int]:
     """From now on, count in the returned cell the steps that take a token the step before left unread."""
     execute, ran_ahead = runner.execute, [0]
 
-    def counting(out, grammar=None, previous=None):  # noqa: ANN001, ANN202 - the runner's own signature
+    def counting(out, grammar=None, previous=None):
         ran_ahead[0] += previous is not None
         return execute(out, grammar, previous)
 
@@ -91,3 +92,21 @@ def test_the_server_runs_ahead_and_streams_the_same_text() -> None:
         server.wait_idle()
         assert_all_blocks_back(server.core)
     assert ran_ahead[0] > 30, "decode steps ran ahead"
+
+
+def test_the_default_runs_ahead_on_cuda_only() -> None:
+    """Unset, run-ahead is on where the device runs asynchronously (CUDA) and off on a CPU; set, as set. The
+    engine's flag leaves it unset unless given either way."""
+    from engine.__main__ import build_parser
+    from engine.config import EngineConfig
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert [EngineConfig(model="tiny").run_ahead(d) for d in (cpu, cuda)] == [False, True]
+    assert [EngineConfig(model="tiny", async_scheduling=True).run_ahead(d) for d in (cpu, cuda)] == [True, True]
+    assert [EngineConfig(model="tiny", async_scheduling=False).run_ahead(d) for d in (cpu, cuda)] == [False, False]
+    parse = build_parser().parse_args
+    assert [parse(flags).async_scheduling for flags in ([], ["--async-scheduling"], ["--no-async-scheduling"])
+            ] == [None, True, False]
+    assert not LLM(**OPTIONS).core.run_ahead
+    with pytest.raises(ValueError, match="async_scheduling"):
+        EngineConfig(model="tiny", async_scheduling="yes")  # type: ignore[arg-type]
