@@ -25,7 +25,10 @@ from support.processes import EngineProcess, Process, Processes
 from support.wait import until
 
 ROUTING = {"min_dwell_s": 1.0, "cooldown_s": 30.0, "health_interval_s": 0.2, "failure_threshold": 2}
-MAX_TOKENS = 160
+# Long enough to be still generating when a test acts, 0.3 s after every stream's first bytes: the tiny
+# model generates 160 tokens for 4-8 requests in 0.16-0.18 s offline, and at 160 a far replica's requests
+# sometimes ended before the cut (2 runs in 5; at 320, 0 in 10).
+MAX_TOKENS = 320
 
 
 SEEDED = 50  # from this index on, sampled with a seed: resumed with the same seed, it draws the same tokens
