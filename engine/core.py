@@ -251,9 +251,9 @@ class EngineCore:
         (``LLM.generate``): an output per request per step is most of the host work of a large decode batch
         after the schedule, and a streaming server needs it (text deltas, inter-token latency), not they.
 
-        With run-ahead (``EngineConfig.run_ahead``: on CUDA by default), a steady decode runs one step ahead: the step after this one is
-        scheduled and queued on the device before this one's tokens are read back (``Scheduler.advance``),
-        so the host's work overlaps the device's. Each call still returns one step's tokens; a sequence that
+        With run-ahead (``EngineConfig.run_ahead``: on CUDA by default), a steady decode runs one step ahead:
+        the step after this one is scheduled and queued on the device before this one's tokens are read back
+        (``Scheduler.advance``), so the host's work overlaps the device's. Each call still returns one step's tokens; a sequence that
         they end has computed one token too many, which is dropped.
         """
         started = time.perf_counter()

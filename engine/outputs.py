@@ -15,7 +15,7 @@ class CompletionOutput:
     ``token_ids_from``) never copies the whole output every step, and a caller that keeps only the last
     output copies it once."""
 
-    __slots__ = ("index", "text", "finish_reason", "_source", "_start", "_end")
+    __slots__ = ("_end", "_source", "_start", "finish_reason", "index", "text")
 
     def __init__(self, index: int, text: str, token_ids: list[int], finish_reason: str | None,
                  start: int = 0) -> None:

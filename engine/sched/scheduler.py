@@ -22,7 +22,6 @@ from __future__ import annotations
 import bisect
 import itertools
 import time
-from collections import deque
 from collections.abc import Callable
 from operator import attrgetter
 
