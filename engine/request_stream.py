@@ -38,6 +38,9 @@ class RequestStream:
     _latest: RequestOutput | None = None
     _error: BaseException | None = None
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
+    # The reader waits for the final output alone (``final``): an earlier one is kept but wakes nobody, so a
+    # unary request costs its event loop one wake-up, not one per engine step.
+    _final_only: bool = False
     done: bool = False  # the final output or the error has been taken
 
     def __aiter__(self) -> RequestStream:
@@ -58,6 +61,7 @@ class RequestStream:
 
     async def final(self) -> RequestOutput:
         """Wait for the request to finish and return its last output."""
+        self._final_only = True
         output = None
         async for output in self:
             pass
@@ -66,7 +70,8 @@ class RequestStream:
 
     def push(self, output: RequestOutput) -> None:
         self._latest = output
-        self._wake.set()
+        if output.finished or not self._final_only:
+            self._wake.set()
 
     def fail(self, error: BaseException) -> None:
         self._error = error
