@@ -130,12 +130,16 @@ def test_lora_smoke(tmp_path: Path) -> None:
     assert "mixed / base" in out and len(report["results"]) == 2 and report["ratio_cpu"] > 0
 
 
-def test_step_overhead_smoke() -> None:
-    out = run_smoke("step_overhead.py")
+@pytest.mark.parametrize("stubbed", [False, True], ids=["model", "model-stubbed"])
+def test_step_overhead_smoke(stubbed: bool) -> None:
+    out = run_smoke("step_overhead.py", *(["--model-stubbed"] if stubbed else []))
     (row,) = [line.split() for line in out.splitlines() if line.startswith("    4 ")]
     step_ms, host_ms = float(row[1]), float(row[2])
     phases = [float(value) for value in row[4:11]]
     assert 0 < host_ms < step_ms and min(phases) >= 0  # host: every phase but the model's
+    assert ("(stubbed: host work alone)" in out) == stubbed
+    if stubbed:  # the stand-in forward returns zeros: a step is its host work, the model a sliver of it
+        assert phases[2] < host_ms, row  # unstubbed, the tiny forward alone is several times the host work
 
 
 def test_prefill_tiles_smoke(tmp_path: Path) -> None:
