@@ -65,7 +65,6 @@ class SchedulerOutput:
     # >= 0: the chunk's last token is ``PENDING``, sampled by the previous step and still on the device, in
     # this row of that step's tokens (the scheduler ran ahead, see ``Scheduler.advance``); else -1.
     pending_rows: list[int] = field(default_factory=list)
-    num_pending: int = 0  # entries of ``pending_rows`` >= 0
     copies: BlockCopies = field(default_factory=BlockCopies)
     sampling: SamplingBatch = field(default_factory=SamplingBatch)
     preempted: list[Sequence] = field(default_factory=list)

@@ -292,8 +292,7 @@ class Scheduler:
         out.block_tables = self.kv.block_ids_of(seqs)
         requests = [seq.request for seq in seqs]
         out.loras = [request.lora for request in requests]
-        pending = out.pending_rows = [seq.pending_row if sampled else -1 for seq, sampled in zip(seqs, samples)]
-        out.num_pending = len(pending) - pending.count(-1)
+        out.pending_rows = [seq.pending_row if sampled else -1 for seq, sampled in zip(seqs, samples)]
         sampling = out.sampling
         if samples.count(1) == len(samples):  # one draw a sequence (decodes): the columns at once
             sampling.rows, sampling.num_rows = list(range(len(seqs))), len(seqs)

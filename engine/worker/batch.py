@@ -71,7 +71,7 @@ class HostBatch:
         logits_indices = [row - 1 for row, samples in zip(rows, out.num_samples) if samples]
         pending_positions: list[int] = []
         pending_rows: list[int] = []
-        if out.num_pending:
+        if out.pending_rows.count(-1) < len(out.pending_rows):  # some (run-ahead steps: all) are PENDING
             for row, pending in zip(accumulate(query_lens), out.pending_rows):
                 if pending >= 0:
                     pending_positions.append(row - 1)
