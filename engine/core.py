@@ -253,8 +253,8 @@ class EngineCore:
 
         With run-ahead (``EngineConfig.run_ahead``: on CUDA by default), a steady decode runs one step ahead:
         the step after this one is scheduled and queued on the device before this one's tokens are read back
-        (``Scheduler.advance``), so the host's work overlaps the device's. Each call still returns one step's tokens; a sequence that
-        they end has computed one token too many, which is dropped.
+        (``Scheduler.advance``), so the host's work overlaps the device's. Each call still returns one step's
+        tokens; a sequence that they end has computed one token too many, which is dropped.
         """
         started = time.perf_counter()
         if self._ahead is not None:

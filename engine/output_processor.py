@@ -97,13 +97,15 @@ class OutputProcessor:
         resumed = len(request.resume_token_ids)
         skip = len(request.resume_text)
         for seq in request.seqs:
-            if seq.detokenizer is None and self.tokenizer is not None and seq.status is SeqStatus.FINISHED:
-                seq.text = self.tokenizer.decode(seq.output_token_ids)
-            text, start = seq.text[skip:] if skip else seq.text, seq.num_prompt_tokens + resumed
+            start = seq.num_prompt_tokens + resumed
             if seq.status is SeqStatus.FINISHED:  # its last output, which may outlive it: its own tokens only
-                completions.append(CompletionOutput(seq.index, text, seq.token_ids[start:], seq.finish_reason))
+                if seq.detokenizer is None and self.tokenizer is not None:
+                    seq.text = self.tokenizer.decode(seq.output_token_ids)
+                tokens, start = seq.token_ids[start:], 0
             else:  # a window on the sequence's tokens, not a copy: the server reads only each step's new ones
-                completions.append(CompletionOutput(seq.index, text, seq.token_ids, seq.finish_reason, start))
+                tokens = seq.token_ids
+            completions.append(CompletionOutput(seq.index, seq.text[skip:] if skip else seq.text, tokens,
+                                                seq.finish_reason, start))
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
                              request.num_cached_tokens, finished, resumed)
 

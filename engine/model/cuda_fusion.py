@@ -2,8 +2,8 @@
 more than the arithmetic: q/k/v and gate/up as one matrix each (``weights.concatenated``), and one Triton
 kernel each for RMSNorm with its residual add (engine/kernels/triton_norm.py; every residual add of a layer
 goes into a norm), RoPE with its table lookup (triton_rope.py; with the Triton attention backend, together
-with the K/V store: triton_rope_store.py) and the MLP's silu(gate) * up (triton_silu.py). CPU runs keep HF's separate ops, the
-reference the parity tests hold the engine to. ``KVGUARD_CUDA_FUSION=0`` keeps them on CUDA too, for a
+with the K/V store: triton_rope_store.py) and the MLP's silu(gate) * up (triton_silu.py). CPU runs keep HF's
+separate ops, the reference the parity tests hold the engine to. ``KVGUARD_CUDA_FUSION=0`` keeps them on CUDA too, for a
 side-by-side run.
 """
 

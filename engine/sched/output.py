@@ -41,6 +41,12 @@ class SamplingBatch:
         self.params += [params] * count
         self.generators += generators[first:first + count]
 
+    def one_each(self, params: list[SamplingParams], generators: list[torch.Generator | None]) -> None:
+        """On an empty batch: one draw from each of ``len(params)`` rows, row ``i`` with ``params[i]`` and
+        ``generators[i]`` (a step of decodes: ``add`` for every row at once)."""
+        self.rows, self.num_rows = list(range(len(params))), len(params)
+        self.params, self.generators = params, generators
+
 
 @dataclass(slots=True)
 class SchedulerOutput:

@@ -295,9 +295,8 @@ class Scheduler:
         out.pending_rows = [seq.pending_row if sampled else -1 for seq, sampled in zip(seqs, samples)]
         sampling = out.sampling
         if samples.count(1) == len(samples):  # one draw a sequence (decodes): the columns at once
-            sampling.rows, sampling.num_rows = list(range(len(seqs))), len(seqs)
-            sampling.params = [request.params for request in requests]
-            sampling.generators = [request.generators[seq.index] for seq, request in zip(seqs, requests)]
+            sampling.one_each([request.params for request in requests],
+                              [request.generators[seq.index] for seq, request in zip(seqs, requests)])
             return
         for seq, request, count in zip(seqs, requests, samples):
             if count:

@@ -57,7 +57,7 @@ class HostBatch:
     def build(cls, out: SchedulerOutput, block_size: int) -> HostBatch:
         """The inputs of ``out``'s chunks; a step of decodes alone (most steps) takes its columns as they are."""
         starts, query_lens, tables = out.starts, out.num_new_tokens, out.block_tables
-        rows = accumulate(query_lens)  # each chunk's last token is input row (this - 1)
+        ends = list(accumulate(query_lens))  # each chunk's last token is input row (its end - 1)
         if len(starts) == len(out.token_ids):  # one token a chunk: decodes (a one-token prompt is one too)
             positions = starts
             slots = [table[p // block_size] * block_size + p % block_size for table, p in zip(tables, starts)]
@@ -68,13 +68,13 @@ class HostBatch:
                 positions += span
                 slots += [table[p // block_size] * block_size + p % block_size for p in span]
         seq_lens = [start + num_new for start, num_new in zip(starts, query_lens)]
-        logits_indices = [row - 1 for row, samples in zip(rows, out.num_samples) if samples]
+        logits_indices = [end - 1 for end, samples in zip(ends, out.num_samples) if samples]
         pending_positions: list[int] = []
         pending_rows: list[int] = []
         if out.pending_rows.count(-1) < len(out.pending_rows):  # some (run-ahead steps: all) are PENDING
-            for row, pending in zip(accumulate(query_lens), out.pending_rows):
+            for end, pending in zip(ends, out.pending_rows):
                 if pending >= 0:
-                    pending_positions.append(row - 1)
+                    pending_positions.append(end - 1)
                     pending_rows.append(pending)
         return cls(out.token_ids, positions, slots, tables, query_lens, seq_lens, logits_indices, pending_positions,
                    pending_rows)
