@@ -98,7 +98,9 @@ def test_saturation_sends_sheddable_lanes_to_the_fallback(engines) -> None:
                           fallbacks=[{"name": "small", "url": fallback.url}])
     with GuardThread(config) as guard:
         wait_for(lambda: guard.call(lambda: guard.state.modes.mode), lambda m: m == "normal", 15)
-        bulk_body = {"model": "tiny", "prompt": "b" * 40, "max_tokens": 120, "ignore_eos": True}
+        # 240 tokens: at 120 the primary (48 blocks, a few requests at a time) finished batch work about as fast
+        # as 20 a second arrived, so its queue never built and the guard never came under pressure (1 run in 4).
+        bulk_body = {"model": "tiny", "prompt": "b" * 40, "max_tokens": 240, "ignore_eos": True}
 
         async def scenario() -> tuple[list, list]:
             # A steady stream of batch work, more than the pool holds, until 10 more arrived once the guard was
