@@ -10,7 +10,8 @@ each phase is the wall time spent in the functions it names:
 - sample: ``engine.worker.runner.sample`` and ``StepResult.sampled`` (sampling, then reading the tokens back);
 - commit: ``Scheduler.advance`` and ``Scheduler.settle``, the two halves of a step's commit (tokens appended,
   stops checked, prefix blocks published);
-- outputs: ``OutputProcessor.output`` (one ``RequestOutput`` per request reported);
+- outputs: ``EngineCore.report`` (one ``RequestOutput`` per request reported, timed as one call a step:
+  timing each request's output cost the wrapper's own work, ~0.5 us a sequence, which showed as host work);
 - rest: the step's wall time less the phases above (block copies, telemetry, the step's own code).
 
 On a GPU nothing in "model" waits for the device: it is the time to launch the kernels (or to replay a graph),
@@ -63,7 +64,7 @@ class StepPhases:
                    (host_batch, "to_device", "inputs"), (runner.model, "forward", "model"),
                    (runner.model, "compute_logits", "model"), (runner_module, "sample", "sample"),
                    (runner_module.StepResult, "sampled", "sample"), (scheduler, "advance", "commit"),
-                   (scheduler, "settle", "commit"), (core.output_processor, "output", "outputs")]
+                   (scheduler, "settle", "commit"), (core, "report", "outputs")]
         if runner.graphs is not None:  # CUDA: a decode step replays a graph instead of calling forward
             targets.append((runner.graphs, "run", "model"))
         for owner, name, phase in targets:

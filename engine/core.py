@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -277,6 +278,12 @@ class EngineCore:
         self._drop_idle_ahead()
         self.last_schedule = out
         self.stats.on_step(time.perf_counter() - started, result.num_tokens, out.has_decode, result.bytes_moved)
+        return self.report(touched, finished_only)
+
+    def report(self, touched: Iterable[Request], finished_only: bool = False) -> list[RequestOutput]:
+        """The outputs of a step's ``touched`` requests (only those that ended, with ``finished_only``); an
+        ended request leaves ``requests`` here. One call per step, so that a phase timer
+        (bench/step_phases.py) costs one wrapped call per step, not one per request."""
         outputs = []
         output = self.output_processor.output
         for request in touched:
