@@ -27,11 +27,12 @@ $(STAMP): pyproject.toml Makefile
 
 # Debian's packages the tests and `make stack` run for real (CI runs as root): promtool, amtool, Prometheus
 # and Alertmanager for the alerts and the live stack; redis-server for the guards' shared state; chromium,
-# headless, for the operator console; haproxy, the compose stack's load balancer, for the rolling restart.
+# headless, for the operator console; haproxy, the compose stack's load balancer, for the rolling restart;
+# valgrind, whose instruction counts bench/guard_instructions.py reads.
 # Skipped when the binaries are already there.
-SYSTEM_BINARIES := promtool amtool prometheus prometheus-alertmanager redis-server chromium haproxy
+SYSTEM_BINARIES := promtool amtool prometheus prometheus-alertmanager redis-server chromium haproxy valgrind
 APT_SYSTEM := DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
-	prometheus prometheus-alertmanager redis-server chromium haproxy
+	prometheus prometheus-alertmanager redis-server chromium haproxy valgrind
 system-tools:
 	@for b in $(SYSTEM_BINARIES); do command -v $$b >/dev/null || missing=1; done; \
 	if [ -n "$$missing" ]; then $(APT_SYSTEM) || { apt-get update && $(APT_SYSTEM); }; fi
@@ -47,7 +48,7 @@ test: setup system-tools
 	$(PY) -m pytest -q
 
 # Minutes-long runs (e.g. 2-minute benign traffic for the attack detector); not part of make test.
-test-slow: setup
+test-slow: setup system-tools
 	$(PY) -m pytest -q -m slow
 
 clean:

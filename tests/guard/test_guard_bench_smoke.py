@@ -105,3 +105,23 @@ def test_guard_ab_quick(tmp_path: Path) -> None:
     for row in report["results"]:
         assert row["a_us"] > 0 and row["b_us"] > 0 and row["ratio_b_over_a"] > 0, row
     assert report["rounds"] == 1 and report["load_generator"] == ("wrk" if shutil.which("wrk") else "python")
+
+
+@pytest.mark.slow  # half a minute of a guard under valgrind; a benchmark's plumbing, not a behaviour
+def test_guard_instructions_smoke(tmp_path: Path) -> None:
+    """Every workload counted on this tree, net of the idle rate, and printed."""
+    result_file = tmp_path / "result.json"
+    done = run_command(sys.executable, ROOT / "bench" / "guard_instructions.py", "--smoke", "--json", result_file,
+                       timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "SMOKE RUN" in done.stdout
+    report = json.loads(result_file.read_text())
+    assert [row["workload"] for row in report["results"]] == ["unary", "stream", "firehose"]
+    for load, by in report["counts"].items():
+        figures = by["B"]
+        assert set(by) == {"B"} and figures["requests"] == report["requests"], load
+        # Net of the idle rate, and more than a request's parsing alone could take (a bare count of nothing).
+        assert 0 < figures["instructions_per_request"] < figures["instructions"] / figures["requests"], load
+        assert figures["idle_instructions_per_s"] > 0, load
+    unary, stream = (report["counts"][load]["B"]["instructions_per_request"] for load in ("unary", "stream"))
+    assert stream > unary  # a stream of 32 events costs the guard more than one unary answer
