@@ -78,6 +78,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
+from multidict import istr
+
 from guard.config import Lane, Slo
 from guard.errors import GuardError, Outcome
 from guard.pool.estimators import Pace, Quantile, log_ratio
@@ -86,6 +88,8 @@ from guard.pool.latency import P90, Prediction, Sent
 from guard.pool.pool import ReplicaPool
 
 HEADERS = {"ttft": "X-SLO-TTFT-Ms", "tpot": "X-SLO-TPOT-Ms"}
+# As looked up on every request: istr, so that a multidict does not lower-case the name again each time.
+TTFT_HEADER, TPOT_HEADER = istr(HEADERS["ttft"]), istr(HEADERS["tpot"])
 CRITICAL, STANDARD, SHEDDABLE = "critical", "standard", "sheddable"
 ORDER = {CRITICAL: 0, STANDARD: 1, SHEDDABLE: 2}  # the order classes are served in, inside a tenant
 DEPARTURE_WINDOW_S = 5.0
@@ -127,15 +131,14 @@ def objective_for(lane: Lane, headers: Mapping[str, str],
     priority_class, name, slo = selected if selected is not None else (lane.priority_class, None, lane.slo)
     ttft = slo.ttft_ms if slo is not None else None
     tpot = slo.tpot_ms if slo is not None else None
-    ttft, tpot = _tighten(ttft, headers, "ttft"), _tighten(tpot, headers, "tpot")
+    ttft, tpot = _tighten(ttft, headers, TTFT_HEADER), _tighten(tpot, headers, TPOT_HEADER)
     if ttft is None and tpot is None:
         return None
     return Objective(None if ttft is None else ttft / 1e3, None if tpot is None else tpot / 1e3,
                      priority_class, name)
 
 
-def _tighten(lane_ms: float | None, headers: Mapping[str, str], which: str) -> float | None:
-    name = HEADERS[which]
+def _tighten(lane_ms: float | None, headers: Mapping[str, str], name: istr) -> float | None:
     raw = headers.get(name)
     if raw is None:
         return lane_ms
@@ -145,7 +148,7 @@ def _tighten(lane_ms: float | None, headers: Mapping[str, str], which: str) -> f
         asked = math.nan
     if not math.isfinite(asked) or asked <= 0:
         raise GuardError(400, f"header {name}: expected a positive number of milliseconds, got {raw[:32]!r}",
-                         param=name, code="invalid_slo_header", outcome=Outcome.REJECTED_INVALID)
+                         param=str(name), code="invalid_slo_header", outcome=Outcome.REJECTED_INVALID)
     return asked if lane_ms is None else min(lane_ms, asked)
 
 

@@ -1,7 +1,7 @@
 """One request on its way through its stages (guard/http/pipeline.py): the ``Exchange`` every stage reads and
 adds its result to, and the headers every answer carries.
 
-What the request is from the start (its HTTP request, the guard's state and clients, its arrival) and what
+What the request is from the start (its HTTP request, the guard's state and clients, its arrival, its id) and what
 may never come to be (an upstream answer, a backend, a revocation: None until they do) are fields set at
 once. What only a stage makes is that stage's result, set by the runner (guard/http/stages.py) once the
 stage has returned: ``caller`` (auth), ``parsed`` (validate), ``route`` (route), ``limits`` (count),
@@ -62,6 +62,7 @@ class Exchange:
     state: GuardState
     clients: Clients
     arrived: float
+    request_id: str  # the request's (guard/http/routes.py ``request_id_of``), as its record and logs name it
     outcome: Outcome = Outcome.CANCELLED  # until a stage knows better: a client that left ends here
     trace: tracing.GuardTrace | None = None  # only while tracing is on
     upstream: Answer | None = None  # the answer being relayed, once an engine sent headers
@@ -77,10 +78,6 @@ class Exchange:
     sizing: Sizing = field(init=False)
     entry: Entry = field(init=False)
     charge: Charge | None = field(init=False)  # None: a tenant without rate limits
-
-    @property
-    def request_id(self) -> str:
-        return self.request[REQUEST_ID]
 
     @property
     def stage(self) -> str:

@@ -40,7 +40,7 @@ from guard.http.models import check_model
 from guard.http.stages import Stage, run
 from guard.http.static import static_response
 from guard.http.validate import ParsedRequest, parse_request
-from guard.instance import STATE
+from guard.instance import STATE, GuardState
 from guard.pool.routing import Route
 from guard.wire.errors import error_response
 from guard.wire.relay import UpstreamUnavailable
@@ -52,11 +52,13 @@ from guard.wire.stamp import REQUEST_ID, TENANT
 INTERNAL = web.RequestKey("internal", tuple)
 
 
-def authenticate(request: web.Request) -> Tenant:
+def authenticate(request: web.Request, state: GuardState | None = None) -> Tenant:
     """The request's tenant, from its one ``Authorization`` header (a request with two of it, or of another
-    header that must come once, is refused first: guard/http/ambiguity.py)."""
-    refuse_ambiguous(request.headers)
-    tenant = request.app[STATE].keys.tenant_for(request.headers.get("Authorization"))
+    header that must come once, is refused first: guard/http/ambiguity.py). ``state``: the app's, when the
+    caller has it (the app's lookup is Python code in aiohttp, on every request)."""
+    headers = request.headers
+    refuse_ambiguous(headers)
+    tenant = (state or request.app[STATE]).keys.tenant_for(headers.get("Authorization"))
     if tenant is None:
         raise GuardError(401, "invalid or missing API key (Authorization: Bearer <key>)", code="invalid_api_key")
     request[TENANT] = tenant.name
@@ -64,8 +66,8 @@ def authenticate(request: web.Request) -> Tenant:
 
 
 def auth(ex: Exchange) -> Caller:
-    tenant = authenticate(ex.request)
     state = ex.state
+    tenant = authenticate(ex.request, state)
     if ex.request.headers.get("X-Stainless-Retry-Count", "0") not in ("", "0"):
         state.metrics.child(state.metrics.client_retries, tenant.name).inc()
     return Caller(tenant, state.config.lanes[tenant.lane])
@@ -156,7 +158,8 @@ async def serve(ex: Exchange, request_stages: tuple[Stage, ...]) -> web.StreamRe
 
 
 async def completion(request: web.Request, request_stages: tuple[Stage, ...] = REQUEST) -> web.StreamResponse:
-    ex = Exchange(request, request.app[STATE], request.app[CLIENTS], time.monotonic())
+    app = request.app
+    ex = Exchange(request, app[STATE], app[CLIENTS], time.monotonic(), request[REQUEST_ID])
     if tracing.ENABLED:
         ex.trace = tracing.begin(request.headers, request.method, request.path, ex.arrived)
     response: web.StreamResponse | None = None
@@ -200,5 +203,5 @@ def end_trace(ex: Exchange, response: web.StreamResponse | None) -> None:
     trace.status = response.status if response is not None else 499  # nginx's "client closed request"
     trace.tenant = caller.tenant.name if caller is not None else "unknown"
     trace.outcome = ex.outcome.value
-    trace.request_id = ex.request[REQUEST_ID]
+    trace.request_id = ex.request_id
     tracing.finish(trace)

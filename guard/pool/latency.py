@@ -147,16 +147,22 @@ class LatencyModel:
         own included) and what it met and was predicted, which ``observe_ttft`` and ``observe_tpot`` are
         given back."""
         ahead, band = self._load(priority)
-        running, work = self.running(in_flight), ahead + uncached_tokens
-        sent = Sent(band, running, self._predict(priority, band, work, running), self.predict_tpot(in_flight))
-        _bump(self.pending, priority, uncached_tokens)
-        _bump(self._prompts, priority, prompt_tokens)
+        running, work = in_flight + self._others_running, ahead + uncached_tokens
+        sent = Sent(band, running, self._predict(priority, band, work, running), self._tpot(running + 1))
+        if uncached_tokens > 0:  # ``_bump`` inlined: twice per request each way
+            pending = self.pending
+            pending[priority] = pending.get(priority, 0) + uncached_tokens
+        if prompt_tokens > 0:
+            prompts = self._prompts
+            prompts[priority] = prompts.get(priority, 0) + prompt_tokens
         return work, sent
 
     def started(self, priority: int, uncached_tokens: int, prompt_tokens: int) -> None:
         """The request's first token came (or it ended without one): its prefill is no longer ahead of anyone."""
-        _bump(self.pending, priority, -uncached_tokens)
-        _bump(self._prompts, priority, -prompt_tokens)
+        if uncached_tokens > 0:
+            _bump(self.pending, priority, -uncached_tokens)
+        if prompt_tokens > 0:
+            _bump(self._prompts, priority, -prompt_tokens)
 
     def coefficients(self, priority: int) -> tuple[float, float, float]:
         """(base seconds, seconds per token of work, seconds per sequence running) at engine ``priority``:
@@ -195,9 +201,13 @@ class LatencyModel:
             if sent.ttft.median > 0:
                 error = log_ratio(seconds, sent.ttft.median, MAX_LOG_RESIDUAL)
                 for key in (sent.band, None):
-                    self._spread.setdefault(key, Quantile(P90)).observe(error)
+                    if (spread := self._spread.get(key)) is None:  # not setdefault: a Quantile made every time
+                        spread = self._spread[key] = Quantile(P90)
+                    spread.observe(error)
             self._residual.observe(sent.band, fitted, seconds)
-        self._fits.setdefault(priority, Fit()).add(work, running, seconds)
+        if (fit := self._fits.get(priority)) is None:
+            fit = self._fits[priority] = Fit()
+        fit.add(work, running, seconds)
         self._all.add(work, running, seconds)
 
     def decode_step(self, batch: int) -> float:
@@ -212,7 +222,11 @@ class LatencyModel:
         """Seconds per output token for a stream that joins the replica now, beside ``in_flight`` requests of
         the guard's (its decode batch is the sequences there, plus its own); ``UNKNOWN`` before any step
         was seen."""
-        step = self.decode_step(self.running(in_flight) + 1)
+        return self._tpot(self.running(in_flight) + 1)
+
+    def _tpot(self, batch: int) -> Prediction:
+        """``predict_tpot`` for a decode batch of ``batch`` sequences, its own included."""
+        step = self.decode_step(batch)
         if step <= 0:
             return UNKNOWN
         median = self._tpot_residual.correct(None, step)

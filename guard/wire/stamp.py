@@ -10,7 +10,11 @@ TENANT = web.RequestKey("tenant", str)
 
 
 def stamp(request: web.Request, response: web.StreamResponse) -> None:
-    """Every answer, errors included, names the request id and the tenant (once known)."""
-    response.headers["X-Request-Id"] = request[REQUEST_ID]
+    """Every answer, errors included, names the request id and the tenant (once known). An answer made with
+    them (a relayed one: guard/http/exchange.py ``stamp_headers``) is left as it is."""
+    headers = response.headers
+    if "X-Request-Id" in headers:
+        return
+    headers["X-Request-Id"] = request[REQUEST_ID]
     if TENANT in request:
-        response.headers["X-Guard-Tenant"] = request[TENANT]
+        headers["X-Guard-Tenant"] = request[TENANT]
