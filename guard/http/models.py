@@ -34,8 +34,12 @@ def adapter_of(model: str, pool: ReplicaPool) -> str | None:
 
 
 def served_model(replicas: Iterable) -> str:
-    """The base model the replicas serve (all serve the same), as their telemetry names it."""
-    return next((r.gate.snapshot.model for r in replicas if r.gate.snapshot is not None), "")
+    """The base model the replicas serve (all serve the same), as their telemetry names it. (A loop, not
+    ``next`` over a generator: asked twice on every request.)"""
+    for replica in replicas:
+        if (snapshot := replica.gate.snapshot) is not None:
+            return snapshot.model
+    return ""
 
 
 def visible_models(tenant: Tenant, path: str, status: int, body: bytes, pool: ReplicaPool) -> tuple[int, bytes]:

@@ -77,8 +77,11 @@ def blocks_for(block_size: int, prompt_tokens: int, max_tokens: int, n: int = 1)
 
 def batch_blocks_for(block_size: int, prompts_tokens: list[int], max_tokens: int, n: int = 1) -> int:
     """Blocks a batch of prompts can ever hold: each prompt is an engine request of its own, with its own
-    partial blocks, so the sum of theirs."""
-    return sum(blocks_for(block_size, prompt, max_tokens, n) for prompt in prompts_tokens)
+    partial blocks, so the sum of theirs. (A loop: asked on every request, and most have one prompt.)"""
+    total = 0
+    for prompt in prompts_tokens:
+        total += blocks_for(block_size, prompt, max_tokens, n)
+    return total
 
 
 @dataclass(slots=True)

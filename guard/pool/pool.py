@@ -67,7 +67,10 @@ class ReplicaPool:
     # -- the pool's numbers ------------------------------------------------------------------------------
     def block_size(self) -> int | None:
         """The engines' block size (one model, one block size); None before any snapshot."""
-        return next((r.gate.snapshot.block_size for r in self.replicas if r.gate.snapshot is not None), None)
+        for replica in self.replicas:
+            if (snapshot := replica.gate.snapshot) is not None:
+                return snapshot.block_size
+        return None
 
     # The sums asked on every request are loops: a generator's frame costs more than a pool's few replicas.
     def budget(self) -> int:
