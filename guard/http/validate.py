@@ -12,7 +12,7 @@ answer of a client that did not ask for it).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pydantic_core
 from aiohttp import web
@@ -43,29 +43,20 @@ class ParsedRequest:
     model: protocol.CompletionRequest | protocol.ChatCompletionRequest | protocol.ResponsesRequest
     # What is counted and sized: the request itself, or for a Responses body the chat it runs as.
     counted: protocol.CompletionRequest | protocol.ChatCompletionRequest = None  # type: ignore[assignment]
+    # Read from ``model`` once (the stages ask several times a request; a property is a call each time).
+    stream: bool = field(init=False)
+    n: int = field(init=False)
+    max_tokens: int | None = field(init=False)  # the client's bound on the output, if any
+    # A stream whose client did not ask for usage: the guard asks for it upstream (``upstream_body``) and
+    # removes the usage chunk from what the client gets (``StreamObserver.strip_usage``).
+    adds_usage: bool = field(init=False)
 
     def __post_init__(self) -> None:
+        model = self.model
         if self.counted is None:
-            model = self.model
             self.counted = model.to_chat([]) if isinstance(model, protocol.ResponsesRequest) else model
-
-    @property
-    def stream(self) -> bool:
-        return self.model.stream
-
-    @property
-    def n(self) -> int:
-        return self.model.n
-
-    @property
-    def max_tokens(self) -> int | None:
-        return self.model.max_output_tokens
-
-    @property
-    def adds_usage(self) -> bool:
-        """A stream whose client did not ask for usage: the guard asks for it upstream (``upstream_body``)
-        and removes the usage chunk from what the client gets (``StreamObserver.strip_usage``)."""
-        return self.model.stream and not self.model.include_usage
+        self.stream, self.n, self.max_tokens = model.stream, model.n, model.max_output_tokens
+        self.adds_usage = model.stream and not model.include_usage
 
     def upstream_body(self, cache_salt: str, max_tokens: int | None, priority: int, model: str | None = None) -> bytes:
         """The body sent to an engine: the client's, with the guard's salt, priority and token bound (and the

@@ -152,7 +152,6 @@ class AdmissionGate:
     def hung(self) -> bool:
         return self.step_running_s() > self.config.step_hang_s
 
-    @property
     def alive(self) -> bool:
         """The engine is up as far as its telemetry tells (see the module docstring)."""
         snapshot = self.snapshot
@@ -162,10 +161,9 @@ class AdmissionGate:
         return (now - self.heard_at <= self.config.telemetry_stale_s
                 and (self.step_started is None or now - self.step_started <= self.config.step_hang_s))
 
-    @property
     def usable(self) -> bool:
         """Alive, with numbers that still describe the engine: without them the pool counts as full."""
-        return self.alive and self.telemetry_age() <= self.config.telemetry_stale_s
+        return self.alive() and self.telemetry_age() <= self.config.telemetry_stale_s
 
     # -- arithmetic ------------------------------------------------------------------------------------
     @property
@@ -215,7 +213,7 @@ class AdmissionGate:
         """Commit ``blocks`` for request ``key`` if the pool allows; closes the gate when it does not."""
         if key in self.reservations:
             raise ValueError(f"reservation {key!r} already exists")
-        if not self.usable:
+        if not self.usable():
             return False  # no news is not a full pool: the gate's hysteresis state stays as it was
         fits = self.fits(blocks, borrowed)
         self.decided(fits, borrowed)
@@ -246,7 +244,7 @@ class AdmissionGate:
         apply: the request runs already, and what it cannot reserve it takes from the engine anyway (growing
         late is better than not at all). False leaves it as it was."""
         reservation = self.reservations.get(key)
-        if reservation is None or not self.usable or self.snapshot is None:
+        if reservation is None or not self.usable() or self.snapshot is None:
             return False
         room = int(self.config.safe_utilization * self.snapshot.num_blocks) - self.outside
         if self.reserved + blocks > self.mine(room):

@@ -37,14 +37,12 @@ class Replica:
     # before the first: what an engine did before this guard saw it is not this guard's to report).
     _hits_total: int | None = None
     _queries_total: int | None = None
+    # The backend's, read on every request: attributes, not properties (a replica's backend never changes).
+    name: str = field(init=False)
+    url: str = field(init=False)  # without a trailing slash
 
-    @property
-    def name(self) -> str:
-        return self.backend.name
-
-    @property
-    def url(self) -> str:
-        return self.backend.url.rstrip("/")
+    def __post_init__(self) -> None:
+        self.name, self.url = self.backend.name, self.backend.url.rstrip("/")
 
     def admitted(self) -> None:
         """A request of the guard's was admitted here (``finished`` when it ends)."""
@@ -61,11 +59,11 @@ class Replica:
         return max(0.0, self.started_at + self.gate.config.telemetry_stale_s - time.monotonic())
 
     def up(self) -> bool:
-        return self.breaker.closed and (self.gate.alive or self.start_left() > 0)
+        return self.breaker.opened_at is None and (self.gate.alive() or self.start_left() > 0)  # closed, as read
 
     def usable(self) -> bool:
         """Up with numbers that may be admitted against (see ``AdmissionGate.usable``)."""
-        return self.breaker.closed and self.gate.usable
+        return self.breaker.opened_at is None and self.gate.usable()
 
     def on_snapshot(self, snapshot: TelemetrySnapshot) -> tuple[int, int]:
         """Take a snapshot; returns the engine-reported prefix-cache (hit, query) tokens since the last one

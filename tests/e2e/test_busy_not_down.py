@@ -230,7 +230,7 @@ def watch(guard: GuardThread, seconds: float) -> list[dict[str, Any]]:
     """The guard's view every 0.1 s for ``seconds``: is the primary up, may the gate admit, the mode."""
     def sample() -> dict[str, Any]:
         state = guard.state
-        return {"up": state.pool.any_up(), "usable": state.pool.replicas[0].gate.usable, "mode": state.modes.mode,
+        return {"up": state.pool.any_up(), "usable": state.pool.replicas[0].gate.usable(), "mode": state.modes.mode,
                 "step_running_s": state.pool.replicas[0].gate.step_running_s(), "age": state.pool.replicas[0].gate.telemetry_age()}
 
     samples = []

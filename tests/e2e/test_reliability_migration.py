@@ -386,7 +386,7 @@ async def test_a_rolling_restart_under_load_fails_nothing(processes: Processes) 
             await asyncio.sleep(1.0)
             engine.send_signal(signal.SIGTERM)
             replica = guard.call(lambda n=name: guard.state.pool.by_name[n])
-            await until(lambda r=replica: guard.call(lambda: not r.gate.alive), bool, 5)  # nothing new goes there
+            await until(lambda r=replica: guard.call(lambda: not r.gate.alive()), bool, 5)  # nothing new goes there
             assert await asyncio.to_thread(engine.wait, 30) == 0
             await asyncio.to_thread(engine.start)
             await until(lambda: guard.call(lambda: all(r.up() and r.breaker.closed for r in guard.state.pool)),
