@@ -59,7 +59,10 @@ _TOKEN_IDS = b',"return_token_ids":true}'
 
 
 def tap_for(parsed: ParsedRequest) -> ResumeTap:
-    """The tap every pool request is relayed through; a Responses stream's counts its events."""
+    """The tap every pool request is relayed through; a Responses stream's counts its events. A unary
+    answer's reads none of its events (it is sent again whole), so it needs neither count."""
+    if not parsed.stream:
+        return ResumeTap()
     return ResumeTap(count_events=parsed.path == RESPONSES, choices=choices_of(parsed))
 
 
