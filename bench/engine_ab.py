@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 from run_info import command, describe
-from stack import pinned
+from stack import baseline_tree, pinned
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -108,38 +108,28 @@ def main() -> None:
         parser.error("give exactly one of --baseline and --a")
     print(f"machine: {describe(torch.device('cpu'))}")
     print(f"command: {command()}")
-    with tempfile.TemporaryDirectory(prefix="kvguard-ab-") as tmp:
-        tree_a = args.a
-        if args.baseline is not None:
-            tree_a = Path(tmp) / "a"
-            subprocess.run(["git", "worktree", "add", "--detach", str(tree_a), args.baseline], cwd=ROOT,
-                           check=True, capture_output=True)
-        try:
-            trees = {"A": tree_a.resolve(), "B": args.b.resolve()}
-            workloads = {"tiny": tiny(args.requests)}
-            if not args.no_smoke:
-                workloads["smoke"] = SMOKE
-            side_by_side = not args.in_turn and shutil.which("taskset") is not None and (os.cpu_count() or 1) >= 2
-            print("layout: " + ("A and B at once, each pinned to a core of its own, the cores swapped every round"
-                                if side_by_side else "A and B in turn, unpinned"))
-            results: dict[str, dict[str, list[float]]] = {w: {"A": [], "B": []} for w in workloads}
-            for round_ in range(args.rounds):
-                first, second = ("A", "B") if round_ % 2 == 0 else ("B", "A")
-                for workload, by_tree in results.items():
-                    if side_by_side:
-                        measured = run_together(workloads[workload], trees, {first: "0", second: "1"})
-                    else:  # in turn: each alone, unpinned
-                        measured = {name: run_together(workloads[workload], {name: trees[name]}, {name: None})[name]
-                                    for name in (first, second)}
-                    for name, tokens_per_s in measured.items():
-                        by_tree[name].append(tokens_per_s)
-                print(f"round {round_ + 1}: " + "; ".join(
-                    f"{w} A {r['A'][-1]:,.0f} B {r['B'][-1]:,.0f} tok/s B/A {r['B'][-1] / r['A'][-1]:.3f}"
-                    for w, r in results.items()))
-        finally:
-            if args.baseline is not None:
-                subprocess.run(["git", "worktree", "remove", "--force", str(tree_a)], cwd=ROOT, check=False,
-                               capture_output=True)
+    with tempfile.TemporaryDirectory(prefix="kvguard-ab-") as tmp, baseline_tree(args.baseline, args.a, Path(tmp)) as tree:
+        trees = {"A": tree.resolve(), "B": args.b.resolve()}
+        workloads = {"tiny": tiny(args.requests)}
+        if not args.no_smoke:
+            workloads["smoke"] = SMOKE
+        side_by_side = not args.in_turn and shutil.which("taskset") is not None and (os.cpu_count() or 1) >= 2
+        print("layout: " + ("A and B at once, each pinned to a core of its own, the cores swapped every round"
+                            if side_by_side else "A and B in turn, unpinned"))
+        results: dict[str, dict[str, list[float]]] = {w: {"A": [], "B": []} for w in workloads}
+        for round_ in range(args.rounds):
+            first, second = ("A", "B") if round_ % 2 == 0 else ("B", "A")
+            for workload, by_tree in results.items():
+                if side_by_side:
+                    measured = run_together(workloads[workload], trees, {first: "0", second: "1"})
+                else:  # in turn: each alone, unpinned
+                    measured = {name: run_together(workloads[workload], {name: trees[name]}, {name: None})[name]
+                                for name in (first, second)}
+                for name, tokens_per_s in measured.items():
+                    by_tree[name].append(tokens_per_s)
+            print(f"round {round_ + 1}: " + "; ".join(
+                f"{w} A {r['A'][-1]:,.0f} B {r['B'][-1]:,.0f} tok/s B/A {r['B'][-1] / r['A'][-1]:.3f}"
+                for w, r in results.items()))
     print(f"A = {trees['A']}" + (f" ({args.baseline})" if args.baseline else ""), f"B = {trees['B']}", sep="\n")
     for workload, by_tree in results.items():
         a, b = statistics.median(by_tree["A"]), statistics.median(by_tree["B"])

@@ -30,7 +30,6 @@ import concurrent.futures
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -39,7 +38,7 @@ import torch
 from guard_overhead import API_KEY, check_relays, measure, workloads
 from loadgen import generator
 from run_info import command, describe, device_report, write_report
-from stack import REPO, Service, free_port, pinned, start, start_guard
+from stack import REPO, Service, baseline_tree, free_port, pinned, start, start_guard
 
 
 def compare(tree_a: Path, args: argparse.Namespace, workdir: Path) -> dict:
@@ -138,17 +137,9 @@ def main() -> None:
     if args.quick:
         args.rounds, args.duration = 1, 1.0
     args.pool_a = args.pool_a or args.pool
-    with tempfile.TemporaryDirectory(prefix="guard-ab-") as workdir:
-        tree_a = args.a or Path(workdir) / "tree-a"
-        if args.baseline is not None:
-            subprocess.run(["git", "worktree", "add", "--detach", str(tree_a), args.baseline], cwd=REPO,
-                           check=True, capture_output=True)
-        try:
-            report = compare(tree_a.resolve(), args, Path(workdir))
-        finally:
-            if args.baseline is not None:
-                subprocess.run(["git", "worktree", "remove", "--force", str(tree_a)], cwd=REPO, check=False,
-                               capture_output=True)
+    with tempfile.TemporaryDirectory(prefix="guard-ab-") as workdir, \
+            baseline_tree(args.baseline, args.a, Path(workdir)) as a:
+        report = compare(a.resolve(), args, Path(workdir))
     print(f"machine: {report['machine']}\ncommand: {report['command']}")
     if args.quick:
         print("QUICK RUN: 1-second measurements, not a measurement")

@@ -45,7 +45,7 @@ import torch
 import yaml
 from guard_overhead import API_KEY, PROMPT
 from run_info import command, describe, device_report, write_report
-from stack import REPO, Service, free_port, guard_has_telemetry, start
+from stack import REPO, Service, baseline_tree, free_port, guard_has_telemetry, start
 
 CLIENT_THREADS = 8  # at most 8 streams of events 20 ms apart: the guard reads each event on its own
 WARM_UP = 200  # requests served before counting: imports, caches, specialised bytecode, pools of connections
@@ -178,18 +178,9 @@ def main() -> None:
     if args.smoke:
         args.requests, args.warm_up, args.idle, args.interval_ms = 16, 8, 1.0, 1.0
     os.environ["PYTHONHASHSEED"] = "0"  # every process started: one hash seed, the same dict layouts each run
-    with tempfile.TemporaryDirectory(prefix="guard-instructions-") as workdir:
-        tree_a = args.a
-        if args.baseline is not None:
-            tree_a = Path(workdir) / "tree-a"
-            subprocess.run(["git", "worktree", "add", "--detach", str(tree_a), args.baseline], cwd=REPO,
-                           check=True, capture_output=True)
-        try:
-            report = run(args, tree_a.resolve() if tree_a is not None else None, Path(workdir))
-        finally:
-            if args.baseline is not None:
-                subprocess.run(["git", "worktree", "remove", "--force", str(tree_a)], cwd=REPO, check=False,
-                               capture_output=True)
+    with tempfile.TemporaryDirectory(prefix="guard-instructions-") as workdir, \
+            baseline_tree(args.baseline, args.a, Path(workdir)) as a:
+        report = run(args, a.resolve() if a is not None else None, Path(workdir))
     print(f"machine: {report['machine']}\ncommand: {report['command']}")
     if args.smoke:
         print("SMOKE RUN: a few requests, not a measurement")

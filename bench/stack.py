@@ -16,7 +16,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -123,3 +124,20 @@ def start_guard(workdir: Path, config: dict[str, Any], cpus: str | None = None,
     path.write_text(yaml.safe_dump({**config, "listen": {"host": "127.0.0.1", "port": port}}))
     command = pinned([sys.executable, "-m", "guard", "--config", str(path), "--log-level", "WARNING"], cpus)
     return start(name, command, f"http://127.0.0.1:{port}", workdir, ready=guard_has_telemetry, tree=tree)
+
+
+@contextmanager
+def baseline_tree(ref: str | None, given: Path | None, workdir: Path) -> Iterator[Path | None]:
+    """Tree A of a side-by-side benchmark (``--baseline REF`` or ``--a PATH``): ``given`` as it is, or, with
+    ``ref``, that commit checked out as a detached git worktree under ``workdir`` and removed when the block
+    ends, however it ends (None: neither was given)."""
+    if ref is None:
+        yield given
+        return
+    path = workdir / "tree-a"
+    subprocess.run(["git", "worktree", "add", "--detach", str(path), ref], cwd=REPO, check=True, capture_output=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(path)], cwd=REPO, check=False,
+                       capture_output=True)
