@@ -109,8 +109,9 @@ async def test_killed_replica_s_running_requests_move_to_the_others_then_it_rejo
     a second later is served by the others, nothing hangs, every reservation and block comes back;
     restarted, the replica serves again."""
     keys = tenant_keys("failover")
-    # Longer answers, so that streams are running when the replica dies; a failed turn is sent again.
-    workload = ChatWorkload(conversations=3, turns=3, system_words=30, user_words=24, max_tokens=64,
+    # Longer answers, so that streams are running when the replica dies; a failed turn is sent again. Four
+    # turns: with three, a quick pool could have sent every turn within a second of the kill (none "later").
+    workload = ChatWorkload(conversations=3, turns=4, system_words=30, user_words=24, max_tokens=64,
                             stagger_s=1.0, think_s=0.3, attempts=4, retry_pause_s=0.4, seed=1)
     by_name = {f"e{i}": engine for i, engine in enumerate(engines)}
     with pool_guard(engines, "kvguard", keys, cooldown_s=0.5, health_interval_s=0.2) as guard:

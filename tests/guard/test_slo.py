@@ -364,7 +364,10 @@ async def test_live_objectives_answers_series_and_decision_record(engine: Engine
     lanes = {"interactive": {"priority": 1, "slo": {"ttft_ms": 5000, "tpot_ms": 1000}, "priority_class": "critical"},
              "batch": {"priority": 4, "slo": {"ttft_ms": 60000}, "priority_class": "sheddable"}}
     config = guard_config(engine.url, lanes=lanes, admin={"host": "127.0.0.1", "port": 0})
-    body = {"model": "tiny", "prompt": "how long until my first token?", "max_tokens": 8, "stream": True}
+    # Greedy: a sampled answer may decode to text in one event (tokens of no text are held back), and a stream
+    # of one event has no TPOT to judge.
+    body = {"model": "tiny", "prompt": "how long until my first token?", "max_tokens": 8, "stream": True,
+            "temperature": 0.0}
     with GuardThread(config) as guard:
         async with aiohttp.ClientSession() as session:
             async def post(key: str, headers: dict[str, str] | None = None) -> tuple[int, Mapping, bytes]:
