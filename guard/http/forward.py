@@ -54,7 +54,8 @@ async def to_pool(ex: Exchange) -> web.StreamResponse:
         metrics.child(metrics.prefix_predicted, replica.name).inc(ticket.hit_blocks * sizing.block_size)
         if tap.choices > 1 and tap.response is not None:  # moved: each choice on its own
             return await _resume_choices(ex, replica, migrate.choice_bodies(body, parsed, tap))
-        body = migrate.resume_body(body, parsed, tap)
+        if parsed.stream:  # a unary answer's client has seen nothing: it is sent again as it was
+            body = migrate.resume_body(body, parsed, tap)
         try:
             response, ex.outcome = await forward(ex, replica.url, replica.name, body, entry.observer, route=None)
         except UpstreamUnavailable as exc:

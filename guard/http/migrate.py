@@ -94,10 +94,8 @@ def choice_bodies(body: bytes, parsed: ParsedRequest, tap: ResumeTap) -> list[tu
 
 
 def resume_body(body: bytes, parsed: ParsedRequest, tap: ResumeTap) -> bytes:
-    """``body`` (a JSON object) with what resuming needs: a stream's token ids, and once its client's stream
-    has begun, what it has seen."""
-    if not parsed.stream:
-        return body  # a unary answer's client has seen nothing: it is sent again as it was
+    """A stream's ``body`` (a JSON object) with what resuming needs: its token ids, and once its client's
+    stream has begun, what it has seen. (A unary answer's client has seen nothing: its body goes as it is.)"""
     if tap.response is None:
         return body[:-1] + _TOKEN_IDS
     extra: dict[str, object] = {"return_token_ids": True}

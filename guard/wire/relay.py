@@ -102,9 +102,13 @@ class StreamObserver:
         tap = self.tap
         if tap is None:
             return self.feed_events(chunk)
-        # One pass for the tap and the observer: the usual events (tokens only, whole, their comments out)
-        # are counted here; the tap's ``notice`` and the line-by-line reading are for the others.
+        # One pass for the tap and the observer: a kvguard engine's usual chunk (one token event) is one
+        # token; other events with tokens only (whole, their comments out) are counted here; the tap's
+        # ``notice`` and the line-by-line reading are for the others.
         now = time.monotonic()
+        if tap.plain and (event := tap.token_event(chunk, now)) is not None:
+            self._token(now)
+            return event
         events = tap.whole_events(chunk, now)
         if not events:
             return b""

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 COMMENT = b": token_ids "
+_COMMENT_LENGTH = len(COMMENT)
 _LINE_COMMENT = b"\n" + COMMENT  # a comment after the first line
 # A comment line less its own newline, after the newline that ends the line before (which it takes instead).
 _COMMENT_LINES = re.compile(rb"\n: token_ids ([^\n]*)")
@@ -60,6 +61,23 @@ class ResumeTap:
         """The whole events ``chunk`` completes, without their token id comments (b"": none yet)."""
         events = self.whole_events(chunk, time.monotonic())
         return self.notice(events) if events else events
+
+    def token_event(self, chunk: bytes, now: float) -> bytes | None:
+        """A kvguard engine's usual chunk, one token event after its id comment: the event without the comment
+        (its ids kept), or None for any other chunk (``whole_events`` reads it). Only where ``plain`` says
+        so: in a stream of one choice, a token id comment followed by one line and the blank line is a token
+        chunk of that choice, never its usage, an error or its end (engine/server/openai_api.py), so the
+        observer need not search it for them. Two partitions (one argument each, where ``find`` and ``startswith`` parse a tuple of
+        arguments first) see the whole event: a comment line, one line, the blank line."""
+        if self._held:
+            return None
+        comment, _, event = chunk.partition(b"\n")
+        line, _, end = event.partition(b"\n")
+        if end != b"\n" or not line or comment[:_COMMENT_LENGTH] != COMMENT:
+            return None
+        self.last_byte = now
+        self._ids.append(comment)
+        return event
 
     def whole_events(self, chunk: bytes, now: float) -> bytes:
         """``take``'s first half, which every chunk needs: the whole events ``chunk`` (arrived at ``now``)

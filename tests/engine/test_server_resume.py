@@ -121,6 +121,28 @@ def assert_resumes_everywhere(server: ServerThread, path: str, body: dict[str, A
     return whole
 
 
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/completions", {"prompt": "Ids", "max_tokens": 20}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Ids"}], "max_tokens": 20}),
+    # A tool call's first tokens open nothing yet: their ids come in comments alone.
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Call"}], "tools": [CALC],
+                              "tool_choice": "required", "max_tokens": 40}),
+])
+def test_a_token_ids_comment_comes_before_a_token_chunk_only(server: ServerThread, path: str,
+                                                             body: dict[str, Any]) -> None:
+    """The guard reads a comment's next line as its choice's token chunk in a stream of one choice
+    (guard/wire/resume_tap.py ``token_event``): never the usage chunk, an error or the end."""
+    status, raw = post(server, path, {"model": "tiny", **body, "stream": True, "return_token_ids": True,
+                                      "stream_options": {"include_usage": True}, **GREEDY})
+    assert status == 200, raw
+    lines = raw.decode().split("\n")
+    after = [lines[i + 1] for i, line in enumerate(lines) if line.startswith(": token_ids ")]
+    assert len(after) >= 10 and any(line.startswith(": token_ids ") for line in after) == ("tools" in body)
+    for line in after:
+        if not line.startswith(": token_ids "):
+            assert line.startswith("data: {") and json.loads(line[6:])["choices"], line
+
+
 def test_a_completion_resumed_after_any_event_completes_the_uninterrupted_one(server: ServerThread) -> None:
     body = {"model": "tiny", "prompt": "Resume me", "max_tokens": 24, "stream_options": {"include_usage": True},
             **GREEDY}

@@ -79,6 +79,26 @@ def test_the_same_bytes_inside_a_text_are_text() -> None:
     assert tap.take(b": token_ids 0 4\n" + text) == text and tap.token_ids() == [4]
 
 
+def test_only_one_whole_token_event_after_its_comment_takes_the_short_way() -> None:
+    """``token_event`` takes a kvguard engine's usual chunk and leaves every other to ``whole_events``."""
+    tap, token = ResumeTap(), event(0, "a")
+    assert tap.token_event(b": token_ids 0 5\n" + token, 1.0) == token and tap.token_ids() == [5]
+    assert tap.last_byte == 1.0
+    error = b'event: error\ndata: {"error": {"code": "x"}}\n\n'
+    for other in (token,  # no comment
+                  b": heartbeat\n" + token,  # a comment, not of token ids
+                  b": token_ids 0 6\n",  # a comment alone (its event withheld)
+                  b": token_ids 0 6\n" + token[:-1],  # the event not whole yet
+                  b": token_ids 0 6\n" + token + token,  # two events
+                  b": token_ids 0 6\n" + error,  # an event of two lines
+                  b": token_ids 0 6\n: token_ids 0 7\n" + token,  # two comments
+                  b": token_ids 0 6\n\n\n"):  # a comment and blank lines
+        assert tap.token_event(other, 2.0) is None, other
+    assert tap.token_ids() == [5] and tap.last_byte == 1.0
+    assert tap.take(b": token_ids 0 6\ndata: {") == b""  # part of an event held: the next chunk completes it
+    assert tap.token_event(b'"x": 1}\n\n', 3.0) is None
+
+
 def test_a_choice_s_own_stream_is_renumbered_and_keeps_its_usage_and_done_back() -> None:
     usages: list[dict] = []
     usage = b'data: {"id":"chatcmpl-abc","choices":[],"usage":{"prompt_tokens":5,"completion_tokens":3}}\n\n'
