@@ -16,6 +16,7 @@ over rounds, per workload, and the median ratio.
     .venv/bin/python bench/guard_ab.py --baseline HEAD --quick      # one 1-s round: checks that it runs
     .venv/bin/python bench/guard_ab.py --a /path/to/tree --pool 3   # both guards with a pool of three
     .venv/bin/python bench/guard_ab.py --a <worktree of HEAD> --pool-a 1 --pool 3   # a pool of three against one
+    .venv/bin/python bench/guard_ab.py --a-relay --rounds 8         # this guard against a bare aiohttp relay
 
 The upstream runs this tree's bench/fast_upstream.py. A baseline whose guard cannot read this tree's telemetry
 (a guard refuses fields it does not know, and the engine's snapshot gained some since: a1b9534 is one) needs
@@ -38,7 +39,7 @@ import torch
 from guard_overhead import API_KEY, check_relays, measure, workloads
 from loadgen import generator
 from run_info import command, describe, device_report, write_report
-from stack import REPO, Service, baseline_tree, free_port, pinned, start, start_guard
+from stack import REPO, Service, baseline_tree, free_port, pinned, start, start_bare_relay, start_guard
 
 
 def compare(tree_a: Path, args: argparse.Namespace, workdir: Path) -> dict:
@@ -66,7 +67,8 @@ def compare(tree_a: Path, args: argparse.Namespace, workdir: Path) -> dict:
     def start_both() -> None:
         for service in guards.values():
             service.stop()
-        guards["A"] = start_guard(workdir, config(args.pool_a), proxy_cpus, name="guard-a", tree=tree_a)
+        guards["A"] = (start_bare_relay(workdir, upstream.url, proxy_cpus) if args.a_relay else
+                       start_guard(workdir, config(args.pool_a), proxy_cpus, name="guard-a", tree=tree_a))
         guards["B"] = start_guard(workdir, config(args.pool), proxy_cpus, name="guard-b")
         check_relays({"direct": upstream.url, **{name: g.url for name, g in guards.items()}}, loads)
 
@@ -98,7 +100,7 @@ def compare(tree_a: Path, args: argparse.Namespace, workdir: Path) -> dict:
             service.stop()
     return {
         "benchmark": "guard_ab", "machine": describe(torch.device("cpu")), "command": command(),
-        "a": str(tree_a), "b": str(REPO), "upstream_tree": args.upstream_tree, "load_generator": kind,
+        "a": "bench/bare_relay.py" if args.a_relay else str(tree_a), "b": str(REPO), "upstream_tree": args.upstream_tree, "load_generator": kind,
         "rounds": args.rounds, "duration_s": args.duration, "fresh_guards_per_round": args.fresh,
         "connections": args.connections, "pool": args.pool, "pool_a": args.pool_a,
         "layout": "both guards pinned to core 0; load and upstream to core 1" if pin else "not pinned",
@@ -113,6 +115,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline", help="a git ref checked out as tree A (B is this tree)")
     parser.add_argument("--a", type=Path, help="tree A (instead of --baseline)")
+    parser.add_argument("--a-relay", action="store_true", help="A is bench/bare_relay.py, the least an aiohttp "
+                        "proxy does (instead of a guard): B/A is the guard against that floor, side by side")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per measurement")
     parser.add_argument("--connections", type=int, default=64)
@@ -132,13 +136,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one round of 1-s measurements: checks that it runs")
     parser.add_argument("--json", type=Path, help="write the raw report here")
     args = parser.parse_args()
-    if (args.baseline is None) == (args.a is None):
-        parser.error("give exactly one of --baseline and --a")
+    if (args.baseline is not None) + (args.a is not None) + args.a_relay != 1:
+        parser.error("give exactly one of --baseline, --a and --a-relay")
     if args.quick:
         args.rounds, args.duration = 1, 1.0
     args.pool_a = args.pool_a or args.pool
     with tempfile.TemporaryDirectory(prefix="guard-ab-") as workdir, \
-            baseline_tree(args.baseline, args.a, Path(workdir)) as a:
+            baseline_tree(args.baseline, REPO if args.a_relay else args.a, Path(workdir)) as a:
         report = compare(a.resolve(), args, Path(workdir))
     print(f"machine: {report['machine']}\ncommand: {report['command']}")
     if args.quick:

@@ -64,7 +64,7 @@ from nginx_proxy import available as nginx_available
 from nginx_proxy import start_nginx
 from proc_stats import sched_seconds
 from run_info import command, describe, write_report
-from stack import REPO, Service, free_port, pinned, start, start_guard
+from stack import REPO, Service, free_port, pinned, start, start_bare_relay, start_guard
 
 API_KEY = "sk-bench-overhead"
 PROMPT = "benchmark prompt"
@@ -296,10 +296,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict:
                     "tenants": tenants}, proxy_cpus, name="guard-traced")
         if nginx_available():
             proxies["nginx"] = start_nginx(workdir, upstream.url, proxy_cpus)
-        bare_port = free_port()
-        proxies["aiohttp"] = start("aiohttp", pinned([sys.executable, str(REPO / "bench" / "bare_relay.py"),
-                                                      "--port", str(bare_port), "--upstream", upstream.url],
-                                                     proxy_cpus), f"http://127.0.0.1:{bare_port}", workdir)
+        proxies["aiohttp"] = start_bare_relay(workdir, upstream.url, proxy_cpus)
         targets = {"direct": upstream.url, **{name: p.url for name, p in proxies.items()}}
         check_relays(targets, loads)
         names = list(targets)

@@ -126,6 +126,14 @@ def start_guard(workdir: Path, config: dict[str, Any], cpus: str | None = None,
     return start(name, command, f"http://127.0.0.1:{port}", workdir, ready=guard_has_telemetry, tree=tree)
 
 
+def start_bare_relay(workdir: Path, upstream: str, cpus: str | None = None) -> Service:
+    """bench/bare_relay.py in front of ``upstream``: the least an aiohttp proxy does, the floor of the guard's
+    cost on the same machine."""
+    port = free_port()
+    return start("aiohttp", pinned([sys.executable, str(REPO / "bench" / "bare_relay.py"), "--port", str(port),
+                                    "--upstream", upstream], cpus), f"http://127.0.0.1:{port}", workdir)
+
+
 @contextmanager
 def baseline_tree(ref: str | None, given: Path | None, workdir: Path) -> Iterator[Path | None]:
     """Tree A of a side-by-side benchmark (``--baseline REF`` or ``--a PATH``): ``given`` as it is, or, with

@@ -92,15 +92,18 @@ def test_no_max_tokens_quick(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow  # 17 s of two guards; every hot-path change runs bench/guard_ab.py itself, so it cannot rot unseen
-def test_guard_ab_quick(tmp_path: Path) -> None:
+@pytest.mark.parametrize("a", [("--baseline", "HEAD"), ("--a-relay",)], ids=["head", "bare-relay"])
+def test_guard_ab_quick(tmp_path: Path, a: tuple[str, ...]) -> None:
     """The guard's A/B benchmark (the check that the guard's CPU per request never grows unnoticed): this
-    tree against its own HEAD, checked out beside it, each workload measured on both guards."""
+    tree against its own HEAD, checked out beside it, or against the bare aiohttp relay, each workload
+    measured on both."""
     result_file = tmp_path / "result.json"
-    done = run_command(sys.executable, ROOT / "bench" / "guard_ab.py", "--baseline", "HEAD", "--quick", "--json",
-                       result_file, timeout=180)
+    done = run_command(sys.executable, ROOT / "bench" / "guard_ab.py", *a, "--quick", "--json", result_file,
+                       timeout=180)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "QUICK RUN" in done.stdout
     report = json.loads(result_file.read_text())
+    assert (report["a"] == "bench/bare_relay.py") == (a == ("--a-relay",))
     assert [row["workload"] for row in report["results"]] == ["unary", "stream", "firehose"]
     for row in report["results"]:
         assert row["a_us"] > 0 and row["b_us"] > 0 and row["ratio_b_over_a"] > 0, row
