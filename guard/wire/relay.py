@@ -106,7 +106,7 @@ class StreamObserver:
         # token; other events with tokens only (whole, their comments out) are counted here; the tap's
         # ``notice`` and the line-by-line reading are for the others.
         now = time.monotonic()
-        if tap.plain and (event := tap.token_event(chunk, now)) is not None:
+        if tap.ids and (event := tap.token_event(chunk, now)) is not None:
             self._token(now)
             return event
         events = tap.whole_events(chunk, now)

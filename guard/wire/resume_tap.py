@@ -52,6 +52,9 @@ class ResumeTap:
     # ``notice`` has nothing to do for events of tokens only (no error, no finish reason to note): the answer's
     # id is known, the events are not counted and there is one choice (set once the id was looked for).
     plain: bool = False
+    # A ``plain`` stream whose first events carried token id comments (a kvguard engine's: its first event has
+    # its first token's): its usual chunk is one token event after its comment (``token_event``).
+    ids: bool = False
     _held: bytes = b""  # the last event so far, its blank line not yet come
     _looked: bool = False  # for the answer's id
     _ids: list[bytes] = field(default_factory=list)  # the comments' runs ("<choice> <id>,...", some with the
@@ -64,11 +67,11 @@ class ResumeTap:
 
     def token_event(self, chunk: bytes, now: float) -> bytes | None:
         """A kvguard engine's usual chunk, one token event after its id comment: the event without the comment
-        (its ids kept), or None for any other chunk (``whole_events`` reads it). Only where ``plain`` says
+        (its ids kept), or None for any other chunk (``whole_events`` reads it). Only where ``ids`` says
         so: in a stream of one choice, a token id comment followed by one line and the blank line is a token
         chunk of that choice, never its usage, an error or its end (engine/server/openai_api.py), so the
-        observer need not search it for them. Two partitions (one argument each, where ``find`` and ``startswith`` parse a tuple of
-        arguments first) see the whole event: a comment line, one line, the blank line."""
+        observer need not search it for them. Two partitions (one argument each, where ``find`` and
+        ``startswith`` parse a tuple of arguments first) see the whole event: a comment, one line, a blank."""
         if self._held:
             return None
         comment, _, event = chunk.partition(b"\n")
@@ -109,6 +112,7 @@ class ResumeTap:
         for a resume, which it withholds; the answer's id, the events counted, the choices that ended."""
         if not self._looked:  # the first events relayed carry the answer's id
             self._looked, self.plain = True, not self.count_events and self.choices == 1
+            self.ids = self.plain and bool(self._ids)
             if found := _ANSWER_ID.search(events):
                 self.answer_key = found.group(1).decode()
         if events.find(ERROR_EVENT) >= 0:

@@ -99,6 +99,15 @@ def test_only_one_whole_token_event_after_its_comment_takes_the_short_way() -> N
     assert tap.token_event(b'"x": 1}\n\n', 3.0) is None
 
 
+def test_the_short_way_is_for_a_stream_of_one_choice_whose_engine_sends_ids() -> None:
+    taps = {"ids": ResumeTap(), "no ids": ResumeTap(), "two choices": ResumeTap(choices=2),
+            "counted": ResumeTap(count_events=True)}
+    for name, tap in taps.items():
+        tap.take((b"" if name == "no ids" else b": token_ids 0 5\n") + event(0, "a"))
+    assert {name: tap.ids for name, tap in taps.items()} == {"ids": True, "no ids": False, "two choices": False,
+                                                             "counted": False}
+
+
 def test_a_choice_s_own_stream_is_renumbered_and_keeps_its_usage_and_done_back() -> None:
     usages: list[dict] = []
     usage = b'data: {"id":"chatcmpl-abc","choices":[],"usage":{"prompt_tokens":5,"completion_tokens":3}}\n\n'
