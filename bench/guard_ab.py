@@ -100,7 +100,8 @@ def compare(tree_a: Path, args: argparse.Namespace, workdir: Path) -> dict:
             service.stop()
     return {
         "benchmark": "guard_ab", "machine": describe(torch.device("cpu")), "command": command(),
-        "a": "bench/bare_relay.py" if args.a_relay else str(tree_a), "b": str(REPO), "upstream_tree": args.upstream_tree, "load_generator": kind,
+        "a": "bench/bare_relay.py" if args.a_relay else str(tree_a), "b": str(REPO),
+        "upstream_tree": args.upstream_tree, "load_generator": kind,
         "rounds": args.rounds, "duration_s": args.duration, "fresh_guards_per_round": args.fresh,
         "connections": args.connections, "pool": args.pool, "pool_a": args.pool_a,
         "layout": "both guards pinned to core 0; load and upstream to core 1" if pin else "not pinned",

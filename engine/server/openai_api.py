@@ -32,11 +32,12 @@ comes after what that answer had sent; its ``usage`` is the whole completion's, 
 stream with ``return_token_ids`` has each event carry the token ids its choice gained since the previous
 one, as a comment line before it (``: token_ids <choice index> <id>,<id>...``), also where the event itself
 is withheld (a tool-call choice whose text opened nothing yet); a client that resumes such a stream after
-its last complete event sends the concatenated ids. A comment's next line is another comment, the data line
-of its choice's token chunk, or (the stream failing) an error event: a choice's last event carries its
-finish reason and is never withheld, so no comment comes right before the usage chunk or the end (the
-guard counts on it, guard/wire/resume_tap.py ``token_event``). A resumed stream does not repeat a chat choice's
-``role``. A non-streamed resumed tool call is refused: its calls are only whole with what was sent before.
+its last complete event sends the concatenated ids. A comment's next line is another comment, the data
+line of its choice's token chunk, or (the stream failing) an error event: a choice's last event carries
+its finish reason and is never withheld, so no comment comes right before the usage chunk or the end (the
+guard counts on it, guard/wire/resume_tap.py ``token_event``). A resumed stream does not repeat a chat
+choice's ``role``. A non-streamed resumed tool call is refused: its calls are only whole with what was sent
+before.
 """
 
 from __future__ import annotations
