@@ -244,26 +244,21 @@ class Relay:
         config = self.config
         first_byte, read = ((config.first_token_timeout, config.idle_timeout) if stream
                             else (config.unary_timeout, config.unary_timeout))
-        sent: list[Answer] = []  # a resumable answer, once its request left
-        track = None
-        if tap is not None and backend is not None:
-            tracked = self._by_backend.get(backend) or self._by_backend.setdefault(backend, {})
-
-            def track(answer: Answer) -> None:
-                sent.append(answer)
-                tracked[answer] = tap
-
         try:
-            upstream = await self.client.post(url, body, headers, first_byte, read, track)
+            upstream = await self.client.send(url, body, headers, read)
         except ConnectFailed as exc:
             # Refused, or not accepted within connect_timeout: no byte of the request left, so another
             # backend may take it (a hung host must not cost the client more than the connect budget).
             raise UpstreamUnavailable(str(exc)) from exc
+        if tap is not None and backend is not None:
+            tracked = self._by_backend.get(backend) or self._by_backend.setdefault(backend, {})
+            tracked[upstream] = tap
+        try:
+            await upstream.start(first_byte)
         except (UpstreamError, TimeoutError) as exc:
             if tap is not None and not self.closing:  # at shutdown the guard cut it: nothing to move
-                tap.interrupted = self._reason_of(exc, sent[0] if sent else None)
-            if sent:
-                self._forget(sent[0])
+                tap.interrupted = self._reason_of(exc, upstream)
+            self._forget(upstream)
             raise
         self._open.add(upstream)  # until unary() or stream() is done with it
         return upstream

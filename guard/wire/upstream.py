@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import ssl
 import urllib.parse
-from collections.abc import Callable
 from typing import Self
 
 import httptools
@@ -136,11 +135,17 @@ class Answer:
     async def __aexit__(self, *exc_info: object) -> None:
         self.release()
 
-    async def _headers(self, timeout: float) -> None:
-        while self.status == 0:
-            if self._error is not None:
-                raise self._error
-            await self._wait(timeout)
+    async def start(self, timeout: float) -> None:
+        """Wait for the answer's headers (each wait within ``timeout``). Raises ``UpstreamError`` or
+        ``TimeoutError``, the connection then dropped."""
+        try:
+            while self.status == 0:
+                if self._error is not None:
+                    raise self._error
+                await self._wait(timeout)
+        except BaseException:
+            self.close()
+            raise
 
     async def _wait(self, timeout: float) -> None:
         """Until the connection has news for this answer, or ``TimeoutError`` after ``timeout`` seconds."""
@@ -324,11 +329,16 @@ class UpstreamClient:
         self._ssl: ssl.SSLContext | None = None
 
     async def post(self, url: str, body: bytes, headers: dict[str, str], headers_timeout: float,
-                   read_timeout: float, sent: Callable[[Answer], None] | None = None) -> Answer:
-        """Send ``body`` and wait for the answer's headers (within ``headers_timeout``); each read of its body
-        then waits at most ``read_timeout``. Raises ``ConnectFailed`` (nothing sent), ``UpstreamError`` or
-        ``TimeoutError``; on the last two the connection is dropped. ``sent`` is handed the answer as soon as
-        the request has left, before its headers come (so that it can be closed meanwhile)."""
+                   read_timeout: float) -> Answer:
+        """``send``, then wait for the answer's headers (within ``headers_timeout``, ``Answer.start``)."""
+        answer = await self.send(url, body, headers, read_timeout)
+        await answer.start(headers_timeout)
+        return answer
+
+    async def send(self, url: str, body: bytes, headers: dict[str, str], read_timeout: float) -> Answer:
+        """Send ``body``: the answer, its headers not come yet (``Answer.start`` waits for them; meanwhile it
+        can be closed). Each read of its body waits at most ``read_timeout``. Raises ``ConnectFailed``:
+        nothing was sent."""
         target = self._targets.get(url)
         if target is None:
             target = self._targets[url] = Target(url)
@@ -336,16 +346,8 @@ class UpstreamClient:
         if lines.count("\n") != len(headers) or lines.count("\r") != len(headers):  # one of each per line
             raise ValueError("a header name or value holds a line break")
         connection = await self._connection(target)
-        answer = connection.send(b"%s%sContent-Length: %d\r\n\r\n%s" % (
+        return connection.send(b"%s%sContent-Length: %d\r\n\r\n%s" % (
             target.head, lines.encode(), len(body), body), read_timeout)
-        if sent is not None:
-            sent(answer)
-        try:
-            await answer._headers(headers_timeout)
-        except BaseException:
-            answer.close()
-            raise
-        return answer
 
     def close(self) -> None:
         """Drop every connection (shutdown): a request still waiting for its answer fails with
