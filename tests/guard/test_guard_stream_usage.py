@@ -109,9 +109,11 @@ def test_a_client_that_asked_for_usage_gets_every_chunk_as_it_came(cuts: set[int
 
 
 # The stream as a kvguard engine writes it for a resumable request: each token event after the token ids it
-# adds (the usage event and the end carry none, engine/server/openai_api.py).
+# adds (the usage event and the end carry none, engine/server/openai_api.py), and before the last one the ids
+# of an event withheld (a comment alone, as a tool call's tokens that open nothing yet).
 TAPPED = b"".join([*(b": token_ids 0 %d\n" % i + event if event.startswith(b"data: {") else event
-                     for i, event in enumerate(TOKENS)), USAGE_EVENT, SSE_DONE])
+                     for i, event in enumerate(TOKENS[:-1])), b": token_ids 0 7\n",
+                   b": token_ids 0 3\n" + TOKENS[-1], USAGE_EVENT, SSE_DONE])
 # Cut after each event: the chunks of a paced engine, each token event whole (the observer's token path).
 EVENT_ENDS = {end + 2 for end in range(len(TAPPED) - 3) if TAPPED[end:end + 2] == b"\n\n"}
 
@@ -130,7 +132,7 @@ def test_with_a_tap_whole_events_go_out_in_one_pass_as_through_the_tap_then_the_
         assert fused.feed(piece) == apart.feed_events(tap.take(piece)), cuts
     assert fused.flush() == apart.feed_events(tap.flush()) + apart.flush()
     assert (fused.events, fused.output_tokens, fused.finished) == (apart.events, 9, True) == (3, 9, True)
-    assert fused.tap.token_ids() == tap.token_ids() == [0, 2, 3]
+    assert fused.tap.token_ids() == tap.token_ids() == [0, 2, 7, 3]
     assert fused.tap.answer_key == tap.answer_key == "1"
 
 
