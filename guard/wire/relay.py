@@ -255,8 +255,9 @@ class Relay:
             tracked[upstream] = tap
         try:
             await upstream.start(first_byte)
-        except (UpstreamError, TimeoutError) as exc:
-            if tap is not None and not self.closing:  # at shutdown the guard cut it: nothing to move
+        except BaseException as exc:  # failed, or cancelled (the client left): closed, and no longer tracked
+            # At shutdown the guard cut it, and a cancelled request has nobody to move for.
+            if isinstance(exc, UpstreamError | TimeoutError) and tap is not None and not self.closing:
                 tap.interrupted = self._reason_of(exc, upstream)
             self._forget(upstream)
             raise

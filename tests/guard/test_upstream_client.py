@@ -1,7 +1,8 @@
 """The guard's upstream HTTP client (guard/wire/upstream.py) against real servers on loopback: aiohttp's (what
 the engine runs) and, for the answers aiohttp never gives, a raw asyncio server that writes given bytes.
 The relay's behaviour on top of it (failures, revokes, shutdown) is tested through the guard in
-tests/e2e/test_reliability_upstream.py and test_reliability_lifecycle.py."""
+tests/e2e/test_reliability_upstream.py and test_reliability_lifecycle.py; its tracking of a resumable answer
+whose wait is cancelled, here."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 from aiohttp import web
 
+from guard.config import Upstream
+from guard.wire.relay import Relay
+from guard.wire.resume_tap import ResumeTap
 from guard.wire.upstream import HIGH_WATER, BadResponse, ConnectFailed, Disconnected, UpstreamClient
 from tests.support.net import free_port
 
@@ -212,4 +216,22 @@ async def test_each_wait_on_a_reused_connection_keeps_its_own_deadline():
         await client.post(url + "/never", b"{}", HEADERS, 0.2, 0.2)
     assert asyncio.get_running_loop().time() - begun < 1.0
     assert len(accepted) == 1  # all three on one connection
+    server.close()
+
+
+async def test_a_resumable_answer_cancelled_before_its_headers_is_forgotten():
+    """A client that leaves while the engine has not answered yet cancels the relay's wait: the answer is
+    closed and no longer tracked under its backend (the silence watch reads those)."""
+    async def never(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # until the client hangs up
+
+    url, server = await raw_server(never)
+    relay = Relay(UpstreamClient(connect_timeout=1.0), Upstream())
+    opening = asyncio.ensure_future(relay.open(url + "/x", b"{}", HEADERS, True, "e0", ResumeTap()))
+    while not relay.answers_of("e0"):  # sent, its headers not come
+        await asyncio.sleep(0.01)
+    opening.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await opening
+    assert relay.answers_of("e0") == {}
     server.close()
