@@ -1,10 +1,10 @@
 """One request on its way through its stages (guard/http/pipeline.py): the ``Exchange`` every stage reads and
 adds its result to, and the headers every answer carries.
 
-What the request is from the start (its HTTP request, the guard's state and clients, its arrival, its id) and what
-may never come to be (an upstream answer, a backend, a revocation: None until they do) are fields set at
-once. What only a stage makes is that stage's result, set by the runner (guard/http/stages.py) once the
-stage has returned: ``caller`` (auth), ``parsed`` (validate), ``route`` (route), ``limits`` (count),
+What the request is from the start (its HTTP request, the guard's state and clients, its arrival, its id)
+and what may never come to be (an upstream answer, a backend, a revocation: None until they do) are fields
+set at once. What only a stage makes is that stage's result, set by the runner (guard/http/stages.py) once
+the stage has returned: ``caller`` (auth), ``parsed`` (validate), ``route`` (route), ``limits`` (count),
 ``sizing`` (size), ``entry`` (ticket), ``charge`` (limits). Those fields do not exist before: a stage
 reads only what the stages before it made, and the end-of-request hooks, which run however far the
 request got, ask with ``getattr(ex, field, None)``.
