@@ -9,27 +9,16 @@ that the report says which.
 
 from __future__ import annotations
 
-import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
-from support import ROOT
-from support.processes import run_command
-
-
-def run_quick(script: str, tmp_path: Path) -> tuple[str, dict]:
-    result_file = tmp_path / "result.json"
-    done = run_command(sys.executable, ROOT / "bench" / script, "--quick", "--json", result_file, timeout=180)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "QUICK RUN" in done.stdout
-    return done.stdout, json.loads(result_file.read_text())
+from support.processes import run_bench
 
 
 @pytest.mark.slow  # 20 s of two tenants' load; the guard's fairness is tested in tests/guard/test_guard_load.py
 def test_noisy_neighbour_quick(tmp_path: Path) -> None:
-    out, report = run_quick("noisy_neighbour.py", tmp_path)
+    out, report = run_bench("noisy_neighbour.py", tmp_path)
     phases = report["phases"]
     assert [(p["label"][:3], p["target"], p["b_share"]) for p in phases] == [
         ("(a)", "guard", None), ("(b)", "guard", 0.3), ("(c)", "engine", None)]
@@ -46,7 +35,7 @@ def test_noisy_neighbour_quick(tmp_path: Path) -> None:
 
 @pytest.mark.slow  # half a minute of four proxies under load; a benchmark's plumbing, not a behaviour
 def test_guard_overhead_quick(tmp_path: Path) -> None:
-    out, report = run_quick("guard_overhead.py", tmp_path)
+    out, report = run_bench("guard_overhead.py", tmp_path)
     has_nginx = shutil.which("nginx") is not None
     assert report["load_generator"] == ("wrk" if shutil.which("wrk") else "python")
     targets = {"direct", "guard", "pool3", "aiohttp"} | ({"nginx"} if has_nginx else set())
@@ -72,7 +61,7 @@ def test_guard_overhead_quick(tmp_path: Path) -> None:
 @pytest.mark.slow  # SmolLM2 under four guards; tests/guard/test_no_max_tokens.py checks the behaviour
 def test_no_max_tokens_quick(tmp_path: Path) -> None:
     """Every guard ran the same requests, every one was answered, and the report carries the issue's figures."""
-    out, report = run_quick("no_max_tokens.py", tmp_path)
+    out, report = run_bench("no_max_tokens.py", tmp_path)
     assert report["benchmark"] == "no_max_tokens" and report["quick"] is True and report["machine"]
     workload = report["workload"]
     assert workload["clients"] >= 1 and workload["offered_over_capacity"] > 1
@@ -97,12 +86,7 @@ def test_guard_ab_quick(tmp_path: Path, a: tuple[str, ...]) -> None:
     """The guard's A/B benchmark (the check that the guard's CPU per request never grows unnoticed): this
     tree against its own HEAD, checked out beside it, or against the bare aiohttp relay, each workload
     measured on both."""
-    result_file = tmp_path / "result.json"
-    done = run_command(sys.executable, ROOT / "bench" / "guard_ab.py", *a, "--quick", "--json", result_file,
-                       timeout=180)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "QUICK RUN" in done.stdout
-    report = json.loads(result_file.read_text())
+    _, report = run_bench("guard_ab.py", tmp_path, *a)
     assert (report["a"] == "bench/bare_relay.py") == (a == ("--a-relay",))
     assert [row["workload"] for row in report["results"]] == ["unary", "stream", "firehose"]
     for row in report["results"]:
@@ -113,12 +97,7 @@ def test_guard_ab_quick(tmp_path: Path, a: tuple[str, ...]) -> None:
 @pytest.mark.slow  # half a minute of a guard under valgrind; a benchmark's plumbing, not a behaviour
 def test_guard_instructions_smoke(tmp_path: Path) -> None:
     """Every workload counted on this tree, net of the idle rate, and printed."""
-    result_file = tmp_path / "result.json"
-    done = run_command(sys.executable, ROOT / "bench" / "guard_instructions.py", "--smoke", "--json", result_file,
-                       timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "SMOKE RUN" in done.stdout
-    report = json.loads(result_file.read_text())
+    _, report = run_bench("guard_instructions.py", tmp_path, smoke=True, timeout=300)
     assert [row["workload"] for row in report["results"]] == ["unary", "stream", "firehose"]
     for load, by in report["counts"].items():
         figures = by["B"]

@@ -15,10 +15,9 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from support import ROOT
 from support.guard_server import guard_config
 from support.net import free_port, free_ports_in_a_row, health, request
-from support.processes import Processes, run_command
+from support.processes import Processes, run_bench, run_command
 from support.redis_server import RedisServer
 from support.wait import wait_for
 
@@ -161,12 +160,7 @@ def test_several_workers_need_shared_state(tmp_path: Path) -> None:
 def test_guard_scale_benchmark_quick(tmp_path: Path) -> None:
     """bench/guard_scale.py --quick (about 20 s) still measures every target, the side-by-side cost and the
     Redis round trips; no figure is asserted (a shared machine's figures say nothing about the code)."""
-    result_file = tmp_path / "result.json"
-    done = run_command(sys.executable, ROOT / "bench" / "guard_scale.py", "--quick", "--json", result_file,
-                       timeout=120)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "QUICK RUN" in done.stdout
-    report = json.loads(result_file.read_text())
+    _, report = run_bench("guard_scale.py", tmp_path, timeout=120)
     assert set(report["summary"]) == {"direct", "alone", "redis1", "redis2"}
     for name, row in report["summary"].items():
         assert row["requests_per_s"] > 0 and row["errors"] == 0, (name, row)

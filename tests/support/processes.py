@@ -249,3 +249,15 @@ def run_command(*command: str | Path, cwd: Path = ROOT, timeout: float = 120,
     """Run a command to completion, its output captured (put it in the assertion message when it fails)."""
     return subprocess.run([str(c) for c in command], cwd=cwd, capture_output=True, text=True, timeout=timeout,
                           env=env, check=False)
+
+
+def run_bench(script: str, tmp_path: Path, *args: str, smoke: bool = False,
+              timeout: float = 180) -> tuple[str, dict]:
+    """``bench/<script>`` with ``args`` in its quick mode (``--smoke`` with ``smoke``), its report written to a
+    file: what it printed and the report, once it exited 0 and said it measured nothing."""
+    mode, says = ("--smoke", "SMOKE RUN") if smoke else ("--quick", "QUICK RUN")
+    result_file = tmp_path / "result.json"
+    done = run_command(sys.executable, ROOT / "bench" / script, *args, mode, "--json", result_file, timeout=timeout)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert says in done.stdout
+    return done.stdout, json.loads(result_file.read_text())
