@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from guard_overhead import API_KEY, check_relays, measure, workloads
 from loadgen import generator
-from run_info import command, describe, device_report, write_report
+from run_info import command, describe, side_by_side_report, write_report
 from stack import REPO, Service, baseline_tree, free_port, pinned, start, start_bare_relay, start_guard
 
 
@@ -157,9 +157,7 @@ def main() -> None:
     for name, row in report["summary"].items():
         print(f"{name:9} {row['a_us']:>9,.0f} {row['b_us']:>9,.0f} {row['ratio_b_over_a']:>6.3f}")
     if args.json is not None:
-        fields = {key: value for key, value in report.items() if key not in ("machine", "command", "summary")}
-        rows = [{"workload": name, **row} for name, row in report["summary"].items()]
-        write_report(args.json, device_report(torch.device("cpu"), rows, **fields))
+        write_report(args.json, side_by_side_report(report))
         print(f"json: {args.json}")
 
 

@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 import yaml
 from guard_overhead import API_KEY, PROMPT
-from run_info import command, describe, device_report, write_report
+from run_info import command, describe, side_by_side_report, write_report
 from stack import REPO, Service, baseline_tree, free_port, guard_has_telemetry, start
 
 CLIENT_THREADS = 8  # at most 8 streams of events 20 ms apart: the guard reads each event on its own
@@ -190,9 +190,7 @@ def main() -> None:
         ratio = f"{row['ratio_b_over_a']:>6.3f}" if "ratio_b_over_a" in row else f"{'-':>6}"
         print(f"{load:9} {a} {row['b_per_request']:>12,.0f} {ratio}")
     if args.json is not None:
-        fields = {key: value for key, value in report.items() if key not in ("machine", "command", "summary")}
-        rows = [{"workload": load, **row} for load, row in report["summary"].items()]
-        write_report(args.json, device_report(torch.device("cpu"), rows, **fields))
+        write_report(args.json, side_by_side_report(report))
         print(f"json: {args.json}")
 
 

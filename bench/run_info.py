@@ -60,6 +60,14 @@ def device_report(device: torch.device, results: list[dict], **fields: object) -
     return {"device": name, "machine": describe(device), "command": command(), **fields, "results": results}
 
 
+def side_by_side_report(report: dict) -> dict:
+    """A side-by-side benchmark's report (``machine``, ``command``, ``summary`` by workload, the rest) as the
+    CPU benchmarks' raw report: one result row per workload of its summary, the rest as fields."""
+    fields = {key: value for key, value in report.items() if key not in ("machine", "command", "summary")}
+    rows = [{"workload": load, **row} for load, row in report["summary"].items()]
+    return device_report(torch.device("cpu"), rows, **fields)
+
+
 def write_report(path: Path, report: dict, *, table_rows_on_one_line: bool = False) -> None:
     """Write a benchmark's raw report to ``path`` as indented JSON, atomically: the one writer of every benchmark.
 
