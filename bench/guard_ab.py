@@ -17,6 +17,7 @@ over rounds, per workload, and the median ratio.
     .venv/bin/python bench/guard_ab.py --a /path/to/tree --pool 3   # both guards with a pool of three
     .venv/bin/python bench/guard_ab.py --a <worktree of HEAD> --pool-a 1 --pool 3   # a pool of three against one
     .venv/bin/python bench/guard_ab.py --a-relay --rounds 8         # this guard against a bare aiohttp relay
+    .venv/bin/python bench/guard_ab.py --baseline HEAD~1 --loads unary  # one workload only
 
 The upstream runs this tree's bench/fast_upstream.py. A baseline whose guard cannot read this tree's telemetry
 (a guard refuses fields it does not know, and the engine's snapshot gained some since: a1b9534 is one) needs
@@ -46,7 +47,8 @@ def compare(tree_a: Path, args: argparse.Namespace, workdir: Path) -> dict:
     pin = shutil.which("taskset") is not None and (os.cpu_count() or 1) >= 2
     proxy_cpus, load_cpus = ("0", "1") if pin else (None, None)
     kind = generator()
-    loads = workloads(args.stream_events, args.interval_ms, args.firehose_events)
+    loads = [load for load in workloads(args.stream_events, args.interval_ms, args.firehose_events)
+             if load.name in args.loads]
     port = free_port()
     upstream_tree = tree_a if args.upstream_tree == "a" else REPO
     # The tree's own engine protocol first on the path: the installed package is this tree's.
@@ -125,6 +127,8 @@ def main() -> None:
                         "as many names): 3 measures the ranking of a pool of three")
     parser.add_argument("--pool-a", type=int, help="A's pool, when it differs (default: --pool): with --a at this "
                         "tree's commit, --pool-a 1 --pool 3 measures a pool of three against a pool of one")
+    parser.add_argument("--loads", nargs="+", choices=("unary", "stream", "firehose"),
+                        default=["unary", "stream", "firehose"], help="the workloads measured (default: all)")
     parser.add_argument("--stream-events", type=int, default=32)
     parser.add_argument("--interval-ms", type=float, default=20.0)
     parser.add_argument("--firehose-events", type=int, default=256)
