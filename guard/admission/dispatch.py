@@ -353,7 +353,8 @@ class Dispatcher:
         ticket.borrowed = self._lent(ticket, ticket.blocks, budget)
         ranked = self.profile.rank(self.pool.replicas, ranking_request(ticket))
         for candidate in ranked:
-            if candidate.replica.gate.try_reserve(ticket.request_id, queue.name, ticket.blocks, ticket.borrowed):
+            if candidate.replica.gate.try_reserve(ticket.request_id, queue.name, ticket.blocks, ticket.borrowed,
+                                                  ticket.priority_class == slo.SHEDDABLE):
                 self._placed(ticket, candidate, ranked)
                 return True
         return False

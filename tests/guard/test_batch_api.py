@@ -16,8 +16,9 @@ from support.guard_server import GuardThread, guard_config, usable_guard
 from support.net import request
 from support.wait import wait_for
 
-from guard.batch.pace import PEAK_WINDOW_S, OtherPeak, Pacer
+from guard.batch.pace import Pacer
 from guard.console.app import CONSOLE
+from guard.pool.estimators import PEAK_WINDOW_S, RecentPeak
 
 LINES = 40
 CANCELLED = 400  # lines of the batch cancelled early: far more than run at once
@@ -260,26 +261,29 @@ def test_the_pacer_starts_a_line_only_in_room_other_work_leaves(guard: GuardThre
     assert guard.call(look) == [True, True, False, True, False]
 
 
-def test_the_pacer_keeps_other_works_recent_peak_free(guard: GuardThread) -> None:
-    """Blocks a client's requests reserved at their recent peak stay free for them once they end: a fresh
-    pacer would start a line in the emptied pool, one that saw the peak does not."""
+@pytest.mark.parametrize("lent", [True, False])
+def test_the_pacer_keeps_other_works_recent_peak_free(guard: GuardThread, lent: bool) -> None:
+    """Blocks a client's requests reserved at their recent peak stay free for them once they end: one that
+    saw the peak starts no line in the emptied pool. Lent blocks (a borrower's, a sheddable client's) are the
+    pacer's to remember: a fresh pacer would start a line. Blocks within a guarantee the gate remembers
+    itself (guard/pool/gate.py ``kept_free``), for every sheddable reservation: a fresh pacer starts none."""
     def look() -> list[bool]:
         state = guard.state
         (replica,) = state.pool
         gate, pacer = replica.gate, Pacer(state, max_in_flight=2)
         peak = gate.budget  # the client's requests fill the budget: no line fits beside them
-        gate.record("client:1", "acme", peak)
+        gate.record(f"client:{lent}", "acme", peak, peak if lent else 0)
         try:
             seen = [pacer.room()]
         finally:
-            gate.release("client:1")
+            gate.release(f"client:{lent}")
         return [*seen, pacer.room(), Pacer(state, max_in_flight=2).room()]
 
-    assert guard.call(look) == [False, False, True]
+    assert guard.call(look) == [False, False, lent]
 
 
-def test_other_works_peak_is_the_most_over_its_window() -> None:
-    peak = OtherPeak()
+def test_a_recent_peak_is_the_most_over_its_window() -> None:
+    peak = RecentPeak()
     assert [peak.see(0.0, 10), peak.see(1.0, 4), peak.see(2.0, 7)] == [10, 10, 10]
     assert peak.see(PEAK_WINDOW_S + 0.5, 3) == 7, "the 10 left the window; the 7 is the most in it"
     assert peak.see(PEAK_WINDOW_S + 2.5, 0) == 3

@@ -15,8 +15,9 @@ from support.admission_parts import ticket
 from support.detector_script import run, squeeze
 from support.redis_server import RedisServer
 
+from guard.admission import slo
 from guard.admission.dispatch import Dispatcher
-from guard.admission.ticket import TicketState
+from guard.admission.ticket import Ticket, TicketState
 from guard.config import GuardConfig
 from guard.detect.coordination import SYNC_S
 from guard.detect.detector import CLEAR_CONFIRMED_AFTER_S, Detector
@@ -113,6 +114,43 @@ async def test_a_borrower_that_does_not_fit_leaves_the_threshold_of_guaranteed_w
     await asyncio.wait_for(waiting, 1.0)
     assert lent.state is TicketState.ADMITTED and gate.open and gate.lending
     for t in (within, lent):
+        dispatcher.finish(t)
+    assert not dispatcher.pool.reservations()
+
+
+async def test_the_sheddable_class_is_lent_only_what_guaranteed_work_left_at_its_recent_peak(
+        admission: Admitted) -> None:
+    """Guaranteed work that dips comes back to its level and finds its blocks free: sheddable lines lent in
+    the dip would hold them for seconds. A sheddable ticket fits under the threshold (85) less what work
+    within its guarantee reserved at its recent peak beyond what it holds now; its miss leaves the gate's
+    hysteresis as it was. Before, bulk-2 was admitted into acme's dip (30 + 30 <= 85)."""
+    dispatcher, config = admission
+    gate = dispatcher.pool.replicas[0].gate
+
+    def sheddable(rid: str) -> Ticket:
+        lent = ticket(config, 1, 30, rid)
+        lent.priority_class = slo.SHEDDABLE
+        return lent
+
+    guaranteed = ticket(config, 0, 50, "acme-1")  # within acme's 56
+    first = sheddable("bulk-1")
+    for t in (guaranteed, first):
+        await dispatcher.submit(t)
+    assert (guaranteed.borrowed, first.borrowed, gate.reserved) == (0, 30, 80), "no dip yet: 50 + 30 <= 85"
+    dispatcher.finish(guaranteed)  # acme dips to 0; its peak of 50 stays in the window
+    assert gate.kept_free() == 50
+    second = sheddable("bulk-2")
+    waiting = asyncio.create_task(dispatcher.submit(second))
+    await asyncio.sleep(0.01)
+    assert second.state is TicketState.QUEUED, "30 + 30 > 85 - 50: the dip is not lent"
+    assert gate.open and gate.lending, "a sheddable miss leaves the hysteresis as it was"
+    back = ticket(config, 0, 50, "acme-2")
+    await asyncio.wait_for(dispatcher.submit(back), 1.0)
+    assert back.state is TicketState.ADMITTED and gate.kept_free() == 0, "acme back at its level, at once"
+    dispatcher.finish(first)
+    await asyncio.wait_for(waiting, 1.0)
+    assert second.state is TicketState.ADMITTED, "50 + 30 <= 85 with acme at its peak: lent"
+    for t in (back, second):
         dispatcher.finish(t)
     assert not dispatcher.pool.reservations()
 
