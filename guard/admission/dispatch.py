@@ -421,7 +421,8 @@ class Dispatcher:
             ticket.uncached = max(0, ticket.prompt_tokens - cached)
             ticket.priority = engine_priority(ticket.lane.priority, ticket.borrowed)
             ticket.work, ticket.sent = ticket.replica.latency.admitted(  # in_flight has it since its reservation
-                ticket.priority, ticket.uncached, ticket.prompt_tokens, ticket.replica.in_flight - 1)
+                ticket.priority, ticket.uncached, ticket.prompt_tokens, ticket.replica.in_flight - 1,
+                ticket.stream or ticket.objective is not None)
             ticket.prefilling = True
             if ticket.objective is not None:
                 slo.placed(ticket)

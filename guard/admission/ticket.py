@@ -78,6 +78,7 @@ class Ticket:
     # Its class (guard/admission/classes.py): what admission orders, lends and sheds it by ("": its lane's).
     priority_class: str = ""
     objective_name: str | None = None  # the tenant's named objective it selected (None: none)
+    stream: bool = False  # its answer streams: its replica learns the stream's TPOT (guard/pool/latency.py)
 
     def __post_init__(self) -> None:
         if not self.priority_class:

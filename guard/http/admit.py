@@ -79,7 +79,8 @@ def make_ticket(ex: Exchange) -> Entry:
     priority_class, named, objective = objectives.resolve(ex, sizing.lane)
     ticket = Ticket(ex.request_id, tenant, sizing.lane, limits.prompt_tokens, sizing.reserve, sizing.blocks, hashes,
                     on_revoke=ex.revoke, arrived=ex.arrived, objective=objective, lora=lora,
-                    model=parsed.model.model, priority_class=priority_class, objective_name=named)
+                    model=parsed.model.model, priority_class=priority_class, objective_name=named,
+                    stream=parsed.stream)
     growth = Growth(sizing, state.dispatcher, ticket) if not sizing.declared else None
     return Entry(ticket, observe(ex, ticket, growth), growth, salt)
 

@@ -23,12 +23,14 @@ engine does run short (an output that outgrows its predicted reservation), it pr
 reopens only below ``resume_utilization`` (hysteresis), so that a pool hovering at the edge is not refilled by
 a stream of small requests. A borrower that does not fit closes it to borrowers only: lent work that finds no
 room does not lower what work within its guarantee may reserve (sheddable heads, offered after the critical
-ones, otherwise held critical work to ``resume_utilization``). The sheddable class is lent only what work within
-its guarantee leaves free at its recent peak: a sheddable reservation fits under the threshold less the blocks
-that work reserved at its most over the last ``PEAK_WINDOW_S`` beyond what it reserves now (``kept_free``).
-Lent while critical work dipped, sheddable lines held the pool's last blocks for seconds each, and critical
-work coming back to its level waited for them to end, though it may reclaim borrowed blocks (S1 of
-bench/slo.py with the interactive lane at the whole capacity: docs/benchmarks/slo.md). Telemetry that is missing, stale or unhealthy
+ones, otherwise held critical work to ``resume_utilization``). Once work within its guarantee has found no room
+(within the last ``PEAK_WINDOW_S``), the sheddable class is lent only what that work leaves free at its recent
+peak: a sheddable reservation fits under the threshold less the blocks guaranteed work reserved at its most
+over that window beyond what it reserves now (``kept_free``). Lent while critical work dipped, sheddable lines
+held the pool's last blocks for seconds each, and critical work coming back to its level waited for them to
+end, though it may reclaim borrowed blocks (S1 of bench/slo.py with the interactive lane at the whole
+capacity: docs/benchmarks/slo.md); while guaranteed work finds room, keeping its peak free would only idle
+blocks. Telemetry that is missing, stale or unhealthy
 counts as a full pool. A reservation is released exactly once, whatever ends the request.
 
 Liveness and numbers are told apart, so that a busy engine is never taken for a down one. The engine's
@@ -58,7 +60,7 @@ from dataclasses import dataclass
 
 from engine.protocol import TelemetrySnapshot
 from guard.config import Admission
-from guard.pool.estimators import Pace, RecentPeak
+from guard.pool.estimators import PEAK_WINDOW_S, Pace, RecentPeak
 
 log = logging.getLogger("guard.pool.gate")
 
@@ -127,6 +129,7 @@ class AdmissionGate:
         # Blocks reserved within a guarantee at their most over the recent window, seen with every snapshot
         # and whenever sheddable work asks for room: no call on the request path of other work.
         self._guaranteed_peak = RecentPeak()
+        self._guaranteed_missed_at = -math.inf  # when a reservation within a guarantee last found no room
 
     # -- telemetry -------------------------------------------------------------------------------------
     def update(self, snapshot: TelemetrySnapshot) -> None:
@@ -220,10 +223,12 @@ class AdmissionGate:
         return threshold - self.kept_free() if sheddable else threshold, num_blocks - self.outside
 
     def kept_free(self) -> int:
-        """Blocks the sheddable class is not lent: those work within its guarantee reserved at its most over
-        the last ``PEAK_WINDOW_S`` beyond what it reserves now (see the module docstring)."""
-        guaranteed = self.reserved - self.borrowed
-        return self._guaranteed_peak.see(time.monotonic(), guaranteed) - guaranteed
+        """Blocks the sheddable class is not lent: once work within its guarantee found no room in the last
+        ``PEAK_WINDOW_S``, those it reserved at its most over that window beyond what it reserves now; else
+        none (see the module docstring)."""
+        guaranteed, now = self.reserved - self.borrowed, time.monotonic()
+        peak = self._guaranteed_peak.see(now, guaranteed)
+        return peak - guaranteed if now - self._guaranteed_missed_at <= PEAK_WINDOW_S else 0
 
     def try_reserve(self, key: str, tenant: str, blocks: int, borrowed: int = 0, sheddable: bool = False) -> bool:
         """Commit ``blocks`` for request ``key`` if the pool allows; closes the gate when it does not."""
@@ -250,6 +255,7 @@ class AdmissionGate:
             self.lending = False
         else:
             self.open = False
+            self._guaranteed_missed_at = time.monotonic()
 
     def record(self, key: str, tenant: str, blocks: int, borrowed: int = 0) -> None:
         """Account a reservation that was decided elsewhere (the guards' shared ledger, guard/state/)."""

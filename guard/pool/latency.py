@@ -42,6 +42,7 @@ The guard's queue wait, in front of every replica, is predicted elsewhere (guard
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -98,6 +99,7 @@ class LatencyModel:
     _others_running: int = 0  # the telemetry's sequences beyond the guard's requests in flight
     # One fit per engine priority (the engine serves priorities differently: a borrower's prefill waits
     # behind decodes of higher ones), and one over all of them for a priority not seen ``MIN_FIT`` times.
+    # While one priority alone was seen, its fit is the one over all (the same object: one ``add``).
     _fits: dict[int, Fit] = field(default_factory=dict)
     _all: Fit = field(default_factory=Fit)
     _residual: LogRatioMean = field(default_factory=lambda: LogRatioMean(RESIDUAL_DECAY, MAX_LOG_RESIDUAL))
@@ -141,14 +143,17 @@ class LatencyModel:
         """Sequences on the replica: ``in_flight`` of the guard's and the others' the telemetry showed."""
         return in_flight + self._others_running
 
-    def admitted(self, priority: int, uncached_tokens: int, prompt_tokens: int, in_flight: int) -> tuple[int, Sent]:
+    def admitted(self, priority: int, uncached_tokens: int, prompt_tokens: int, in_flight: int,
+                 tpot: bool = True) -> tuple[int, Sent]:
         """A request with ``uncached_tokens`` to prefill (of ``prompt_tokens``) was sent here at engine
         ``priority``, beside ``in_flight`` other requests of the guard's; returns the work ahead of it (its
         own included) and what it met and was predicted, which ``observe_ttft`` and ``observe_tpot`` are
-        given back."""
+        given back. ``tpot``: its TPOT is predicted too (``UNKNOWN`` otherwise: a unary answer without an
+        objective has no stream to score it against)."""
         ahead, band = self._load(priority)
         running, work = in_flight + self._others_running, ahead + uncached_tokens
-        sent = Sent(band, running, self._predict(priority, band, work, running), self._tpot(running + 1))
+        sent = Sent(band, running, self._predict(priority, band, work, running),
+                    self._tpot(running + 1) if tpot else UNKNOWN)
         if uncached_tokens > 0:  # ``_bump`` inlined: twice per request each way
             pending = self.pending
             pending[priority] = pending.get(priority, 0) + uncached_tokens
@@ -205,10 +210,15 @@ class LatencyModel:
                         spread = self._spread[key] = Quantile(P90)
                     spread.observe(error)
             self._residual.observe(sent.band, fitted, seconds)
-        if (fit := self._fits.get(priority)) is None:
-            fit = self._fits[priority] = Fit()
+        fits, every = self._fits, self._all
+        if (fit := fits.get(priority)) is None:
+            if len(fits) == 1:  # a second priority: the first one's fit, until now the one over all, is copied
+                (first,) = fits
+                fits[first] = copy.copy(every)
+            fit = fits[priority] = Fit() if fits else every
         fit.add(work, running, seconds)
-        self._all.add(work, running, seconds)
+        if fit is not every:
+            every.add(work, running, seconds)
 
     def decode_step(self, batch: int) -> float:
         """The engine's decode step with ``batch`` sequences: the telemetry's line once fitted, else its

@@ -6,6 +6,7 @@ coordination and persistent confirmation."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -118,12 +119,13 @@ async def test_a_borrower_that_does_not_fit_leaves_the_threshold_of_guaranteed_w
     assert not dispatcher.pool.reservations()
 
 
-async def test_the_sheddable_class_is_lent_only_what_guaranteed_work_left_at_its_recent_peak(
+async def test_once_guaranteed_work_waited_the_sheddable_class_is_lent_only_what_its_recent_peak_left(
         admission: Admitted) -> None:
     """Guaranteed work that dips comes back to its level and finds its blocks free: sheddable lines lent in
-    the dip would hold them for seconds. A sheddable ticket fits under the threshold (85) less what work
-    within its guarantee reserved at its recent peak beyond what it holds now; its miss leaves the gate's
-    hysteresis as it was. Before, bulk-2 was admitted into acme's dip (30 + 30 <= 85)."""
+    the dip would hold them for seconds. Once a reservation within a guarantee found no room (here: bulk's,
+    with the pool's last blocks lent), a sheddable ticket fits under the threshold (85) less what guaranteed
+    work reserved at its recent peak beyond what it holds now, and its miss leaves the gate's hysteresis as
+    it was. Until then a dip is lent as before. Before, shed-2 was admitted into the dip (25 + 30 <= 85)."""
     dispatcher, config = admission
     gate = dispatcher.pool.replicas[0].gate
 
@@ -132,25 +134,34 @@ async def test_the_sheddable_class_is_lent_only_what_guaranteed_work_left_at_its
         lent.priority_class = slo.SHEDDABLE
         return lent
 
-    guaranteed = ticket(config, 0, 50, "acme-1")  # within acme's 56
-    first = sheddable("bulk-1")
-    for t in (guaranteed, first):
+    acme_1, shed_1 = ticket(config, 0, 50, "acme-1"), sheddable("shed-1")  # acme within its 56
+    for t in (acme_1, shed_1):
         await dispatcher.submit(t)
-    assert (guaranteed.borrowed, first.borrowed, gate.reserved) == (0, 30, 80), "no dip yet: 50 + 30 <= 85"
-    dispatcher.finish(guaranteed)  # acme dips to 0; its peak of 50 stays in the window
-    assert gate.kept_free() == 50
-    second = sheddable("bulk-2")
-    waiting = asyncio.create_task(dispatcher.submit(second))
+    assert (acme_1.borrowed, shed_1.borrowed, gate.reserved) == (0, 30, 80)
+    dispatcher.finish(acme_1)
+    assert gate.kept_free() == 0, "guaranteed work has not waited: its dip is lent"
+    acme_2, bulk = ticket(config, 0, 50, "acme-2"), ticket(config, 1, 25, "bulk")  # bulk within its 28
+    await dispatcher.submit(acme_2)
+    held_up = asyncio.create_task(dispatcher.submit(bulk))
     await asyncio.sleep(0.01)
-    assert second.state is TicketState.QUEUED, "30 + 30 > 85 - 50: the dip is not lent"
+    assert bulk.state is TicketState.QUEUED, "80 + 25 > the pool's 100: it waits for the lent blocks"
+    dispatcher.finish(shed_1)
+    await asyncio.wait_for(held_up, 1.0)
+    assert bulk.borrowed == 0 and gate.kept_free() == 0, "guaranteed work at its peak, 75"
+    dispatcher.finish(acme_2)
+    assert gate.kept_free() == 50
+    shed_2 = sheddable("shed-2")
+    waiting = asyncio.create_task(dispatcher.submit(shed_2))
+    await asyncio.sleep(0.01)
+    assert shed_2.state is TicketState.QUEUED, "25 + 30 > 85 - 50: the dip is not lent"
     assert gate.open and gate.lending, "a sheddable miss leaves the hysteresis as it was"
-    back = ticket(config, 0, 50, "acme-2")
-    await asyncio.wait_for(dispatcher.submit(back), 1.0)
-    assert back.state is TicketState.ADMITTED and gate.kept_free() == 0, "acme back at its level, at once"
-    dispatcher.finish(first)
-    await asyncio.wait_for(waiting, 1.0)
-    assert second.state is TicketState.ADMITTED, "50 + 30 <= 85 with acme at its peak: lent"
-    for t in (back, second):
+    acme_3 = ticket(config, 0, 50, "acme-3")
+    await asyncio.wait_for(dispatcher.submit(acme_3), 1.0)
+    assert acme_3.state is TicketState.ADMITTED and gate.kept_free() == 0, "acme back at its level, at once"
+    waiting.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await waiting
+    for t in (acme_3, bulk, shed_2):
         dispatcher.finish(t)
     assert not dispatcher.pool.reservations()
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import random
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -24,7 +25,7 @@ from guard.admission.ticket import Ticket, TicketState
 from guard.config import ConfigError, Lane, Routing, load_config
 from guard.console.app import CONSOLE
 from guard.errors import GuardError
-from guard.pool.estimators import Quantile
+from guard.pool.estimators import Fit, Quantile
 from guard.pool.latency import MIN_FIT, MIN_SPREAD_SEEN, P90, LatencyModel, Sent
 from guard.pool.scheduling import Request, profile_for
 
@@ -114,6 +115,24 @@ def test_the_latency_model_learns_base_and_prefill_rate_and_counts_work_by_engin
     model.started(1, 100, 100)
     model.started(104, 500, 500)
     assert model.pending == {} and model.ahead(200) == 0
+
+
+def test_the_fit_over_all_priorities_is_every_observation_and_each_priority_keeps_its_own() -> None:
+    """While one engine priority alone was seen its fit is the one over all (one object, one update a
+    request); a second priority copies it apart. Either way each fit is exactly the one its observations
+    make, checked against fits fed separately, through the switch and past it."""
+    model, rng = LatencyModel(), random.Random(7)
+    every, own = Fit(), {1: Fit(), 101: Fit()}
+    for i in range(60):
+        priority = 1 if i < 25 or rng.random() < 0.6 else 101
+        work, running, seconds = rng.randrange(10, 900), rng.randrange(0, 9), rng.uniform(0.005, 0.2)
+        model.observe_ttft(priority, work, seconds, Sent((priority, False), running))
+        every.add(work, running, seconds)
+        own[priority].add(work, running, seconds)
+        assert model._all.coefficients() == every.coefficients()
+        for seen, fit in model._fits.items():
+            assert fit.seen == own[seen].seen and fit.coefficients() == own[seen].coefficients()
+    assert model._fits[1] is not model._all and model._fits[101].seen > 0
 
 
 def test_the_latency_model_learns_what_each_request_running_beside_a_prefill_costs() -> None:
