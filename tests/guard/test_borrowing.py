@@ -119,13 +119,14 @@ async def test_a_borrower_that_does_not_fit_leaves_the_threshold_of_guaranteed_w
     assert not dispatcher.pool.reservations()
 
 
-async def test_once_guaranteed_work_waited_the_sheddable_class_is_lent_only_what_its_recent_peak_left(
+async def test_once_lent_blocks_held_up_guaranteed_work_sheddable_work_is_lent_only_what_its_peak_left(
         admission: Admitted) -> None:
     """Guaranteed work that dips comes back to its level and finds its blocks free: sheddable lines lent in
-    the dip would hold them for seconds. Once a reservation within a guarantee found no room (here: bulk's,
-    with the pool's last blocks lent), a sheddable ticket fits under the threshold (85) less what guaranteed
-    work reserved at its recent peak beyond what it holds now, and its miss leaves the gate's hysteresis as
-    it was. Until then a dip is lent as before. Before, shed-2 was admitted into the dip (25 + 30 <= 85)."""
+    the dip would hold them for seconds. Once lent blocks stood in the way of a reservation within a
+    guarantee (here bulk's: 80 + 25 is past the pool's 100, and without the lent 30 it would fit under 85), a
+    sheddable ticket fits under the threshold (85) less what guaranteed work reserved at its recent peak
+    beyond what it holds now, and its miss leaves the gate's hysteresis as it was. Until then a dip is lent
+    as before. Before, shed-2 was admitted into the dip (25 + 30 <= 85)."""
     dispatcher, config = admission
     gate = dispatcher.pool.replicas[0].gate
 
