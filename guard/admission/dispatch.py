@@ -426,6 +426,9 @@ class Dispatcher:
             ticket.prefilling = True
             if ticket.objective is not None:
                 slo.placed(ticket)
+                if ticket.enqueued_at and not ticket.borrowed and \
+                        slo.at_risk(ticket, ticket.admitted_at - (ticket.arrived or ticket.enqueued_at)):
+                    ticket.replica.gate.held_up()  # which keeps guaranteed work's recent peak free of sheddable work
         self.running.setdefault(queue.name, set()).add(ticket)
         if ticket.priority_class == slo.SHEDDABLE:
             self.sheddable_held += ticket.blocks

@@ -23,15 +23,16 @@ engine does run short (an output that outgrows its predicted reservation), it pr
 reopens only below ``resume_utilization`` (hysteresis), so that a pool hovering at the edge is not refilled by
 a stream of small requests. A borrower that does not fit closes it to borrowers only: lent work that finds no
 room does not lower what work within its guarantee may reserve (sheddable heads, offered after the critical
-ones, otherwise held critical work to ``resume_utilization``). Once lent blocks have stood in the way of work
-within its guarantee (within the last ``PEAK_WINDOW_S``: a reservation that fit under the threshold counting
-guaranteed blocks alone did not fit the pool with the lent ones), the sheddable class is lent only what that
-work leaves free at its recent peak: a sheddable reservation fits under the threshold less the blocks guaranteed work reserved at its most
+ones, otherwise held critical work to ``resume_utilization``). Once work within its guarantee has waited long
+enough here to put its latency objective at risk (within the last ``PEAK_WINDOW_S``: ``held_up``, said by the
+dispatcher), the sheddable class is lent only what that work leaves free at its recent peak: a sheddable reservation fits under the threshold less the blocks guaranteed work reserved at its most
 over that window beyond what it reserves now (``kept_free``). Lent while critical work dipped, sheddable lines
 held the pool's last blocks for seconds each, and critical work coming back to its level waited for them to
 end, though it may reclaim borrowed blocks (S1 of bench/slo.py with the interactive lane at the whole
-capacity: docs/benchmarks/slo.md); while nothing lent holds guaranteed work up, keeping its peak free would
-only idle blocks (it cut the batch lane's completions by three quarters there on a fast spell of the VM). Telemetry that is missing, stale or unhealthy
+capacity: docs/benchmarks/slo.md). While guaranteed work's objectives are safe, keeping its peak free would
+only idle blocks: kept free after any miss of a guaranteed reservation, or after any that lent blocks alone
+held up, it cut that bench's batch lane on time from 42-50 % to 3-13 % on a fast spell of the VM, where every
+configuration kept the interactive lane at 100 %. Telemetry that is missing, stale or unhealthy
 counts as a full pool. A reservation is released exactly once, whatever ends the request.
 
 Liveness and numbers are told apart, so that a busy engine is never taken for a down one. The engine's
@@ -130,7 +131,7 @@ class AdmissionGate:
         # Blocks reserved within a guarantee at their most over the recent window, seen with every snapshot
         # and whenever sheddable work asks for room: no call on the request path of other work.
         self._guaranteed_peak = RecentPeak()
-        self._held_up_at = -math.inf  # when lent blocks last stood in the way of a reservation within a guarantee
+        self._held_up_at = -math.inf  # when guaranteed work last waited long enough to risk its objective
 
     # -- telemetry -------------------------------------------------------------------------------------
     def update(self, snapshot: TelemetrySnapshot) -> None:
@@ -223,10 +224,17 @@ class AdmissionGate:
         threshold = int(share * num_blocks) - self.outside
         return threshold - self.kept_free() if sheddable else threshold, num_blocks - self.outside
 
+    def held_up(self) -> None:
+        """Work within its guarantee placed here waited long enough to put its objective at risk: from now,
+        for ``PEAK_WINDOW_S``, its recent peak, this moment's level included, is kept free of sheddable work
+        (``kept_free``)."""
+        self._held_up_at = now = time.monotonic()
+        self._guaranteed_peak.see(now, self.reserved - self.borrowed)
+
     def kept_free(self) -> int:
-        """Blocks the sheddable class is not lent: once lent blocks stood in the way of work within its
-        guarantee in the last ``PEAK_WINDOW_S``, those that work reserved at its most over that window beyond
-        what it reserves now; else none (see the module docstring)."""
+        """Blocks the sheddable class is not lent: within ``PEAK_WINDOW_S`` of guaranteed work being
+        ``held_up``, those that work reserved at its most over that window beyond what it reserves now; else
+        none (see the module docstring)."""
         guaranteed, now = self.reserved - self.borrowed, time.monotonic()
         peak = self._guaranteed_peak.see(now, guaranteed)
         return peak - guaranteed if now - self._held_up_at <= PEAK_WINDOW_S else 0
@@ -238,17 +246,16 @@ class AdmissionGate:
         if not self.usable():
             return False  # no news is not a full pool: the gate's hysteresis state stays as it was
         fits = self.fits(blocks, borrowed, sheddable)
-        self.decided(fits, blocks, borrowed, sheddable)
+        self.decided(fits, borrowed, sheddable)
         if fits:
             self.record(key, tenant, blocks, borrowed)
         return fits
 
-    def decided(self, fitted: bool, blocks: int, borrowed: int, sheddable: bool = False) -> None:
-        """The hysteresis after a reservation of ``blocks`` (``borrowed`` of them lent) was decided, here or by
-        the guards' shared ledger: any fit opens the gate; a miss closes it, to borrowers only if it borrowed,
-        and not at all if it was ``sheddable`` (the room kept free for guaranteed work holds that class back
-        already; closing lending would hold it to ``resume_utilization`` less that room as well). A miss
-        within a guarantee that lent blocks alone caused starts ``kept_free``."""
+    def decided(self, fitted: bool, borrowed: int, sheddable: bool = False) -> None:
+        """The hysteresis after a reservation (``borrowed`` of its blocks lent) was decided, here or by the
+        guards' shared ledger: any fit opens the gate; a miss closes it, to borrowers only if it borrowed, and
+        not at all if it was ``sheddable`` (the room kept free for guaranteed work holds that class back
+        already; closing lending would hold it to ``resume_utilization`` less that room as well)."""
         if fitted:
             self.open = self.lending = True
         elif sheddable:
@@ -256,8 +263,6 @@ class AdmissionGate:
         elif borrowed:
             self.lending = False
         else:
-            if self.borrowed and self.reserved - self.borrowed + blocks <= self.mine(self.rooms()[0]):
-                self._held_up_at = time.monotonic()
             self.open = False
 
     def record(self, key: str, tenant: str, blocks: int, borrowed: int = 0) -> None:

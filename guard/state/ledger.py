@@ -118,7 +118,7 @@ class RedisLedger:
         gate = candidate.replica.gate
         self.sightings.saw(candidate.replica.name, answer[-1])
         # The gate's hysteresis, as its own try_reserve keeps it.
-        gate.decided(answer[0] == 1, ticket.blocks, ticket.borrowed, ticket.priority_class == slo.SHEDDABLE)
+        gate.decided(answer[0] == 1, ticket.borrowed, ticket.priority_class == slo.SHEDDABLE)
         if answer[0] == 1:
             gate.record(ticket.request_id, tenant, ticket.blocks, ticket.borrowed)
             placed(candidate)
