@@ -7,10 +7,12 @@ replica has room for ``need`` more lent blocks *plus the headroom other work may
 ``need`` is the largest reservation of the guard's running lines (one block before any has run).
 
 The headroom is what other work (everything on the replica but this guard's lines) reserved at its peak over
-the last ``PEAK_WINDOW_S`` (guard/pool/estimators.py), less what it reserves now. So the batch fills the budget only up to what other
-work left at its recent peak, and a client's request arriving as the load returns to that peak finds its
-blocks free instead of queueing behind batch lines that take seconds to end (the budget's threshold still
-keeps ``1 - safe_utilization`` of the pool for bursts beyond the peak). Without the headroom, the batch
+the last ``PEAK_WINDOW_S`` (guard/pool/estimators.py), less what it reserves now. So the batch fills the
+budget only up to what other work left at its recent peak, and a client's request arriving as the load
+returns to that peak finds its blocks free instead of queueing behind batch lines that take seconds to end
+(the budget's threshold still keeps ``1 - safe_utilization`` of the pool for bursts beyond the peak). Lines
+are sheddable, so a replica's gate may keep part of that headroom free for every sheddable reservation
+(guard/pool/gate.py ``kept_free``); a line needs the larger of the two. Without the headroom, the batch
 refilled every block a finished client request freed, and on the shared 2-core CPU the interactive tenant's
 requests waited 13-74 ms (mean) in the fair queue beside a batch, against 0.4 ms alone (bench/batch.py's
 ``why``).

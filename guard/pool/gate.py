@@ -23,17 +23,21 @@ engine does run short (an output that outgrows its predicted reservation), it pr
 reopens only below ``resume_utilization`` (hysteresis), so that a pool hovering at the edge is not refilled by
 a stream of small requests. A borrower that does not fit closes it to borrowers only: lent work that finds no
 room does not lower what work within its guarantee may reserve (sheddable heads, offered after the critical
-ones, otherwise held critical work to ``resume_utilization``). Once work within its guarantee has waited long
-enough here to put its latency objective at risk (within the last ``PEAK_WINDOW_S``: ``held_up``, said by the
-dispatcher), the sheddable class is lent only what that work leaves free at its recent peak: a sheddable reservation fits under the threshold less the blocks guaranteed work reserved at its most
-over that window beyond what it reserves now (``kept_free``). Lent while critical work dipped, sheddable lines
-held the pool's last blocks for seconds each, and critical work coming back to its level waited for them to
-end, though it may reclaim borrowed blocks (S1 of bench/slo.py with the interactive lane at the whole
-capacity: docs/benchmarks/slo.md). While guaranteed work's objectives are safe, keeping its peak free would
-only idle blocks: kept free after any miss of a guaranteed reservation, or after any that lent blocks alone
-held up, it cut that bench's batch lane on time from 42-50 % to 3-13 % on a fast spell of the VM, where every
-configuration kept the interactive lane at 100 %. Telemetry that is missing, stale or unhealthy
-counts as a full pool. A reservation is released exactly once, whatever ends the request.
+ones, otherwise held critical work to ``resume_utilization``).
+
+Once work within its guarantee has waited long enough here to put its latency objective at risk (within the
+last ``PEAK_WINDOW_S``: ``held_up``, said by the dispatcher), the sheddable class is lent only what that work
+leaves free at its recent peak: a sheddable reservation fits under the threshold less the blocks guaranteed
+work reserved at its most over that window beyond what it reserves now (``kept_free``). Lent while critical
+work dipped, sheddable lines held the pool's last blocks for seconds each, and critical work coming back to
+its level waited for them to end, though it may reclaim borrowed blocks (S1 of bench/slo.py with the
+interactive lane at the whole capacity: docs/benchmarks/slo.md). While guaranteed work's objectives are safe,
+keeping its peak free would only idle blocks: kept free after any miss of a guaranteed reservation, or after
+any that lent blocks alone held up, it cut that bench's batch lane on time from 42-67 % to 3-14 % on a fast
+spell of the VM, where every configuration kept the interactive lane at 100 %.
+
+Telemetry that is missing, stale or unhealthy counts as a full pool. A reservation is released exactly once,
+whatever ends the request.
 
 Liveness and numbers are told apart, so that a busy engine is never taken for a down one. The engine's
 telemetry stream sends snapshots at step boundaries and, while one step runs for seconds (a long prefill),
@@ -128,8 +132,9 @@ class AdmissionGate:
         # Blocks released per second over the last DRAIN_WINDOW_S in which the gate held any (busy from the
         # first reservation to the release that leaves none): every submit that queues asks for it.
         self._drained = Pace(DRAIN_WINDOW_S)
-        # Blocks reserved within a guarantee at their most over the recent window, seen with every snapshot
-        # and whenever sheddable work asks for room: no call on the request path of other work.
+        # Blocks reserved within a guarantee at their most over the recent window, seen with every snapshot,
+        # whenever sheddable work asks for room and when guaranteed work is held up: no call on the request
+        # path of other work.
         self._guaranteed_peak = RecentPeak()
         self._held_up_at = -math.inf  # when guaranteed work last waited long enough to risk its objective
 
