@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import itertools
 import os
 import shutil
@@ -125,7 +126,8 @@ async def block(sc: Scenario, target: Target, rates: dict[str, float], seed: int
         start = time.monotonic() + 0.1
         schedules = [arrivals(rates[t.name], seed + i, start, args.block_s,
                               lambda r, t=t: send(session, target, t.name, body(t.lane, t.max_tokens), r),
-                              results[t.name]) for i, t in enumerate(sc.tenants)]
+                              results[t.name], sc.interactive_on_off if t.lane == INTERACTIVE else None)
+                     for i, t in enumerate(sc.tenants)]
         sampler = asyncio.create_task(sample_kv(engines, start + args.block_s, kv))
         tasks = [task for tasks in await asyncio.gather(*schedules) for task in tasks]
         await sampler
@@ -191,7 +193,7 @@ async def run_cell(sc: Scenario, args: argparse.Namespace, configs: list[str], w
         out[config] = {"label": LABELS[config], "blocks": blocks[config], "decision_records": len(records),
                        "prediction": prediction_error([r for b in blocks[config] for r in in_window(records, *b["window"])])}
     return {"cell": sc.cell, "scenario": sc.name, "load_over_capacity": sc.load,
-            "interactive_share": sc.interactive_share, "tenants": [[t.name, t.lane, t.max_tokens] for t in sc.tenants],
+            "interactive_share": sc.interactive_share, "interactive_on_off": sc.interactive_on_off, "tenants": [[t.name, t.lane, t.max_tokens] for t in sc.tenants],
             "engine_flags": [list(flags) for flags in sc.engines], "capacity_tokens_per_s": capacity,
             "capacity_per_engine": per_engine, "rates_per_s": rates, "configs": out,
             "oracle_goodput_per_s": oracle(out, args.block_s)}
@@ -224,6 +226,17 @@ def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f}%"
 
 
+def on_off(text: str) -> tuple[float, float]:
+    """``--interactive-on-off``'s ``ON,OFF``: two positive numbers of seconds."""
+    try:
+        on, off = (float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not ON,OFF (two numbers of seconds)") from None
+    if on <= 0 or off < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: ON must be positive and OFF not negative")
+    return on, off
+
+
 def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenarios", default="S1,S2,S3", help="comma-separated: S1, S2, S3")
@@ -233,6 +246,8 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3, help="blocks per configuration, interleaved")
     parser.add_argument("--drain", type=float, default=15.0, help="seconds a block's requests get after it")
     parser.add_argument("--interactive-share", type=float, default=0.5, help="of C, offered by interactive tenants")
+    parser.add_argument("--interactive-on-off", type=on_off, help="ON,OFF seconds: the interactive lane offers its "
+                        "load in bursts of ON seconds OFF seconds apart (the same mean rate)")
     parser.add_argument("--batch-ttft-ms", type=float, default=10000.0, help="the batch lane's TTFT objective")
     parser.add_argument("--num-blocks", type=int, default=256, help="each engine's KV pool")
     parser.add_argument("--calibrate-s", type=float, default=10.0, help="seconds of the capacity measurement")
@@ -261,7 +276,8 @@ def main() -> None:
     for name in ([] if args.goals_only else args.scenarios.split(",")):
         loads = [float(x) for x in args.loads.split(",")] if args.loads else DEFAULT_LOADS[name]
         for load in loads:
-            sc = scenario(name, load, args.interactive_share, args.num_blocks)
+            sc = dataclasses.replace(scenario(name, load, args.interactive_share, args.num_blocks),
+                                     interactive_on_off=args.interactive_on_off)
             configs = args.configs.split(",") if args.configs else list(sc.configs)
             if len(sc.engines) > 1:
                 configs = [c for c in configs if c != "fifo"]  # FIFO has no balancer in front of two engines

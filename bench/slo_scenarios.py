@@ -61,11 +61,16 @@ class Scenario:
     tenants: tuple[TenantSpec, ...]
     engines: tuple[tuple[str, ...], ...]  # each engine's flags
     configs: tuple[str, ...]  # those run unless --configs says otherwise
+    # (on, off) seconds: the interactive lane offers its load in bursts (None: Poisson throughout)
+    interactive_on_off: tuple[float, float] | None = None
 
     @property
     def cell(self) -> str:
-        """``S1_L2``; another interactive share than the issue's 0.5 is named: ``S1_L2_i0.8``."""
-        return f"{self.name}_L{self.load:g}" + ("" if self.interactive_share == 0.5 else f"_i{self.interactive_share:g}")
+        """``S1_L2``; another interactive share than the issue's 0.5 is named (``S1_L2_i0.8``), and so are
+        interactive bursts (``S1_L2_b2-2``: on 2 s, off 2 s)."""
+        share = "" if self.interactive_share == 0.5 else f"_i{self.interactive_share:g}"
+        bursts = "" if self.interactive_on_off is None else "_b{:g}-{:g}".format(*self.interactive_on_off)
+        return f"{self.name}_L{self.load:g}{share}{bursts}"
 
     def lane_share(self, lane: str) -> float:
         return self.interactive_share if lane == INTERACTIVE else self.load - self.interactive_share

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
 import time
 from collections import Counter
@@ -78,12 +79,21 @@ async def send(session: aiohttp.ClientSession, target: Target, tenant: str, body
 
 
 async def arrivals(rate: float, seed: int, start: float, duration: float,
-                   fire: Callable[[Result], Awaitable[None]], results: list[Result]) -> list[asyncio.Task]:
+                   fire: Callable[[Result], Awaitable[None]], results: list[Result],
+                   on_off: tuple[float, float] | None = None) -> list[asyncio.Task]:
     """Poisson arrivals at ``rate`` per second over ``duration`` seconds from ``start``, each a task;
-    the same ``seed`` gives the same arrival times."""
+    the same ``seed`` gives the same arrival times. ``on_off`` = (on, off) seconds: the arrivals come in
+    bursts of ``on`` seconds ``off`` seconds apart, at ``rate * (on + off) / on`` within a burst (the same
+    mean rate)."""
     rng = random.Random(seed)
-    tasks, at = [], start
-    while (at := at + rng.expovariate(rate)) < start + duration:
+    on, off = on_off or (math.inf, 0.0)
+    burst_rate = rate if on_off is None else rate * (on + off) / on
+    tasks, busy = [], 0.0  # ``busy``: seconds of bursts before the next arrival
+    while True:
+        busy += rng.expovariate(burst_rate)
+        at = start + (busy if on_off is None else busy // on * (on + off) + busy % on)
+        if at >= start + duration:
+            break
         await asyncio.sleep(max(0.0, at - time.monotonic()))
         result = Result(arrival=at)
         results.append(result)
