@@ -1,8 +1,9 @@
 """The SLO benchmark (bench/slo.py) still runs: its ``--quick`` mode (S2 at L = 2, one round of 2-second
-blocks, here (a) and B1 only) as its own process, and its reports' shape; and its interactive bursts. A few seconds of load on a shared
+blocks, here (a) and B1 only) as its own process, and its reports' shape. A few seconds of load on a shared
 machine say nothing about attainment, so no figure is judged: what is checked is that both configurations
 offered every lane the same load and were measured, that the SLO guard's decision log fed the prediction's
-error, and that the goals of cells that were not run are reported as not judged, never as met."""
+error, and that the goals of cells that were not run are reported as not judged, never as met. Its
+interactive bursts (``--interactive-on-off``) are checked on their own, without a run."""
 
 from __future__ import annotations
 
