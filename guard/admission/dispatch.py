@@ -353,8 +353,7 @@ class Dispatcher:
         ticket.borrowed = self._lent(ticket, ticket.blocks, budget)
         ranked = self.profile.rank(self.pool.replicas, ranking_request(ticket))
         for candidate in ranked:
-            if candidate.replica.gate.try_reserve(ticket.request_id, queue.name, ticket.blocks, ticket.borrowed,
-                                                  ticket.priority_class == slo.SHEDDABLE):
+            if candidate.replica.gate.try_reserve(ticket.request_id, queue.name, ticket.blocks, ticket.borrowed):
                 self._placed(ticket, candidate, ranked)
                 return True
         return False
@@ -426,9 +425,6 @@ class Dispatcher:
             ticket.prefilling = True
             if ticket.objective is not None:
                 slo.placed(ticket)
-                if ticket.enqueued_at and not ticket.borrowed and \
-                        slo.at_risk(ticket, ticket.admitted_at - (ticket.arrived or ticket.enqueued_at)):
-                    ticket.replica.gate.held_up()  # which keeps guaranteed work's recent peak free of sheddable work
         self.running.setdefault(queue.name, set()).add(ticket)
         if ticket.priority_class == slo.SHEDDABLE:
             self.sheddable_held += ticket.blocks

@@ -485,16 +485,6 @@ def placed(ticket: Judged) -> None:
         ticket.predicted_tpot, ticket.predicted_tpot_p90 = sent.tpot
 
 
-def at_risk(ticket: Judged, waited: float) -> bool:
-    """A ticket that queued ``waited`` seconds from its arrival, just placed, is predicted at its p90 to miss
-    its TTFT objective: the wait took the margin its replica's engine part needs. Asked of work within its
-    guarantee, whose replica then keeps that work's recent peak free of sheddable work (guard/pool/gate.py
-    ``kept_free``): lent blocks are what a critical reservation waits for there once the pool is full."""
-    objective, sent = ticket.objective, ticket.sent
-    return (objective is not None and objective.ttft_s is not None and sent is not None
-            and waited + sent.ttft.p90 > objective.ttft_s)
-
-
 def unattainable(predicted: str, objective: str, wait: float) -> GuardError:
     return GuardError(503, f"{predicted} exceeds this request's objective ({objective}); the lane is sheddable",
                       code="slo_unattainable", retry_after=max(1, min(60, math.ceil(wait))),

@@ -7,12 +7,10 @@ replica has room for ``need`` more lent blocks *plus the headroom other work may
 ``need`` is the largest reservation of the guard's running lines (one block before any has run).
 
 The headroom is what other work (everything on the replica but this guard's lines) reserved at its peak over
-the last ``PEAK_WINDOW_S`` (guard/pool/estimators.py), less what it reserves now. So the batch fills the
-budget only up to what other work left at its recent peak, and a client's request arriving as the load
-returns to that peak finds its blocks free instead of queueing behind batch lines that take seconds to end
-(the budget's threshold still keeps ``1 - safe_utilization`` of the pool for bursts beyond the peak). Lines
-are sheddable, so a replica's gate may keep part of that headroom free for every sheddable reservation
-(guard/pool/gate.py ``kept_free``); a line needs the larger of the two. Without the headroom, the batch
+the last ``PEAK_WINDOW_S``, less what it reserves now. So the batch fills the budget only up to what other
+work left at its recent peak, and a client's request arriving as the load returns to that peak finds its
+blocks free instead of queueing behind batch lines that take seconds to end (the budget's threshold still
+keeps ``1 - safe_utilization`` of the pool for bursts beyond the peak). Without the headroom, the batch
 refilled every block a finished client request freed, and on the shared 2-core CPU the interactive tenant's
 requests waited 13-74 ms (mean) in the fair queue beside a batch, against 0.4 ms alone (bench/batch.py's
 ``why``).
@@ -27,12 +25,30 @@ freed block is seen; each look costs a scan of the reservations.
 from __future__ import annotations
 
 import time
+from collections import deque
 
 from guard.instance import GuardState
-from guard.pool.estimators import RecentPeak
 from guard.pool.replica import Replica
 
 POLL_S = 0.01
+PEAK_WINDOW_S = 10.0  # how far back other work's peak reservation counts: long enough to span its bursts
+
+
+class OtherPeak:
+    """The most blocks other work reserved on one replica over the last ``PEAK_WINDOW_S`` (a monotonic
+    deque of (time, blocks): each sample drops the older ones it exceeds, so the head is the window's max)."""
+
+    def __init__(self) -> None:
+        self.samples: deque[tuple[float, int]] = deque()
+
+    def see(self, now: float, blocks: int) -> int:
+        samples = self.samples
+        while samples and samples[-1][1] <= blocks:
+            samples.pop()
+        samples.append((now, blocks))
+        while samples[0][0] < now - PEAK_WINDOW_S:
+            samples.popleft()
+        return samples[0][1]
 
 
 class Pacer:
@@ -41,7 +57,7 @@ class Pacer:
         self.max_in_flight = max_in_flight
         self.running: set[str] = set()  # request ids of this guard's lines now in the pipeline
         self.need = 1  # blocks a line is expected to reserve: the largest of the running lines' reservations
-        self.peaks: dict[str, RecentPeak] = {}  # other work's, per replica (by backend name)
+        self.peaks: dict[str, OtherPeak] = {}  # per replica (by backend name)
 
     def room(self) -> bool:
         state = self.state
@@ -57,11 +73,7 @@ class Pacer:
                 return False  # still on its way to a reservation: the next line waits for it
             largest = max(largest, reservation.blocks)
         self.need = largest or self.need
-        # A line is sheddable: its gate keeps free what work within its guarantee reserved at its peak
-        # (guard/pool/gate.py ``kept_free``), a part of other work's; what other work's peak needs beyond it.
-        return any(replica.usable() and replica.gate.fits(
-                       blocks := self.need + max(0, headroom[replica.backend.name] - replica.gate.kept_free()),
-                       blocks, sheddable=True)
+        return any(replica.usable() and replica.gate.fits(blocks := self.need + headroom[replica.backend.name], blocks)
                    for replica in state.pool)
 
     def headroom(self, replica: Replica, now: float) -> int:
@@ -70,7 +82,7 @@ class Pacer:
         gate = replica.gate
         mine = sum(gate.reservations[key].blocks for key in self.running if key in gate.reservations)
         other = gate.reserved - mine
-        return self.peaks.setdefault(replica.backend.name, RecentPeak()).see(now, other) - other
+        return self.peaks.setdefault(replica.backend.name, OtherPeak()).see(now, other) - other
 
     def take(self, request_id: str) -> bool:
         """Whether a line may start now; if so it counts as running (until ``done``): the look and the count

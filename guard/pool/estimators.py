@@ -11,8 +11,6 @@ nothing it would notice.
   p90, from the log ratios of what happened to what the point prediction said.
 - ``Pace``: units per second over a recent window of *busy* time (a replica's blocks released while it
   held any, the guard queue's blocks leaving it).
-- ``RecentPeak``: the most a sampled quantity reached over a recent window (blocks some work reserved on a
-  replica): what lent work leaves free so that the other work finds its blocks when it comes back.
 """
 
 from __future__ import annotations
@@ -134,29 +132,6 @@ class Quantile:
             self.value += step * (self.tau - (1.0 if x < self.value else 0.0))
             self.spread = SPREAD_DECAY * self.spread + (1 - SPREAD_DECAY) * max(MIN_SPREAD, abs(x - self.value))
         self.seen += 1
-
-
-PEAK_WINDOW_S = 10.0  # how far back a peak reservation counts: long enough to span the bursts of a lane
-
-
-class RecentPeak:
-    """The most of the values seen over the last ``window`` seconds, the one just seen included (a monotonic
-    deque of (time, value): each value drops the older ones it reaches, so the head is the window's most)."""
-
-    __slots__ = ("samples", "window")
-
-    def __init__(self, window: float = PEAK_WINDOW_S) -> None:
-        self.window = window
-        self.samples: deque[tuple[float, int]] = deque()
-
-    def see(self, now: float, value: int) -> int:
-        samples = self.samples
-        while samples and samples[-1][1] <= value:
-            samples.pop()
-        samples.append((now, value))
-        while samples[0][0] < now - self.window:
-            samples.popleft()
-        return samples[0][1]
 
 
 IDLE_GAP_S = 1.0  # an idle spell shorter than this is counted busy: the pace is to the second anyway

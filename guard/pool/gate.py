@@ -23,21 +23,8 @@ engine does run short (an output that outgrows its predicted reservation), it pr
 reopens only below ``resume_utilization`` (hysteresis), so that a pool hovering at the edge is not refilled by
 a stream of small requests. A borrower that does not fit closes it to borrowers only: lent work that finds no
 room does not lower what work within its guarantee may reserve (sheddable heads, offered after the critical
-ones, otherwise held critical work to ``resume_utilization``).
-
-Once work within its guarantee has waited long enough here to put its latency objective at risk (within the
-last ``PEAK_WINDOW_S``: ``held_up``, said by the dispatcher), the sheddable class is lent only what that work
-leaves free at its recent peak: a sheddable reservation fits under the threshold less the blocks guaranteed
-work reserved at its most over that window beyond what it reserves now (``kept_free``). Lent while critical
-work dipped, sheddable lines held the pool's last blocks for seconds each, and critical work coming back to
-its level waited for them to end, though it may reclaim borrowed blocks (S1 of bench/slo.py with the
-interactive lane at the whole capacity: docs/benchmarks/slo.md). While guaranteed work's objectives are safe,
-keeping its peak free would only idle blocks: kept free after any miss of a guaranteed reservation, or after
-any that lent blocks alone held up, it cut that bench's batch lane on time from 42-67 % to 3-14 % on a fast
-spell of the VM, where every configuration kept the interactive lane at 100 %.
-
-Telemetry that is missing, stale or unhealthy counts as a full pool. A reservation is released exactly once,
-whatever ends the request.
+ones, otherwise held critical work to ``resume_utilization``). Telemetry that is missing, stale or unhealthy
+counts as a full pool. A reservation is released exactly once, whatever ends the request.
 
 Liveness and numbers are told apart, so that a busy engine is never taken for a down one. The engine's
 telemetry stream sends snapshots at step boundaries and, while one step runs for seconds (a long prefill),
@@ -66,7 +53,7 @@ from dataclasses import dataclass
 
 from engine.protocol import TelemetrySnapshot
 from guard.config import Admission
-from guard.pool.estimators import PEAK_WINDOW_S, Pace, RecentPeak
+from guard.pool.estimators import Pace
 
 log = logging.getLogger("guard.pool.gate")
 
@@ -132,17 +119,11 @@ class AdmissionGate:
         # Blocks released per second over the last DRAIN_WINDOW_S in which the gate held any (busy from the
         # first reservation to the release that leaves none): every submit that queues asks for it.
         self._drained = Pace(DRAIN_WINDOW_S)
-        # Blocks reserved within a guarantee at their most over the recent window, seen with every snapshot,
-        # whenever sheddable work asks for room and when guaranteed work is held up: no call on the request
-        # path of other work.
-        self._guaranteed_peak = RecentPeak()
-        self._held_up_at = -math.inf  # when guaranteed work last waited long enough to risk its objective
 
     # -- telemetry -------------------------------------------------------------------------------------
     def update(self, snapshot: TelemetrySnapshot) -> None:
         self.snapshot = snapshot
-        self.received_at = self.heard_at = now = time.monotonic()
-        self._guaranteed_peak.see(now, self.reserved - self.borrowed)
+        self.received_at = self.heard_at = time.monotonic()
         self.step_started = None
         ours = sum(usage.blocks for name, usage in snapshot.tenants.items() if name in self.guard_tenants)
         self.outside = max(0, snapshot.used_blocks - ours)  # cached blocks are reclaimable: not outside use
@@ -196,11 +177,11 @@ class AdmissionGate:
         return self.outside + self.reserved
 
     # -- reservations ----------------------------------------------------------------------------------
-    def fits(self, blocks: int, borrowed: int = 0, sheddable: bool = False) -> bool:
-        """Room for ``blocks`` more, ``borrowed`` of them beyond their tenant's guarantee (all of them, for the
-        ``sheddable`` class), under the gate's current threshold (telemetry assumed usable)."""
+    def fits(self, blocks: int, borrowed: int = 0) -> bool:
+        """Room for ``blocks`` more, ``borrowed`` of them beyond their tenant's guarantee, under the gate's
+        current threshold (telemetry assumed usable)."""
         assert self.snapshot is not None
-        threshold_room, pool_room = self.rooms(borrowed, sheddable)
+        threshold_room, pool_room = self.rooms(borrowed)
         # Asked for every reservation: no call at all in the usual case (the link up, or no shared state).
         threshold, pool = ((threshold_room, pool_room) if self.share >= 1.0
                            else (self.mine(threshold_room), self.mine(pool_room)))
@@ -219,52 +200,32 @@ class AdmissionGate:
         share = self.share * room
         return share - sum(max(0, held - share) for held in self.others.values())
 
-    def rooms(self, borrowed: int = 0, sheddable: bool = False) -> tuple[int, int]:
+    def rooms(self, borrowed: int = 0) -> tuple[int, int]:
         """What the guard's reservations may sum to: under the current threshold for a reservation that
-        borrows ``borrowed`` blocks (less ``kept_free`` for the ``sheddable`` class), and in the whole pool
-        (each less the blocks held by traffic from outside the guard). Telemetry assumed usable."""
+        borrows ``borrowed`` blocks, and in the whole pool (each less the blocks held by traffic from outside
+        the guard). Telemetry assumed usable."""
         assert self.snapshot is not None
         share = self.config.safe_utilization if self.open and (self.lending or not borrowed) else self.config.resume
         num_blocks = self.snapshot.num_blocks
-        threshold = int(share * num_blocks) - self.outside
-        return threshold - self.kept_free() if sheddable else threshold, num_blocks - self.outside
+        return int(share * num_blocks) - self.outside, num_blocks - self.outside
 
-    def held_up(self) -> None:
-        """Work within its guarantee placed here waited long enough to put its objective at risk: from now,
-        for ``PEAK_WINDOW_S``, its recent peak, this moment's level included, is kept free of sheddable work
-        (``kept_free``)."""
-        self._held_up_at = now = time.monotonic()
-        self._guaranteed_peak.see(now, self.reserved - self.borrowed)
-
-    def kept_free(self) -> int:
-        """Blocks the sheddable class is not lent: within ``PEAK_WINDOW_S`` of guaranteed work being
-        ``held_up``, those that work reserved at its most over that window beyond what it reserves now; else
-        none (see the module docstring)."""
-        guaranteed, now = self.reserved - self.borrowed, time.monotonic()
-        peak = self._guaranteed_peak.see(now, guaranteed)
-        return peak - guaranteed if now - self._held_up_at <= PEAK_WINDOW_S else 0
-
-    def try_reserve(self, key: str, tenant: str, blocks: int, borrowed: int = 0, sheddable: bool = False) -> bool:
+    def try_reserve(self, key: str, tenant: str, blocks: int, borrowed: int = 0) -> bool:
         """Commit ``blocks`` for request ``key`` if the pool allows; closes the gate when it does not."""
         if key in self.reservations:
             raise ValueError(f"reservation {key!r} already exists")
         if not self.usable():
             return False  # no news is not a full pool: the gate's hysteresis state stays as it was
-        fits = self.fits(blocks, borrowed, sheddable)
-        self.decided(fits, borrowed, sheddable)
+        fits = self.fits(blocks, borrowed)
+        self.decided(fits, borrowed)
         if fits:
             self.record(key, tenant, blocks, borrowed)
         return fits
 
-    def decided(self, fitted: bool, borrowed: int, sheddable: bool = False) -> None:
+    def decided(self, fitted: bool, borrowed: int) -> None:
         """The hysteresis after a reservation (``borrowed`` of its blocks lent) was decided, here or by the
-        guards' shared ledger: any fit opens the gate; a miss closes it, to borrowers only if it borrowed, and
-        not at all if it was ``sheddable`` (the room kept free for guaranteed work holds that class back
-        already; closing lending would hold it to ``resume_utilization`` less that room as well)."""
+        guards' shared ledger: any fit opens the gate; a miss closes it, to borrowers only if it borrowed."""
         if fitted:
             self.open = self.lending = True
-        elif sheddable:
-            return
         elif borrowed:
             self.lending = False
         else:

@@ -89,8 +89,7 @@ class RedisLedger:
         # ticket is never told it is another tenant's turn.
         slack = CRITICAL_SLACK if ticket.priority_class == slo.CRITICAL else SLACK_TOKENS / ticket.tenant.weight
         for candidate in ranked:
-            threshold_room, pool_room = candidate.replica.gate.rooms(ticket.borrowed,
-                                                                     ticket.priority_class == slo.SHEDDABLE)
+            threshold_room, pool_room = candidate.replica.gate.rooms(ticket.borrowed)
             deciding = self.shared.ask(
                 "ADMIT", candidate.replica.name, tenant, ticket.blocks, ticket.borrowed, threshold_room, pool_room,
                 charge, slack,
@@ -117,8 +116,7 @@ class RedisLedger:
             return  # no answer, or not the tenant's turn: nothing said about the replica's room
         gate = candidate.replica.gate
         self.sightings.saw(candidate.replica.name, answer[-1])
-        # The gate's hysteresis, as its own try_reserve keeps it.
-        gate.decided(answer[0] == 1, ticket.borrowed, ticket.priority_class == slo.SHEDDABLE)
+        gate.decided(answer[0] == 1, ticket.borrowed)  # the gate's hysteresis, as its own try_reserve keeps it
         if answer[0] == 1:
             gate.record(ticket.request_id, tenant, ticket.blocks, ticket.borrowed)
             placed(candidate)

@@ -16,9 +16,8 @@ from support.guard_server import GuardThread, guard_config, usable_guard
 from support.net import request
 from support.wait import wait_for
 
-from guard.batch.pace import Pacer
+from guard.batch.pace import PEAK_WINDOW_S, OtherPeak, Pacer
 from guard.console.app import CONSOLE
-from guard.pool.estimators import PEAK_WINDOW_S, RecentPeak
 
 LINES = 40
 CANCELLED = 400  # lines of the batch cancelled early: far more than run at once
@@ -279,8 +278,8 @@ def test_the_pacer_keeps_other_works_recent_peak_free(guard: GuardThread) -> Non
     assert guard.call(look) == [False, False, True]
 
 
-def test_a_recent_peak_is_the_most_over_its_window() -> None:
-    peak = RecentPeak()
+def test_other_works_peak_is_the_most_over_its_window() -> None:
+    peak = OtherPeak()
     assert [peak.see(0.0, 10), peak.see(1.0, 4), peak.see(2.0, 7)] == [10, 10, 10]
     assert peak.see(PEAK_WINDOW_S + 0.5, 3) == 7, "the 10 left the window; the 7 is the most in it"
     assert peak.see(PEAK_WINDOW_S + 2.5, 0) == 3

@@ -6,7 +6,6 @@ coordination and persistent confirmation."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -16,9 +15,8 @@ from support.admission_parts import ticket
 from support.detector_script import run, squeeze
 from support.redis_server import RedisServer
 
-from guard.admission import slo
 from guard.admission.dispatch import Dispatcher
-from guard.admission.ticket import Ticket, TicketState
+from guard.admission.ticket import TicketState
 from guard.config import GuardConfig
 from guard.detect.coordination import SYNC_S
 from guard.detect.detector import CLEAR_CONFIRMED_AFTER_S, Detector
@@ -115,65 +113,6 @@ async def test_a_borrower_that_does_not_fit_leaves_the_threshold_of_guaranteed_w
     await asyncio.wait_for(waiting, 1.0)
     assert lent.state is TicketState.ADMITTED and gate.open and gate.lending
     for t in (within, lent):
-        dispatcher.finish(t)
-    assert not dispatcher.pool.reservations()
-
-
-async def test_once_guaranteed_work_is_at_risk_sheddable_work_is_lent_only_what_its_recent_peak_left(
-        admission: Admitted) -> None:
-    """Guaranteed work that dips comes back to its level and finds its blocks free: sheddable lines lent in
-    the dip would hold them for seconds. Once a queued reservation within a guarantee is placed predicted to
-    miss its TTFT objective (bulk's, held up by lent blocks: 80 + 25 is past the pool's 100), a sheddable
-    ticket fits under the threshold (85) less what guaranteed work reserved at its recent peak beyond what it
-    holds now, and its miss leaves the gate's hysteresis as it was. Until then (a wait its objective
-    absorbs) a dip is lent as before. Before, shed-3 was admitted into the dip (25 + 30 <= 85)."""
-    dispatcher, config = admission
-    gate = dispatcher.pool.replicas[0].gate
-
-    def sheddable(rid: str) -> Ticket:
-        lent = ticket(config, 1, 30, rid)
-        lent.priority_class = slo.SHEDDABLE
-        return lent
-
-    async def held_up_by_lent_blocks(ttft_s: float) -> Ticket:
-        """bulk's request within its 28 waits for sheddable blocks to end; its objective is ``ttft_s``."""
-        within = ticket(config, 1, 25, f"bulk-{ttft_s}")
-        within.objective = slo.Objective(ttft_s, None, slo.STANDARD)
-        waiting = asyncio.create_task(dispatcher.submit(within))
-        await asyncio.sleep(0.02)
-        assert within.state is TicketState.QUEUED, "80 + 25 > the pool's 100: it waits for the lent blocks"
-        dispatcher.finish(next(t for t in lent if t.state is TicketState.ADMITTED))
-        await asyncio.wait_for(waiting, 1.0)
-        assert within.borrowed == 0
-        return within
-
-    acme, lent = ticket(config, 0, 50, "acme-1"), [sheddable("shed-1")]  # acme within its 56
-    for t in (acme, *lent):
-        await dispatcher.submit(t)
-    assert (acme.borrowed, lent[0].borrowed, gate.reserved) == (0, 30, 80)
-    dispatcher.finish(acme)
-    acme = ticket(config, 0, 50, "acme-2")
-    await dispatcher.submit(acme)
-    dispatcher.finish(await held_up_by_lent_blocks(ttft_s=10.0))
-    assert gate.kept_free() == 0, "a wait its objective absorbed: the dip below its peak of 75 is lent"
-    lent.append(sheddable("shed-2"))
-    await dispatcher.submit(lent[-1])
-    assert lent[-1].state is TicketState.ADMITTED
-    bulk = await held_up_by_lent_blocks(ttft_s=0.005)
-    dispatcher.finish(acme)
-    assert gate.kept_free() == 50, "bulk placed at risk: acme's dip from 75 to 25 is kept free"
-    lent.append(sheddable("shed-3"))
-    waiting = asyncio.create_task(dispatcher.submit(lent[-1]))
-    await asyncio.sleep(0.01)
-    assert lent[-1].state is TicketState.QUEUED, "25 + 30 > 85 - 50: the dip is not lent"
-    assert gate.open and gate.lending, "a sheddable miss leaves the hysteresis as it was"
-    acme = ticket(config, 0, 50, "acme-3")
-    await asyncio.wait_for(dispatcher.submit(acme), 1.0)
-    assert acme.state is TicketState.ADMITTED and gate.kept_free() == 0, "acme back at its level, at once"
-    waiting.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await waiting
-    for t in (acme, bulk, *lent):
         dispatcher.finish(t)
     assert not dispatcher.pool.reservations()
 
