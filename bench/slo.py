@@ -193,7 +193,8 @@ async def run_cell(sc: Scenario, args: argparse.Namespace, configs: list[str], w
         out[config] = {"label": LABELS[config], "blocks": blocks[config], "decision_records": len(records),
                        "prediction": prediction_error([r for b in blocks[config] for r in in_window(records, *b["window"])])}
     return {"cell": sc.cell, "scenario": sc.name, "load_over_capacity": sc.load,
-            "interactive_share": sc.interactive_share, "interactive_on_off": sc.interactive_on_off, "tenants": [[t.name, t.lane, t.max_tokens] for t in sc.tenants],
+            "interactive_share": sc.interactive_share, "interactive_on_off": sc.interactive_on_off,
+            "tenants": [[t.name, t.lane, t.max_tokens] for t in sc.tenants],
             "engine_flags": [list(flags) for flags in sc.engines], "capacity_tokens_per_s": capacity,
             "capacity_per_engine": per_engine, "rates_per_s": rates, "configs": out,
             "oracle_goodput_per_s": oracle(out, args.block_s)}
