@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import random
 import time
 from collections import Counter
@@ -86,12 +85,14 @@ async def arrivals(rate: float, seed: int, start: float, duration: float,
     bursts of ``on`` seconds ``off`` seconds apart, at ``rate * (on + off) / on`` within a burst (the same
     mean rate)."""
     rng = random.Random(seed)
-    on, off = on_off or (math.inf, 0.0)
-    burst_rate = rate if on_off is None else rate * (on + off) / on
+    burst_rate, into_bursts = rate, lambda busy: busy  # without bursts, exactly the plain Poisson times
+    if on_off is not None:
+        on, off = on_off
+        burst_rate, into_bursts = rate * (on + off) / on, lambda busy: busy // on * (on + off) + busy % on
     tasks, busy = [], 0.0  # ``busy``: seconds of bursts before the next arrival
     while True:
         busy += rng.expovariate(burst_rate)
-        at = start + (busy if on_off is None else busy // on * (on + off) + busy % on)
+        at = start + into_bursts(busy)
         if at >= start + duration:
             break
         await asyncio.sleep(max(0.0, at - time.monotonic()))
