@@ -25,9 +25,8 @@ from support.processes import EngineProcess, Process, Processes
 from support.wait import until
 
 ROUTING = {"min_dwell_s": 1.0, "cooldown_s": 30.0, "health_interval_s": 0.2, "failure_threshold": 2}
-# Long enough to be still generating when a test acts, 0.3 s after every stream's first bytes: the tiny
-# model generates 160 tokens for 4-8 requests in 0.16-0.18 s offline, and at 160 a far replica's requests
-# sometimes ended before the cut (2 runs in 5; at 320, 0 in 10).
+# Long enough to be still generating when a test acts (``under_way``): the tiny model generates 160 tokens
+# for 4-8 requests in 0.16-0.18 s offline.
 MAX_TOKENS = 320
 
 
@@ -110,6 +109,15 @@ def migrations(guard: GuardThread) -> dict[str, float]:
     return {reason: count for reason, count in counted.items() if count > 0}
 
 
+async def under_way(guard: GuardThread, requests: int) -> None:
+    """Wait until all ``requests`` are on replicas, then for a few tokens more. Not a fixed 0.3 s after the
+    streams' first bytes: a machine twice as fast as this one may end a replica's requests first (CI,
+    2026-12-07; here 320 tokens take 0.5-1.2 s at 4 requests a replica)."""
+    await until(lambda: guard.call(lambda: sum(r.in_flight for r in guard.state.pool)), lambda n: n == requests,
+                10, interval=0.01)
+    await asyncio.sleep(0.05)
+
+
 async def run_through(guard: GuardThread, tally: Tally, jobs: list[tuple[int, bool, str]], act) -> list[Answer]:
     """Send ``jobs`` (index, stream, path) through the guard; once every stream has its first bytes, ``act()``."""
     client = Client(guard.url, tally)
@@ -118,7 +126,7 @@ async def run_through(guard: GuardThread, tally: Tally, jobs: list[tuple[int, bo
                                              started=started[n] if stream else None))
              for n, (i, stream, path) in enumerate(jobs)]
     await asyncio.gather(*(started[n].wait() for n, (_, stream, _) in enumerate(jobs) if stream))
-    await asyncio.sleep(0.3)  # every stream well under way, the unary ones generating
+    await under_way(guard, len(jobs))
     await act()
     return list(await asyncio.wait_for(asyncio.gather(*calls), 60))
 
@@ -249,7 +257,7 @@ async def test_a_stream_of_several_choices_moves_each_choice_on_its_own(
         calls = [asyncio.create_task(client.call(payload, path=path, started=started[n]))
                  for n, (path, payload) in enumerate(jobs)]
         await asyncio.gather(*(event.wait() for event in started))
-        await asyncio.sleep(0.3)  # every stream under way
+        await under_way(guard, len(jobs))
         answers, survivor, expected = await kill_the_busier(guard, engines, calls, kinds)
         for n, answer in enumerate(answers):
             (_, payload), reference = jobs[n], streamed_choices(expected[n % len(kinds)])
