@@ -419,9 +419,11 @@ class Dispatcher:
             cached = ticket.hit_blocks * snapshot.block_size if snapshot is not None else 0
             ticket.uncached = max(0, ticket.prompt_tokens - cached)
             ticket.priority = engine_priority(ticket.lane.priority, ticket.borrowed)
-            ticket.work, ticket.sent = ticket.replica.latency.admitted(  # in_flight has it since its reservation
+            latency, judged = ticket.replica.latency, ticket.objective is not None
+            # Predicted (and learned from) when its prediction is read, or when the model samples it.
+            ticket.work, ticket.sent = latency.admitted(  # in_flight has it since its reservation
                 ticket.priority, ticket.uncached, ticket.prompt_tokens, ticket.replica.in_flight - 1,
-                ticket.stream or ticket.objective is not None)
+                ticket.stream or judged, judged or latency.sample(ticket.admitted_at))
             ticket.prefilling = True
             if ticket.objective is not None:
                 slo.placed(ticket)
@@ -450,12 +452,13 @@ class Dispatcher:
 
     def started(self, ticket: Ticket, after_s: float | None = None) -> None:
         """The ticket's first token came ``after_s`` seconds after its admission (None: it ended without
-        one): its replica's latency model learns it, and its prefill leaves the work ahead there. Once."""
+        one): its prefill leaves the work ahead there, and its replica's latency model learns it if it was
+        predicted (guard/pool/latency.py, "What is learned from"). Once."""
         if ticket.replica is None or not ticket.prefilling:
             return
         latency = ticket.replica.latency
         latency.started(ticket.priority, ticket.uncached, ticket.prompt_tokens)
-        if after_s is not None:
+        if after_s is not None and ticket.sent is not None:
             latency.observe_ttft(ticket.priority, ticket.work, after_s, ticket.sent)
         ticket.uncached = ticket.work = 0
         ticket.prefilling = False

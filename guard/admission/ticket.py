@@ -71,8 +71,9 @@ class Ticket:
     uncached: int = 0  # its prompt tokens the replica has to prefill, until its first token (latency model)
     work: int = 0  # prefill tokens ahead of it on its replica when admitted, its own included
     priority: int = 0  # the engine priority it runs at, once admitted
-    # Its load band, the sequences running there and what was predicted for it there when admitted
-    # (guard/pool/latency.py); ``prefilling`` while its prompt counts in that replica's latency model.
+    # Its load band, the sequences running there and what was predicted for it there when admitted (None:
+    # not predicted, so not learned from: guard/pool/latency.py, "What is learned from"); ``prefilling``
+    # while its prompt counts in that replica's latency model.
     sent: Sent | None = None
     prefilling: bool = False
     # Its class (guard/admission/classes.py): what admission orders, lends and sheds it by ("": its lane's).

@@ -37,6 +37,15 @@ per replica (TPOT), the 0.9 quantile of log(actual / the median predicted when t
 tracked online (``Quantile``), gives p90 = median x exp(that quantile), never below the median. Until it is
 known the p90 is the median: nothing learned, nothing added.
 
+**What is learned from.** Every request whose prediction is read anyway (one with an objective: its
+decision and its verdict are scored on it), and besides them a sample: the first request sent
+``SAMPLE_INTERVAL_S`` or more after the last one the model sampled (``sample``). Learning is a few
+microseconds a request; at a real engine's rates (tens to hundreds of first tokens a second) the sample
+is every request, and at thousands a second (a synthetic upstream, a fleet behind one replica's name)
+the model learns from 1/``SAMPLE_INTERVAL_S`` a second, as much as it can use (its fits remember ~20
+observations) at a cost that grows with time, not with the rate. The choice is made as the request is
+sent, before anything about its latency is known, so the sample is not biased by it.
+
 The guard's queue wait, in front of every replica, is predicted elsewhere (guard/admission/slo.py).
 """
 
@@ -57,6 +66,7 @@ P90 = 0.9
 MIN_SPREAD_SEEN = 8  # observations before a band's own p90 replaces the replica-wide one
 STEP_DECAY = 0.99  # the decode step's fit, per snapshot (one every 25 ms while busy): ~2.5 s of steps
 TPOT_DECAY = 0.8  # weight of the past per finished stream in the TPOT correction
+SAMPLE_INTERVAL_S = 0.002  # at most 500 sampled requests a second per replica (see "What is learned from")
 
 Band = tuple[int, bool]  # (engine priority, a lower priority's prefill pending)
 
@@ -109,6 +119,7 @@ class LatencyModel:
     _tpot_spread: Quantile = field(default_factory=lambda: Quantile(P90))
     _step_s: float = 0.0  # the telemetry's mean step time
     _itl_s: float = 0.0  # the telemetry's mean decode step
+    _next_sample: float = 0.0  # time.monotonic() from which the next request sent is sampled
 
     def on_snapshot(self, snapshot: TelemetrySnapshot, in_flight: int) -> None:
         """The replica's telemetry, with ``in_flight`` of the guard's requests there as it arrives."""
@@ -143,24 +154,33 @@ class LatencyModel:
         """Sequences on the replica: ``in_flight`` of the guard's and the others' the telemetry showed."""
         return in_flight + self._others_running
 
+    def sample(self, now: float) -> bool:
+        """Whether a request sent at ``now`` is in the sample learned from (see "What is learned from")."""
+        if now < self._next_sample:
+            return False
+        self._next_sample = now + SAMPLE_INTERVAL_S
+        return True
+
     def admitted(self, priority: int, uncached_tokens: int, prompt_tokens: int, in_flight: int,
-                 tpot: bool = True) -> tuple[int, Sent]:
+                 tpot: bool = True, predict: bool = True) -> tuple[int, Sent | None]:
         """A request with ``uncached_tokens`` to prefill (of ``prompt_tokens``) was sent here at engine
         ``priority``, beside ``in_flight`` other requests of the guard's; returns the work ahead of it (its
         own included) and what it met and was predicted, which ``observe_ttft`` and ``observe_tpot`` are
         given back. ``tpot``: its TPOT is predicted too (``UNKNOWN`` otherwise: a unary answer without an
-        objective has no stream to score it against)."""
-        ahead, band = self._load(priority)
-        running, work = in_flight + self._others_running, ahead + uncached_tokens
-        sent = Sent(band, running, self._predict(priority, band, work, running),
-                    self._tpot(running + 1) if tpot else UNKNOWN)
+        objective has no stream to score it against). ``predict`` False: a request neither read nor learned
+        from, whose prefill is only counted ahead of others: (0, None)."""
         if uncached_tokens > 0:  # ``_bump`` inlined: twice per request each way
             pending = self.pending
             pending[priority] = pending.get(priority, 0) + uncached_tokens
         if prompt_tokens > 0:
             prompts = self._prompts
             prompts[priority] = prompts.get(priority, 0) + prompt_tokens
-        return work, sent
+        if not predict:
+            return 0, None
+        ahead, band = self._load(priority)  # its own prefill now pending: the work ahead includes it
+        running, work = in_flight + self._others_running, ahead
+        return work, Sent(band, running, self._predict(priority, band, work, running),
+                          self._tpot(running + 1) if tpot else UNKNOWN)
 
     def started(self, priority: int, uncached_tokens: int, prompt_tokens: int) -> None:
         """The request's first token came (or it ended without one): its prefill is no longer ahead of anyone."""

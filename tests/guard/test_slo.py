@@ -135,6 +135,29 @@ def test_the_fit_over_all_priorities_is_every_observation_and_each_priority_keep
     assert model._fits[1] is not model._all and model._fits[101].seen > 0
 
 
+async def test_the_model_learns_from_every_judged_request_and_from_a_sample_of_the_others(tmp_path: Path) -> None:
+    """Requests sent within ``SAMPLE_INTERVAL_S`` of the last sampled one are neither predicted nor learned from
+    (their prefill still counts ahead of others), unless they carry an objective; the first one after it is."""
+    dispatcher = slo_dispatcher(tmp_path)
+    latency, tenant = dispatcher.pool.replicas[0].latency, dispatcher.config.tenants[0]
+    plain = [Ticket(f"p{i}", tenant, dispatcher.config.lanes[tenant.lane], prompt_tokens=40, max_tokens=10,
+                    blocks=1) for i in range(3)]  # the same lane, no objective
+    judged = slo_ticket(dispatcher, 0, 1, "judged")
+    latency._next_sample = time.monotonic() + 60  # the interval from the last sample runs past this test
+    for t in plain[:2]:
+        await dispatcher.submit(t)
+    assert [t.sent for t in plain[:2]] == [None, None] and latency.ahead(priority := plain[0].priority) == 80
+    await dispatcher.submit(judged)
+    assert judged.sent is not None and judged.work == 80 + judged.prompt_tokens
+    latency._next_sample = 0.0  # the interval has passed
+    await dispatcher.submit(plain[2])
+    assert plain[2].sent is not None and not latency.sample(time.monotonic()), "the next one waits its interval"
+    for t in (*plain, judged):
+        dispatcher.started(t, 0.05)
+        dispatcher.finish(t)
+    assert latency._all.seen == 2 and latency.ahead(priority) == 0 and not latency.pending
+
+
 def test_the_latency_model_learns_what_each_request_running_beside_a_prefill_costs() -> None:
     """Engine TTFT = 5 ms + 0.2 ms per token of work + 1.5 ms per request already running: the fit finds all
     three, and an interactive prompt (the same work every time) still gets the running term."""
