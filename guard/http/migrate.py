@@ -126,7 +126,7 @@ async def move(ex: Exchange, tap: ResumeTap) -> str | None:
         log.warning("moving request %s off replica %s (%s)", ex.request_id, replica.name, reason)
     state.dispatcher.finish(ticket)
     state.metrics.child(state.metrics.migrations, reason).inc()
-    tap.moves, tap.interrupted = tap.moves + 1, None
+    tap.moves, tap.interrupted, tap.comments = tap.moves + 1, None, True  # the next replica may write ids
     entry.ticket = dataclasses.replace(ticket, state=TicketState.NEW, admitted=None, replica=None)
     if entry.growth is not None:
         entry.growth.ticket = entry.ticket

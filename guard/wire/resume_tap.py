@@ -55,6 +55,10 @@ class ResumeTap:
     # A ``plain`` stream whose first events carried token id comments (a kvguard engine's: its first event has
     # its first token's): its usual chunk is one token event after its comment (``token_event``).
     ids: bool = False
+    # The answer may carry token id comments: until its first events showed none in a ``plain`` stream (an
+    # engine that does not write them: its later events have none either, since a kvguard engine's first
+    # token event carries its ids); a move sets it again (guard/http/migrate.py), the next replica may write them.
+    comments: bool = True
     _held: bytes = b""  # the last event so far, its blank line not yet come
     _looked: bool = False  # for the answer's id
     _ids: list[bytes] = field(default_factory=list)  # the comments' runs ("<choice> <id>,...", some with the
@@ -96,6 +100,8 @@ class ResumeTap:
                 self._held = chunk
                 return b""
             self._held, chunk = chunk[end:], chunk[:end]
+        if not self.comments:
+            return chunk
         if chunk.startswith(COMMENT):
             # A kvguard engine's one event: its comment first, and no other. One partition finds the comment's
             # end and copies what follows (what the client gets), where a find and two slices cost 20 % more;
@@ -113,6 +119,7 @@ class ResumeTap:
         if not self._looked:  # the first events relayed carry the answer's id
             self._looked, self.plain = True, not self.count_events and self.choices == 1
             self.ids = self.plain and bool(self._ids)
+            self.comments = self.ids or not self.plain
             if found := _ANSWER_ID.search(events):
                 self.answer_key = found.group(1).decode()
         if events.find(ERROR_EVENT) >= 0:

@@ -115,3 +115,17 @@ def test_a_choice_s_own_stream_is_renumbered_and_keeps_its_usage_and_done_back()
     assert usages == [{"id": "chatcmpl-abc", "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3}}]
     with pytest.raises(ChoiceFailed, match="boom"):
         renumbered(b'event: error\ndata: {"error":{"message":"boom"}}\n\n', 1, usages)
+
+
+def test_a_stream_of_one_choice_whose_first_event_has_no_ids_is_framed_and_not_searched() -> None:
+    """An engine that writes no token id comments (not a kvguard engine) writes none later either: after its
+    first event the tap only frames events (whole ones go through, as they came); a stream of several choices
+    or a counted one is searched for comments throughout."""
+    plain = ResumeTap()
+    assert plain.take(event(0, "a")) == event(0, "a") and not plain.comments
+    later = event(0, "b")
+    assert plain.take(later[:9]) == b"" and plain.take(later[9:]) == later, "still whole events only"
+    for tap in (ResumeTap(choices=2), ResumeTap(count_events=True)):
+        tap.take(event(0, "a"))
+        assert tap.comments and tap.take(b": token_ids 0 8\n" + event(0, "c")) == event(0, "c")
+        assert tap.token_ids() == [8]
