@@ -425,7 +425,7 @@ class Dispatcher:
                 ticket.priority, ticket.uncached, ticket.prompt_tokens, ticket.replica.in_flight - 1,
                 ticket.stream or judged, judged or latency.sample(ticket.admitted_at))
             ticket.prefilling = True
-            if ticket.objective is not None:
+            if judged:
                 slo.placed(ticket)
         self.running.setdefault(queue.name, set()).add(ticket)
         if ticket.priority_class == slo.SHEDDABLE:
