@@ -34,7 +34,8 @@ def build_record(ex: Exchange, response: web.StreamResponse | None, refused: Gua
         ex.request_id, tenant.name if tenant is not None else None, tenant.lane if tenant is not None else None,
         parsed.model.model if parsed is not None else None, response.status if response is not None else None,
         ex.outcome.value, ex.backend, ex.arrived, time.monotonic(), observer.first_at if observer is not None else 0.0,
-        ex.laps, ticket.candidates if ticket is not None else (), time=time.time())
+        ex.stage_names, ex.stage_starts, ticket.candidates if ticket is not None else (),
+        time=time.time())
     if ticket is not None:
         record.blocks, record.tokens, record.borrowed = ticket.blocks, ticket.max_tokens, ticket.borrowed
         record.priority_class, record.objective = ticket.priority_class, ticket.objective_name

@@ -4,8 +4,9 @@ show), what it runs, the field of the ``Exchange`` its result is kept in, and wh
 ``run`` drives an ``Exchange`` through a declared tuple of stages in order (guard/http/pipeline.py declares
 them). It owns:
 
-- laps: each stage's start is one entry of ``ex.laps`` (one clock read), so the record's stage timings
-  and the stage a refusal is charged to (``ex.stage``) are the names declared here;
+- laps: each stage's name and start are one entry of ``ex.stage_names`` and ``ex.stage_starts`` (one
+  clock read), so the record's stage timings and the stage a refusal is charged to (``ex.stage``) are the
+  names declared here;
 - results: a stage's result is set on the exchange once the stage has returned (``keeps``); a later stage
   reads it there. A field no stage has set yet does not exist (reading it is an ``AttributeError``, a bug),
   so nothing is None "until its stage has run";
@@ -43,11 +44,12 @@ class Stage:
 async def run(ex: Exchange, stages: tuple[Stage, ...]) -> Any:
     """Drive ``ex`` through ``stages``; the last one's result."""
     taken: list[Stage] = []
-    laps = ex.laps
+    names, starts = ex.stage_names, ex.stage_starts
     result = None
     try:
         for stage in stages:
-            laps.append((stage.name, time.monotonic()))
+            names.append(stage.name)
+            starts.append(time.monotonic())
             result = await stage.run(ex) if stage.awaits else stage.run(ex)
             if stage.keeps is not None:
                 setattr(ex, stage.keeps, result)

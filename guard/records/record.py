@@ -39,7 +39,8 @@ class DecisionRecord:
     arrived: float  # time.monotonic() of its arrival
     ended: float  # and of its end
     first_token: float  # of its first streamed token (0.0: none)
-    laps: Sequence[tuple[str, float]]  # (stage, when it began) in the order they ran
+    stage_names: Sequence[str]  # the stages in the order they ran
+    stage_starts: Sequence[float]  # and when each began (time.monotonic())
     candidates: Sequence[Candidate]
     blocks: int | None = None
     tokens: int | None = None  # the output the reservation covers, per sequence, at its end
@@ -61,8 +62,10 @@ class DecisionRecord:
     @property
     def queue_ms(self) -> float | None:
         """Arrival to admission to the pool (the forward stage's start); None when never admitted."""
-        admitted = next((began for name, began in self.laps if name == "forward"), None)
-        return None if admitted is None else _ms(1e3 * (admitted - self.arrived))
+        names = self.stage_names
+        if "forward" not in names:
+            return None
+        return _ms(1e3 * (self.stage_starts[names.index("forward")] - self.arrived))
 
     @property
     def ttft_ms(self) -> float | None:
@@ -70,9 +73,10 @@ class DecisionRecord:
         return _ms(1e3 * (self.first_token - self.arrived)) if self.first_token else None
 
     def stages(self) -> list[dict[str, Any]]:
-        laps, ended = self.laps, self.ended
-        return [{"name": name, "ms": _ms(1e3 * ((laps[i + 1][1] if i + 1 < len(laps) else ended) - began))}
-                for i, (name, began) in enumerate(laps)]
+        starts = self.stage_starts
+        ends = [*starts[1:], self.ended]
+        return [{"name": name, "ms": _ms(1e3 * (end - began))}
+                for name, began, end in zip(self.stage_names, starts, ends)]
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -160,7 +160,7 @@ async def test_a_finished_request_leaves_nothing_to_the_cycle_collector(engines,
 
 def a_record(request_id: str) -> DecisionRecord:
     return DecisionRecord(request_id, "acme", "batch", "tiny", 429, "rejected_quota", None, 10.0, 10.00021, 0.0,
-                          [("auth", 10.0), ("limits", 10.00001)], (), shed=Shed("limits", 429, "rate_limit_exceeded", "x"))
+                          ["auth", "limits"], [10.0, 10.00001], (), shed=Shed("limits", 429, "rate_limit_exceeded", "x"))
 
 
 def test_the_store_keeps_the_newest_and_a_reused_id_replaces_its_record() -> None:
@@ -189,7 +189,7 @@ def test_the_log_writes_one_line_per_record_and_rotates_by_size(tmp_path: Path) 
 def test_to_dict_has_exactly_the_contracts_keys() -> None:
     candidate = Candidate(SimpleNamespace(name="e1"), 2, "saturation", {"prefix": 0.5, "idle": 1.0}, 2.0)
     record = DecisionRecord("r", "acme", "interactive", "tiny", 200, "completed", "e0", 1.0, 1.5, 1.25,
-                            [("auth", 1.0), ("forward", 1.125)], [candidate], blocks=3, tokens=8, borrowed=0,
+                            ["auth", "forward"], [1.0, 1.125], [candidate], blocks=3, tokens=8, borrowed=0,
                             predicted_hit_tokens=32, reported_hit_tokens=16, prompt_tokens=40, completion_tokens=8)
     shown = record.to_dict()
     assert set(shown) == KEYS and shown["shed"] is None
