@@ -10,8 +10,8 @@ does not see: cache misses, system calls and the kernel's side of the sockets (t
 request either way), so a change that trades instructions for memory traffic needs guard_ab too, and the
 ratio of two counts is not the ratio of two CPU times (a 1.09x count gap read 1.13-1.15x in guard_ab).
 What runs by the clock runs differently at valgrind's pace: each replica's latency model learns from one
-request per 2 ms at most (guard/pool/latency.py, ``SAMPLE_INTERVAL_S``), which under valgrind (~40 requests
-a second) is every request and at guard_ab's rate one in eleven, so a count includes all of that learning.
+request per 10 ms at most (guard/pool/latency.py, ``SAMPLE_INTERVAL_S``), which under valgrind (~40 requests
+a second) is every request and at guard_ab's rate about one in twenty, so a count includes all of that learning.
 
 Each workload is a sequence of requests from ``CLIENT_THREADS`` client threads, the requests of
 bench/guard_ab.py: unary; a stream of ``--stream-events`` events ``--interval-ms`` apart; a firehose of
