@@ -15,45 +15,49 @@ from aiohttp import web
 from guard.admission.ticket import Ticket
 from guard.errors import GuardError
 from guard.http.exchange import Exchange
-from guard.records.record import DecisionRecord, Shed
+from guard.records.record import pack
 
 
 def keep_record(ex: Exchange, response: web.StreamResponse | None, refused: GuardError | None) -> None:
-    record = build_record(ex, response, refused)
-    ex.state.records.put(record)
+    kept = pack(record_values(ex, response, refused))  # kept packed: guard/records/record.py
+    ex.state.records.put(ex.request_id, kept)
     if ex.state.decision_log is not None:
-        ex.state.decision_log.add(record)
+        ex.state.decision_log.add(kept)
 
 
-def build_record(ex: Exchange, response: web.StreamResponse | None, refused: GuardError | None) -> DecisionRecord:
-    """The record of however far the request got (each stage's result, if its stage returned)."""
+def record_values(ex: Exchange, response: web.StreamResponse | None, refused: GuardError | None) -> tuple:
+    """The record of however far the request got (each stage's result, if its stage returned), as ``pack``
+    takes it: ``DecisionRecord``'s fields, in order."""
     caller, parsed, entry = getattr(ex, "caller", None), getattr(ex, "parsed", None), getattr(ex, "entry", None)
     tenant = caller.tenant if caller is not None else None
     ticket, observer = (entry.ticket, entry.observer) if entry is not None else (None, None)
-    record = DecisionRecord(
-        ex.request_id, tenant.name if tenant is not None else None, tenant.lane if tenant is not None else None,
-        parsed.model.model if parsed is not None else None, response.status if response is not None else None,
-        ex.outcome.value, ex.backend, ex.arrived, time.monotonic(), observer.first_at if observer is not None else 0.0,
-        ex.stage_names, ex.stage_starts, ticket.candidates if ticket is not None else (),
-        time=time.time())
+    candidates, blocks, tokens, borrowed, growths, predicted_hit = (), None, None, None, 0, None
+    slo, priority_class, objective = None, None, None
     if ticket is not None:
-        record.blocks, record.tokens, record.borrowed = ticket.blocks, ticket.max_tokens, ticket.borrowed
-        record.priority_class, record.objective = ticket.priority_class, ticket.objective_name
-        record.predicted_hit_tokens = ticket.hit_blocks * ex.sizing.block_size if ticket.replica is not None else None
+        candidates = [candidate.kept() for candidate in ticket.candidates]
+        blocks, tokens, borrowed = ticket.blocks, ticket.max_tokens, ticket.borrowed
+        priority_class, objective = ticket.priority_class, ticket.objective_name
+        if ticket.replica is not None:
+            predicted_hit = ticket.hit_blocks * ex.sizing.block_size
         if entry.growth is not None:
-            record.growths = entry.growth.granted
+            growths = entry.growth.granted
         if ticket.objective is not None:
-            record.slo = slo_record(ticket)
-    if (limits := getattr(ex, "limits", None)) is not None:
-        record.prompt_tokens = limits.prompt_tokens
-    if observer is not None and ex.upstream is not None:
-        record.completion_tokens, record.reported_hit_tokens = observer.output_tokens, observer.cached_tokens
-    if len(ex.replicas) > 1:  # moved (guard/http/migrate.py): every replica it ran on, the last one's included
-        record.replicas = tuple(ex.replicas)
+            slo = slo_record(ticket)
+    limits = getattr(ex, "limits", None)
+    completion, reported_hit = (observer.output_tokens, observer.cached_tokens) \
+        if observer is not None and ex.upstream is not None else (None, None)
+    shed = None
     if refused is not None:
-        message = None if ex.stage == "validate" else refused.message
-        record.shed = Shed(ex.stage, refused.status, refused.code, message)
-    return record
+        shed = (ex.stage, refused.status, refused.code, None if ex.stage == "validate" else refused.message)
+    return (ex.request_id, tenant.name if tenant is not None else None, tenant.lane if tenant is not None else None,
+            parsed.model.model if parsed is not None else None, response.status if response is not None else None,
+            ex.outcome.value, ex.backend, ex.arrived, time.monotonic(),
+            observer.first_at if observer is not None else 0.0, ex.stage_names, ex.stage_starts.tobytes(),
+            candidates, blocks, tokens, borrowed, growths, predicted_hit, reported_hit,
+            limits.prompt_tokens if limits is not None else None, completion, shed,
+            # moved (guard/http/migrate.py): every replica it ran on, the last one's included
+            tuple(ex.replicas) if len(ex.replicas) > 1 else (),
+            time.time(), slo, priority_class, objective)
 
 
 def slo_record(ticket: Ticket) -> dict:

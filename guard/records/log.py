@@ -1,6 +1,7 @@
 """``decision_log: PATH``: each finished record as one JSON line, rotated by size.
 
-The event loop only hands the record to a queue; a writer thread turns it into JSON and writes it through
+The event loop only hands the packed record (guard/records/record.py) to a queue; a writer thread unpacks it,
+turns it into JSON and writes it through
 the standard library's ``RotatingFileHandler`` (``MAX_BYTES`` per file, ``BACKUPS`` old files:
 ``decisions.jsonl.1`` ...). A record still queued when the guard stops is written before ``close`` returns.
 Worker ``i`` of ``--workers N`` writes a file of its own, ``decisions.worker<i>.jsonl``: processes cannot
@@ -16,7 +17,7 @@ import queue
 import threading
 from pathlib import Path
 
-from guard.records.record import DecisionRecord
+from guard.records.record import unpack
 
 log = logging.getLogger("guard.records")
 
@@ -38,12 +39,13 @@ class DecisionLog:
             raise OSError(exc.errno, f"decision_log {self.path}: cannot open: {exc.strerror}") from exc
         self._handler.setFormatter(logging.Formatter("%(message)s"))
         self._batch_bytes = max(1, min(max_bytes // 2, 1 << 20))
-        self._queue: queue.SimpleQueue[DecisionRecord | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._write, name="decision log", daemon=True)
         self._thread.start()
 
-    def add(self, record: DecisionRecord) -> None:
-        self._queue.put(record)
+    def add(self, kept: bytes) -> None:
+        """``kept``: ``pack`` of a record."""
+        self._queue.put(kept)
 
     def close(self) -> None:
         self._queue.put(None)
@@ -53,25 +55,25 @@ class DecisionLog:
     def _write(self) -> None:
         """Writes what is queued in batches, one ``emit`` (one write, one flush) each: under load a batch holds
         many records. A batch is cut at half a file (at most 1 MiB), so no file outgrows ``max_bytes``."""
-        records, handler = self._queue, self._handler
+        queued, handler = self._queue, self._handler
         while True:
-            record, lines, size = records.get(), [], 0
-            while record is not None:
-                if (line := _line(record)) is not None:
+            kept, lines, size = queued.get(), [], 0
+            while kept is not None:
+                if (line := _line(kept)) is not None:
                     lines.append(line)
                     size += len(line) + 1  # ASCII: json.dumps escapes the rest
-                if size >= self._batch_bytes or records.empty():
+                if size >= self._batch_bytes or queued.empty():
                     break
-                record = records.get_nowait()
+                kept = queued.get_nowait()
             if lines:
                 handler.emit(logging.makeLogRecord({"msg": "\n".join(lines), "levelno": logging.INFO}))
-            if record is None:
+            if kept is None:
                 return
 
 
-def _line(record: DecisionRecord) -> str | None:
+def _line(kept: bytes) -> str | None:
     try:
-        return json.dumps(record.to_dict(), separators=(",", ":"))
+        return json.dumps(unpack(kept).to_dict(), separators=(",", ":"))
     except Exception:  # one bad record must not end the writer: its queue would grow without bound
-        log.exception("decision record %s not written", record.request_id)
+        log.exception("a decision record not written (%d bytes)", len(kept))
         return None

@@ -1,24 +1,34 @@
-"""One request's decision record, built once when the request ends (guard/http/pipeline.py).
+"""One request's decision record, built once when the request ends (guard/http/decision.py), and the
+packed form it is kept in.
 
 The fields are plain values taken from the request's ``Exchange``, the times as ``time.monotonic()`` readings:
-stage timings, queue time and TTFT, and the candidates (the scheduling profile's ``Candidate`` objects as
-ranked) become milliseconds and dicts only in ``to_dict``, when the record is read or logged, so that
-keeping a record costs the hot path one object.
+stage timings, queue time and TTFT become milliseconds, and the candidates dicts, only in ``to_dict``, when
+the record is read or logged.
+
+**Kept packed.** The last 10,000 records are kept (guard/records/store.py). Kept as objects (~13 a record)
+they cost a unary request 4 % of its CPU: they outlived thousands of requests, so each was freed, and walked
+by the collector, from memory long out of the cache. ``pack`` makes the record's fields one ``bytes`` of
+``marshal`` (~320 bytes, ~1 us), which the store copies into a buffer of its own: no object of the request
+but its id outlives it, and that costs 1 % less (bench/guard_ab.py, 20 rounds; the rest is the packing and
+the copy's cold memory). ``unpack`` makes the record again when it is read. ``pack`` takes the fields as a
+tuple, which guard/http/decision.py builds from the exchange in one pass, so a record holds plain data
+only: strings, numbers, lists, tuples and dicts of them.
 """
 
 from __future__ import annotations
 
+import marshal
+from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from dataclasses import dataclass, fields
+from typing import Any, NamedTuple
+
+# A replica as the request's ranking saw it: its name, the filter that held it back (None: none), scorer name ->
+# its value (unweighted), and the weighted sum (from guard/pool/scheduling/plugin.py's ``Candidate``).
+KeptCandidate = tuple[str, str | None, dict[str, float], float]
 
 
-class Candidate(Protocol):
-    def as_record(self) -> dict[str, Any]: ...
-
-
-@dataclass(slots=True)
-class Shed:
+class Shed(NamedTuple):
     """Why the guard itself answered with an error: the stage that refused, and its error."""
 
     stage: str
@@ -41,7 +51,7 @@ class DecisionRecord:
     first_token: float  # of its first streamed token (0.0: none)
     stage_names: Sequence[str]  # the stages in the order they ran
     stage_starts: Sequence[float]  # and when each began (time.monotonic())
-    candidates: Sequence[Candidate]
+    candidates: Sequence[KeptCandidate]
     blocks: int | None = None
     tokens: int | None = None  # the output the reservation covers, per sequence, at its end
     borrowed: int | None = None
@@ -85,7 +95,9 @@ class DecisionRecord:
             "replicas": list(self.replicas) or ([self.replica] if self.replica is not None else []),
             "queue_ms": self.queue_ms, "ttft_ms": self.ttft_ms, "time": round(self.time, 3),
             "stages": self.stages(),
-            "candidates": [candidate.as_record() for candidate in self.candidates],
+            "candidates": [{"replica": replica, "filtered_by": filtered_by,
+                            "scores": {name: round(value, 4) for name, value in scores.items()},
+                            "total": round(total, 4)} for replica, filtered_by, scores, total in self.candidates],
             "reservation": {"blocks": self.blocks, "tokens": self.tokens, "borrowed": self.borrowed,
                             "growths": self.growths},
             "prefix": {"predicted_hit_tokens": self.predicted_hit_tokens,
@@ -106,3 +118,32 @@ class DecisionRecord:
 
 def _ms(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
+
+
+def pack(values: tuple) -> bytes:
+    """``values``: a record's fields in ``DecisionRecord``'s order, its stage starts as the bytes of an
+    ``array("d")`` and its refusal as a plain tuple (what ``marshal`` takes; see "Kept packed")."""
+    return marshal.dumps(values)
+
+
+def values_of(record: DecisionRecord) -> tuple:
+    """What ``pack`` takes for ``record`` (guard/http/decision.py builds it from the exchange directly)."""
+    values = [getattr(record, f.name) for f in fields(DecisionRecord)]
+    values[_STARTS] = array("d", record.stage_starts).tobytes()
+    values[_SHED] = None if record.shed is None else tuple(record.shed)
+    return tuple(values)
+
+
+def unpack(kept: bytes) -> DecisionRecord:
+    """The record ``pack`` was given, its lists and tuples as ``marshal`` gives them back (bytes after the
+    packed record are ignored)."""
+    values = list(marshal.loads(kept))
+    starts = array("d")
+    starts.frombytes(values[_STARTS])
+    values[_STARTS] = starts
+    values[_SHED] = None if values[_SHED] is None else Shed(*values[_SHED])
+    return DecisionRecord(*values)
+
+
+_NAMES = [f.name for f in fields(DecisionRecord)]
+_STARTS, _SHED = _NAMES.index("stage_starts"), _NAMES.index("shed")

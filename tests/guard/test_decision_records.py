@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import json
+from array import array
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,10 +24,9 @@ from guard.config import ConfigError, load_config
 from guard.console.app import CONSOLE
 from guard.http.routes import request_id_of
 from guard.instance import STATE
-from guard.pool.scheduling.plugin import Candidate
 from guard.records.log import DecisionLog
-from guard.records.record import DecisionRecord, Shed
-from guard.records.store import RecordStore
+from guard.records.record import DecisionRecord, Shed, pack, unpack, values_of
+from guard.records.store import SLOT_BYTES, RecordStore
 from guard.server.app import create_app
 from guard.server.reload import restart_only_changes
 
@@ -163,20 +163,59 @@ def a_record(request_id: str) -> DecisionRecord:
                           ["auth", "limits"], [10.0, 10.00001], (), shed=Shed("limits", 429, "rate_limit_exceeded", "x"))
 
 
-def test_the_store_keeps_the_newest_and_a_reused_id_replaces_its_record() -> None:
+def keep(store: RecordStore, record: DecisionRecord) -> None:
+    store.put(record.request_id, pack(values_of(record)))
+
+
+def test_the_store_keeps_the_newest_and_a_reused_id_shows_its_newest_record() -> None:
     store = RecordStore(capacity=3)
+    assert store.recent(5) == [] and store.get("r0") is None and len(store) == 0
     for i in range(5):
-        store.put(a_record(f"r{i}"))
+        keep(store, a_record(f"r{i}"))
     assert len(store) == 3 and store.get("r1") is None and store.get("r2") is not None
-    store.put(a_record("r2"))
-    assert [r.request_id for r in store.recent(10)] == ["r2", "r4", "r3"]
-    assert [r.request_id for r in store.recent(1)] == ["r2"] and store.recent(0) == []
+    assert [r.request_id for r in store.recent(10)] == ["r4", "r3", "r2"]
+    reused = a_record("r3")
+    reused.status = 200
+    keep(store, reused)  # in r2's slot; r3's older record stays in its own, unseen
+    assert store.get("r2") is None and store.get("r3").status == 200 and len(store) == 2
+    assert [(r.request_id, r.status) for r in store.recent(10)] == [("r3", 200), ("r4", 429)]
+    assert [r.request_id for r in store.recent(1)] == ["r3"] and store.recent(0) == []
+    keep(store, a_record("r5"))  # in the older r3's slot: the newer one is still found
+    assert store.get("r3").status == 200 and [r.request_id for r in store.recent(10)] == ["r5", "r3", "r4"]
+
+
+def test_a_kept_record_reads_back_whole_and_shares_nothing_with_the_request() -> None:
+    """Packed as it is kept: every field comes back equal, the candidates, objective and refusal included,
+    and what the request's objects do afterwards does not reach it."""
+    record = a_record("r")
+    record.candidates = [("e1", None, {"prefix": 0.5}, 0.5)]
+    record.slo, record.replicas = {"ttft_ms": 500.0, "met": {"ttft": True}}, ("e0", "e1")
+    record.stage_starts = array("d", record.stage_starts)
+    store = RecordStore(capacity=2)
+    keep(store, record)
+    assert store.get("r") == record == unpack(pack(values_of(record)))
+    record.stage_names.append("forward")
+    record.candidates[0][2]["prefix"] = 0.9
+    assert store.get("r").stage_names == ["auth", "limits"] and store.get("r").candidates[0][2] == {"prefix": 0.5}
+
+
+def test_a_record_larger_than_a_slot_or_with_an_unusual_id_is_kept_too() -> None:
+    store = RecordStore(capacity=3)
+    large = a_record("large")
+    large.shed = Shed("limits", 429, "rate_limit_exceeded", "m" * SLOT_BYTES)
+    for record in (large, a_record("r\u00e9q"), a_record("a")):
+        keep(store, record)
+    assert store.get("large").shed.message == "m" * SLOT_BYTES and store.get("r\u00e9q") is not None
+    assert store.get("a").request_id == "a" and store.get("acm") is None and store.get("") is None
+    assert [r.request_id for r in store.recent(3)] == ["a", "r\u00e9q", "large"]
+    keep(store, a_record("after"))  # in the large one's slot: what was kept beside the ring goes with it
+    assert store.get("large") is None and not store._beside and store.get("after") is not None
 
 
 def test_the_log_writes_one_line_per_record_and_rotates_by_size(tmp_path: Path) -> None:
     log = DecisionLog(tmp_path / "d.jsonl", max_bytes=2000, backups=2)
     for i in range(40):
-        log.add(a_record(f"r{i}"))
+        log.add(pack(values_of(a_record(f"r{i}"))))
     log.close()
     files = sorted(tmp_path.iterdir())
     assert [f.name for f in files] == ["d.jsonl", "d.jsonl.1", "d.jsonl.2"]
@@ -187,7 +226,7 @@ def test_the_log_writes_one_line_per_record_and_rotates_by_size(tmp_path: Path) 
 
 
 def test_to_dict_has_exactly_the_contracts_keys() -> None:
-    candidate = Candidate(SimpleNamespace(name="e1"), 2, "saturation", {"prefix": 0.5, "idle": 1.0}, 2.0)
+    candidate = ("e1", "saturation", {"prefix": 0.5, "idle": 1.0}, 2.0)
     record = DecisionRecord("r", "acme", "interactive", "tiny", 200, "completed", "e0", 1.0, 1.5, 1.25,
                             ["auth", "forward"], [1.0, 1.125], [candidate], blocks=3, tokens=8, borrowed=0,
                             predicted_hit_tokens=32, reported_hit_tokens=16, prompt_tokens=40, completion_tokens=8)
@@ -233,15 +272,11 @@ def test_a_log_that_cannot_be_opened_names_the_key_and_the_path(tmp_path: Path) 
 
 
 def test_a_record_that_cannot_be_written_does_not_stop_the_writer(tmp_path: Path) -> None:
-    class Broken:
-        def as_record(self) -> dict:
-            raise RuntimeError("broken")
-
     log = DecisionLog(tmp_path / "d.jsonl")
     bad = a_record("bad")
-    bad.candidates = [Broken()]
+    bad.candidates = [("e1", None, {"prefix": "not a number"}, 0.0)]  # to_dict cannot round it
     for record in (a_record("before"), bad, a_record("after")):
-        log.add(record)
+        log.add(pack(values_of(record)))
     log.close()
     assert [json.loads(line)["request_id"] for line in (tmp_path / "d.jsonl").read_text().splitlines()] == \
         ["before", "after"]

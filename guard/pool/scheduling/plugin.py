@@ -35,10 +35,9 @@ class Candidate:
     scores: dict[str, float] = field(default_factory=dict)  # scorer name -> its value (unweighted)
     total: float = 0.0  # the weighted sum
 
-    def as_record(self) -> dict:
-        return {"replica": self.replica.name, "filtered_by": self.filtered_by,
-                "scores": {name: round(value, 4) for name, value in self.scores.items()},
-                "total": round(self.total, 4)}
+    def kept(self) -> tuple[str, str | None, dict[str, float], float]:
+        """As the decision record keeps it (guard/records/record.py ``KeptCandidate``)."""
+        return self.replica.name, self.filtered_by, self.scores, self.total
 
 
 @dataclass(slots=True)
