@@ -3,7 +3,8 @@
 The buffer is a ring of ``capacity`` slots of ``SLOT_BYTES``, allocated (and its pages touched) once; the
 next record is copied into the oldest slot. A record too large for a slot (one with an objective, a long
 refusal message, a pool of many replicas) is kept beside the ring, for its slot, as one ``bytes``. An index
-from request id to slot finds a record. So of a request, only its id outlives it here (why: "Kept packed").
+from request id to slot finds a record. So of a request, only its id outlives it here (why: "Kept packed"):
+the index holds ints made once, not the slot numbers each request computed (a new object past 256).
 
 Invariants: the slots hold the newest ``capacity`` records put; where an id was put more than once (a
 client's own ``X-Request-Id`` reused), ``get`` and ``recent`` give its newest record only.
@@ -31,6 +32,7 @@ class RecordStore:
         self._beside: dict[int, bytes] = {}  # slot -> a record too large for it
         self._ids: list[str | None] = [None] * capacity  # whose record each slot holds
         self._slots: dict[str, int] = {}  # request id -> the slot of its newest record
+        self._numbers = tuple(range(capacity))  # the slots' numbers, made once: the index holds these ints
         self._next = 0  # the slot the next record goes in: the oldest
         self._put = 0  # records put, ever
 
@@ -45,7 +47,7 @@ class RecordStore:
         if evicted is not None and slots.get(evicted) == slot:
             del slots[evicted]
         self._ids[slot] = request_id
-        slots[request_id] = slot
+        slots[request_id] = self._numbers[slot]
         self._next = slot + 1 if slot + 1 < self.capacity else 0
         self._put += 1
         if self._beside:
