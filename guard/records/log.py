@@ -1,11 +1,11 @@
 """``decision_log: PATH``: each finished record as one JSON line, rotated by size.
 
-The event loop only hands the packed record (guard/records/record.py) to a queue; a writer thread unpacks it,
-turns it into JSON and writes it through
-the standard library's ``RotatingFileHandler`` (``MAX_BYTES`` per file, ``BACKUPS`` old files:
-``decisions.jsonl.1`` ...). A record still queued when the guard stops is written before ``close`` returns.
-Worker ``i`` of ``--workers N`` writes a file of its own, ``decisions.worker<i>.jsonl``: processes cannot
-share a rotation. Its configuration keeps the path as written, so that a reload compares like with like.
+The event loop only hands the packed record (guard/records/record.py) to a queue; a writer thread unpacks
+it, turns it into JSON and writes it through the standard library's ``RotatingFileHandler`` (``MAX_BYTES``
+per file, ``BACKUPS`` old files: ``decisions.jsonl.1`` ...). A record still queued when the guard stops is
+written before ``close`` returns. Worker ``i`` of ``--workers N`` writes a file of its own,
+``decisions.worker<i>.jsonl``: processes cannot share a rotation. Its configuration keeps the path as
+written, so that a reload compares like with like.
 """
 
 from __future__ import annotations

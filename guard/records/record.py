@@ -1,5 +1,5 @@
-"""One request's decision record, built once when the request ends (guard/http/decision.py), and the
-packed form it is kept in.
+"""One request's decision record as it is read (``unpack``), and the packed form it is kept in from the
+request's end (built by guard/http/decision.py).
 
 The fields are plain values taken from the request's ``Exchange``, the times as ``time.monotonic()`` readings:
 stage timings, queue time and TTFT become milliseconds, and the candidates dicts, only in ``to_dict``, when

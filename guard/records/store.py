@@ -34,7 +34,6 @@ class RecordStore:
         self._slots: dict[str, int] = {}  # request id -> the slot of its newest record
         self._numbers = tuple(range(capacity))  # the slots' numbers, made once: the index holds these ints
         self._next = 0  # the slot the next record goes in: the oldest
-        self._put = 0  # records put, ever
 
     def __len__(self) -> int:
         """The records ``get`` finds."""
@@ -49,7 +48,6 @@ class RecordStore:
         self._ids[slot] = request_id
         slots[request_id] = self._numbers[slot]
         self._next = slot + 1 if slot + 1 < self.capacity else 0
-        self._put += 1
         if self._beside:
             self._beside.pop(slot, None)
         if len(kept) <= SLOT_BYTES:
@@ -65,11 +63,13 @@ class RecordStore:
     def recent(self, limit: int) -> list[DecisionRecord]:
         """The newest ``limit`` records, newest first."""
         found: list[DecisionRecord] = []
-        for age in range(min(self._put, self.capacity)):
+        for age in range(self.capacity):
             if len(found) >= limit:
                 break
             slot = (self._next - 1 - age) % self.capacity
-            if self._slots.get(self._ids[slot]) == slot:  # (not an older record of a reused id)
+            if (request_id := self._ids[slot]) is None:  # never filled: nothing older
+                break
+            if self._slots.get(request_id) == slot:  # (not an older record of a reused id)
                 found.append(self._record(slot))
         return found
 
