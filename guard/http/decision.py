@@ -52,7 +52,7 @@ def record_values(ex: Exchange, response: web.StreamResponse | None, refused: Gu
     return (ex.request_id, tenant.name if tenant is not None else None, tenant.lane if tenant is not None else None,
             parsed.model.model if parsed is not None else None, response.status if response is not None else None,
             ex.outcome.value, ex.backend, ex.arrived, time.monotonic(),
-            observer.first_at if observer is not None else 0.0, ex.stage_names, ex.stage_starts.tobytes(),
+            observer.first_at if observer is not None else 0.0, ex.stage_codes, ex.stage_starts.tobytes(),
             candidates, blocks, tokens, borrowed, growths, predicted_hit, reported_hit,
             limits.prompt_tokens if limits is not None else None, completion, shed,
             # moved (guard/http/migrate.py): every replica it ran on, the last one's included

@@ -9,10 +9,10 @@ the stage has returned: ``caller`` (auth), ``parsed`` (validate), ``route`` (rou
 reads only what the stages before it made, and the end-of-request hooks, which run however far the
 request got, ask with ``getattr(ex, field, None)``.
 
-``stage_names`` and ``stage_starts`` hold each stage's name and ``time.monotonic()`` as it begins, in order:
-the decision record's stage timings come from them, and a refusal is charged to the stage that was running
-(``stage``). Two flat columns, not a list of pairs: a lap is a clock read and two appends, and the record
-packs the columns as they are (guard/records/record.py: the names as a list, the starts as the array's bytes).
+``stage_codes`` and ``stage_starts`` hold each stage's code (its name's, guard/records/record.py
+``STAGE_NAMES``) and ``time.monotonic()`` as it begins, in order: the decision record's stage timings come
+from them, and a refusal is charged to the stage that was running (``stage``). Two flat columns, not a list
+of pairs: a lap is a clock read and two appends, and the record packs the columns as they are.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from guard.http.tokens import TokenLimits
 from guard.http.validate import ParsedRequest
 from guard.instance import GuardState
 from guard.pool.routing import Route
+from guard.records.record import STAGE_NAMES
 from guard.wire.relay import StreamObserver
 from guard.wire.stamp import REQUEST_ID, TENANT
 from guard.wire.upstream import Answer
@@ -72,7 +73,7 @@ class Exchange:
     backend: str | None = None  # the replica or fallback it was last sent to (X-Guard-Backend)
     revoked: GuardError | None = None  # why the guard took the request's blocks back, if it did
     replicas: list[str] = field(default_factory=list)  # every backend it was sent to, in order (migrations)
-    stage_names: list[str] = field(default_factory=list)
+    stage_codes: bytearray = field(default_factory=bytearray)
     stage_starts: array[float] = field(default_factory=lambda: array("d"))
     # The stages' results (see the module): no default, set by the runner as each stage returns.
     caller: Caller = field(init=False)
@@ -86,7 +87,7 @@ class Exchange:
     @property
     def stage(self) -> str:
         """The stage running now (the last one entered)."""
-        return self.stage_names[-1] if self.stage_names else ""
+        return STAGE_NAMES[self.stage_codes[-1]] if self.stage_codes else ""
 
     def revoke(self, reason: GuardError) -> None:
         """The guard ends this admitted request (guard/admission/dispatch.py, ``revoke``): its upstream
