@@ -120,8 +120,6 @@ def _ms(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
 
 
-MARSHAL_VERSION = 2
-
 # Every stage's name, at the code a record keeps it by: one byte a stage, where its name took ~8 and a tenth
 # of the packing (guard/http/stages.py registers each stage it declares).
 STAGE_NAMES: list[str] = []
@@ -139,9 +137,8 @@ def stage_code(name: str) -> int:
 def pack(values: tuple) -> bytes:
     """``values``: a record's fields in ``DecisionRecord``'s order, its stage names as their codes (bytes),
     its stage starts as the bytes of an ``array("d")`` and its refusal as a plain tuple (what ``marshal``
-    takes; see "Kept packed"). Format 2: the later ones look every shared object up in a table of
-    references, a third of the time for a record of mostly shared names and small numbers."""
-    return marshal.dumps(values, MARSHAL_VERSION)
+    takes; see "Kept packed")."""
+    return marshal.dumps(values)
 
 
 def values_of(record: DecisionRecord) -> tuple:
