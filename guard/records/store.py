@@ -15,9 +15,9 @@ from __future__ import annotations
 from guard.records.record import DecisionRecord, unpack
 
 RECORDS_KEPT = 10_000
-# A record without an objective packs into ~320 bytes (a pool of one; ~55 more a scored replica), one with an
-# objective into ~580, kept beside. Slots of 1 KiB, which hold both, cost unary 1 % more than 512 (bench/
-# guard_ab.py, 20 rounds): the buffer is twice the memory that each record's copy brings into the cache.
+# A record without an objective packs into ~280 bytes (a pool of one; ~50 more a scored replica), one with an
+# objective into ~540, kept beside. Slots of 1 KiB, which hold both, cost unary 1 % more than 512 (bench/
+# guard_ab.py, 20 rounds each against one head): twice the memory that each record's copy brings into the cache.
 SLOT_BYTES = 512
 PAGE_BYTES = 4096
 
