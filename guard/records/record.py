@@ -6,7 +6,7 @@ stage timings, queue time and TTFT become milliseconds, and the candidates dicts
 the record is read or logged.
 
 **Kept packed.** The last 10,000 records are kept (guard/records/store.py). Kept as objects (~13 a record)
-they cost a unary request ~3 % of its CPU: they outlived thousands of requests, so each was freed, and
+they cost a unary request ~4 % of its CPU: they outlived thousands of requests, so each was freed, and
 walked by the collector, from memory long out of the cache. ``pack`` makes the record's fields one
 ``bytes`` of ``marshal`` (~280 bytes, ~1 us), which the store copies into a buffer of its own: no object
 of the request but its id outlives it, and unary's gap against ``94ca4f6`` went from 1.037 to 1.026
