@@ -5,8 +5,9 @@ Both guards run at the same time, pinned to the same core, in front of one fast 
 pool of one. For every workload of bench/guard_overhead.py (unary, stream, firehose) and every round, the
 two are loaded at once, each by its own closed-loop generator, and each guard's CPU per request is read
 from the scheduler (bench/proc_stats.py). Loading them together puts whatever slows the shared machine on
-both alike, so the ratio B/A resolves a few percent where consecutive runs drift by tens; the order of the
-two starts alternates per round. Each round starts both guards afresh (``--same-guards`` keeps them): two
+both alike, so the ratio B/A resolves a few percent where consecutive runs drift by tens; which of the two
+is started first, and loaded first, alternates per round (B started second every round read ~1 % cheaper
+in A/A runs: two worktrees of one commit, 0.992 over 20 rounds; 1.000 with the starts alternating). Each round starts both guards afresh (``--same-guards`` keeps them): two
 runs with the same two processes each disagreed by 2-3 % more than their rounds did, a bias of the
 process pair itself (its memory layout, its hash seed), which only fresh pairs average out. Figures: medians
 over rounds, per workload, and the median ratio.
@@ -66,13 +67,16 @@ def compare(tree_a: Path, args: argparse.Namespace, workdir: Path) -> dict:
 
     guards: dict[str, Service] = {}
 
-    def start_both() -> None:
+    def start_both(order: tuple[str, str]) -> None:
+        """Both guards afresh, started in ``order``: the one started second read ~1 % cheaper in A/A runs when
+        A always came first (an A/A of two worktrees of one commit: 0.992, 20 rounds)."""
         for service in guards.values():
             service.stop()
-        guards["A"] = (start_bare_relay(workdir, upstream.url, proxy_cpus) if args.a_relay else
-                       start_guard(workdir, config(args.pool_a), proxy_cpus, name="guard-a", tree=tree_a))
-        guards["B"] = start_guard(workdir, config(args.pool), proxy_cpus, name="guard-b")
-        check_relays({"direct": upstream.url, **{name: g.url for name, g in guards.items()}}, loads)
+        for name in order:
+            guards[name] = (start_bare_relay(workdir, upstream.url, proxy_cpus) if name == "A" and args.a_relay
+                            else start_guard(workdir, config(args.pool_a if name == "A" else args.pool), proxy_cpus,
+                                             name=f"guard-{name.lower()}", tree=tree_a if name == "A" else REPO))
+        check_relays({"direct": upstream.url, **{name: guards[name].url for name in ("A", "B")}}, loads)
 
     try:
         cpu: dict[str, dict[str, list[float]]] = {load.name: {"A": [], "B": []} for load in loads}
@@ -80,9 +84,9 @@ def compare(tree_a: Path, args: argparse.Namespace, workdir: Path) -> dict:
         # its answers come slower, so a ratio of CPU per request is read beside a ratio of rates.
         rates: dict[str, dict[str, list[float]]] = {load.name: {"A": [], "B": []} for load in loads}
         for index in range(args.rounds):
-            if index == 0 or args.fresh:
-                start_both()
             order = ("A", "B") if index % 2 == 0 else ("B", "A")
+            if index == 0 or args.fresh:
+                start_both(order)
             for load in loads:
                 with concurrent.futures.ThreadPoolExecutor(2) as pool:
                     runs = {name: pool.submit(measure, kind, guards[name].url, load, args, workdir, guards[name],
