@@ -7,10 +7,11 @@ two are loaded at once, each by its own closed-loop generator, and each guard's 
 from the scheduler (bench/proc_stats.py). Loading them together puts whatever slows the shared machine on
 both alike, so the ratio B/A resolves a few percent where consecutive runs drift by tens; which of the two
 is started first, and loaded first, alternates per round (B started second every round read ~1 % cheaper
-in A/A runs: two worktrees of one commit, 0.992 over 20 rounds; 1.000 with the starts alternating). Each round starts both guards afresh (``--same-guards`` keeps them): two
-runs with the same two processes each disagreed by 2-3 % more than their rounds did, a bias of the
-process pair itself (its memory layout, its hash seed), which only fresh pairs average out. Figures: medians
-over rounds, per workload, and the median ratio.
+in A/A runs: two worktrees of one commit, 0.992 over 20 rounds; 1.000 with the starts alternating). Each
+round starts both guards afresh (``--same-guards`` keeps them): two runs with the same two processes each
+disagreed by 2-3 % more than their rounds did, a bias of the process pair itself (its memory layout, its
+hash seed), which only fresh pairs average out. Figures: medians over rounds, per workload, and the median
+ratio.
 
     .venv/bin/python bench/guard_ab.py --baseline <commit>          # A = that commit, B = this tree
     .venv/bin/python bench/guard_ab.py --a /path/to/tree --rounds 8

@@ -48,6 +48,8 @@ def record_values(ex: Exchange, response: web.StreamResponse | None, refused: Gu
         if observer is not None and ex.upstream is not None else (None, None)
     shed = None
     if refused is not None:
+        # ``Shed``'s fields, as a plain tuple (marshal takes no named tuple); a validation message may quote
+        # what the client sent, so it is not kept
         shed = (ex.stage, refused.status, refused.code, None if ex.stage == "validate" else refused.message)
     return (ex.request_id, tenant.name if tenant is not None else None, tenant.lane if tenant is not None else None,
             parsed.model.model if parsed is not None else None, response.status if response is not None else None,

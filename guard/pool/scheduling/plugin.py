@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, ClassVar, Protocol, TypeVar
 if TYPE_CHECKING:
     from guard.pool.latency import Prediction
     from guard.pool.replica import Replica
+    from guard.records.record import KeptCandidate
 
 
 @dataclass(slots=True)
@@ -35,8 +36,8 @@ class Candidate:
     scores: dict[str, float] = field(default_factory=dict)  # scorer name -> its value (unweighted)
     total: float = 0.0  # the weighted sum
 
-    def kept(self) -> tuple[str, str | None, dict[str, float], float]:
-        """As the decision record keeps it (guard/records/record.py ``KeptCandidate``)."""
+    def kept(self) -> KeptCandidate:
+        """As the decision record keeps it."""
         return self.replica.name, self.filtered_by, self.scores, self.total
 
 
