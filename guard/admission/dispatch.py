@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import math
 import time
 from collections.abc import Generator, Sequence
 
@@ -91,6 +92,9 @@ class Dispatcher:
         self.total_weight = sum(tenant.weight for tenant in config.tenants)  # of the running config's tenants
         for tenant in config.tenants:
             self.fair.tenant(tenant.name, tenant.weight)
+        # Until when the replicas' latency models are kept (``_admitted``): always where the config sets an
+        # objective, else for ``slo.PREDICTING_S`` after the last request an X-SLO-* header gave one.
+        self.predicting_until = math.inf if slo.configured(config) else 0.0
         # Where reservations are decided: the replicas' gates in this process, or, with shared state, a
         # ledger every guard shares (guard/state/ledger.py), the gates deciding while it is down.
         self.ledger = ledger
@@ -108,6 +112,10 @@ class Dispatcher:
         self.total_weight = sum(tenant.weight for tenant in config.tenants)
         for tenant in config.tenants:
             self.fair.tenant(tenant.name, tenant.weight).weight = tenant.weight
+        if slo.configured(config):
+            self.predicting_until = math.inf
+        elif self.predicting_until == math.inf:  # the objectives went: kept as long as after a header's
+            self.predicting_until = time.monotonic() + slo.PREDICTING_S
         self.retired = set(self.fair.tenants) - {t.name for t in config.tenants}
         self._drop_idle_retired()
 
@@ -174,6 +182,8 @@ class Dispatcher:
         if self.closed is not None:
             raise self.closed
         if ticket.objective is not None:
+            if self.predicting_until != math.inf:
+                self.predicting_until = time.monotonic() + slo.PREDICTING_S
             slo.judge(self.pool, self.departures, self.correction, ticket, self.blocks_before(ticket))
         queue = self.queue_of(ticket.tenant)
         if not self.fair.queued:
@@ -413,8 +423,10 @@ class Dispatcher:
         if ticket.enqueued_at and ticket.priority_class == slo.SHEDDABLE:  # (0: admitted without queueing)
             self.departures.sheddable.left(ticket.enqueued_at, ticket.blocks)
         ticket.state = TicketState.ADMITTED
-        if ticket.replica is not None:  # the prefill now ahead of later requests there (guard/pool/latency.py)
-            ticket.admitted_at = time.monotonic()
+        # The prefill now ahead of later requests there (guard/pool/latency.py), while predictions are read.
+        if ticket.replica is not None and ((now := time.monotonic()) < self.predicting_until
+                                           or ticket.objective is not None):
+            ticket.admitted_at = now
             snapshot = ticket.replica.gate.snapshot
             cached = ticket.hit_blocks * snapshot.block_size if snapshot is not None else 0
             ticket.uncached = max(0, ticket.prompt_tokens - cached)

@@ -80,7 +80,7 @@ from typing import NamedTuple, Protocol
 
 from multidict import istr
 
-from guard.config import Lane, Slo
+from guard.config import GuardConfig, Lane, Slo
 from guard.errors import GuardError, Outcome
 from guard.pool.estimators import Pace, Quantile, log_ratio
 from guard.pool.gate import engine_priority
@@ -108,6 +108,9 @@ BACKLOG_GAP_S = 1.0  # a sheddable backlog that begins this long after the last 
 MIN_BACKLOG_WAIT_S = 0.5  # a sheddable ticket admitted sooner found room: it says nothing of the pace
 MIN_LEARNED_WAIT_S = 0.05  # predicted waits below this teach the correction nothing
 MAX_LOG_RATIO = math.log(30.0)  # a ticket's ratio counts as at most 30x either way
+# Where no lane and no named objective sets one, the replicas' latency models are kept this long after the
+# last request whose X-SLO-* headers gave it an objective (guard/pool/latency.py, "What is learned from").
+PREDICTING_S = 300.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -121,6 +124,13 @@ class Objective:
         return {"ttft_ms": None if self.ttft_s is None else round(1e3 * self.ttft_s, 3),
                 "tpot_ms": None if self.tpot_s is None else round(1e3 * self.tpot_s, 3),
                 "priority_class": self.priority_class}
+
+
+def configured(config: GuardConfig) -> bool:
+    """Whether a lane or a tenant's named objective sets a latency objective: then requests are predicted
+    from the start, not only once their headers ask for one."""
+    return (any(lane.slo is not None for lane in config.lanes.values())
+            or any(named.slo is not None for tenant in config.tenants for named in tenant.objectives.values()))
 
 
 def objective_for(lane: Lane, headers: Mapping[str, str],

@@ -48,6 +48,13 @@ with time, not with the rate (at 500 a second it took ~2 % of bench/guard_ab.py'
 choice is made as the request is sent, before anything about its latency is known, so the sample is not
 biased by it.
 
+**Only while predictions are read** (guard/admission/dispatch.py ``predicting_until``): where the config
+sets an objective (a lane's ``slo``, a tenant's named objective), always; else from the first request whose
+X-SLO-* headers give it one until ``PREDICTING_S`` (guard/admission/slo.py) after the last such. A guard
+without objectives keeps nothing here but the telemetry's figures: at bench/guard_ab.py's unary rate the
+prefill bookkeeping alone was ~1.7 % of a request. When it starts, the guard's requests already in
+flight are not in ``pending``; the next snapshot counts their prefill among the others'.
+
 The guard's queue wait, in front of every replica, is predicted elsewhere (guard/admission/slo.py).
 """
 

@@ -158,6 +158,41 @@ async def test_the_model_learns_from_every_judged_request_and_from_a_sample_of_t
     assert latency._all.seen == 2 and latency.ahead(priority) == 0 and not latency.pending
 
 
+async def test_without_objectives_the_latency_model_is_kept_only_after_a_header_asks_for_one(tmp_path: Path) -> None:
+    """A config that sets no objective: requests leave the latency model untouched (nothing pending, nothing
+    predicted or learned) until one carries an X-SLO-* header; from it on, for ``slo.PREDICTING_S``, every
+    request's prefill counts ahead and the sample is learned from again. A reload that sets an objective keeps
+    the model for good; one that takes the objectives away keeps it ``PREDICTING_S`` more."""
+    dispatcher, config = make_dispatcher(tmp_path)
+    assert not slo.configured(config) and dispatcher.predicting_until == 0.0
+    latency, tenant = dispatcher.pool.replicas[0].latency, config.tenants[0]
+    lane = config.lanes[tenant.lane]
+
+    def plain(rid: str) -> Ticket:
+        return Ticket(rid, tenant, lane, prompt_tokens=40, max_tokens=10, blocks=1)
+
+    before = plain("before")
+    await dispatcher.submit(before)
+    assert before.sent is None and not before.prefilling and not latency.pending, "nobody reads a prediction"
+    asked = Ticket("asked", tenant, lane, prompt_tokens=30, max_tokens=10, blocks=1, arrived=time.monotonic(),
+                   objective=objective_for(lane, {"X-SLO-TTFT-Ms": "2000"}))
+    await dispatcher.submit(asked)
+    assert asked.sent is not None and asked.work == 30, "judged, and the request before it is not ahead of it"
+    assert 0 < dispatcher.predicting_until - time.monotonic() <= slo.PREDICTING_S
+    after = plain("after")
+    await dispatcher.submit(after)
+    assert after.prefilling and latency.ahead(after.priority) == 70, "every request's prefill counts again"
+    for t in (before, asked, after):
+        dispatcher.started(t, 0.05)
+        dispatcher.finish(t)
+    assert not latency.pending and latency._all.seen >= 1, "what was counted went, and the judged one was learned"
+    dispatcher.predicting_until = 0.0  # PREDICTING_S have passed
+    dispatcher.reconfigure(load_config(write(tmp_path, BASE + SLO_LANES)))
+    assert dispatcher.predicting_until == math.inf, "objectives in the config: kept for good"
+    dispatcher.reconfigure(config)
+    assert time.monotonic() < dispatcher.predicting_until <= time.monotonic() + slo.PREDICTING_S
+
+
 def test_the_latency_model_learns_what_each_request_running_beside_a_prefill_costs() -> None:
     """Engine TTFT = 5 ms + 0.2 ms per token of work + 1.5 ms per request already running: the fit finds all
     three, and an interactive prompt (the same work every time) still gets the running term."""
