@@ -19,9 +19,9 @@ bytes that do not parse) goes to aiohttp's own request handler, which from then 
   they come.
 
 Invariants: a connection's requests are answered one at a time, in order (a pipelined request waits, and
-reading pauses while one does); a request's task is cancelled when its connection is lost (as aiohttp's
-``handler_cancellation``), so a client that leaves gives its reservation back; a request whose body was
-not read whole by the time it is answered ends the connection after the answer.
+reading pauses while one does), by one task a connection; that task is cancelled when its connection is
+lost (as aiohttp's ``handler_cancellation``), so a client that leaves gives its reservation back; a
+request whose body was not read whole by the time it is answered ends the connection after the answer.
 """
 
 from __future__ import annotations
@@ -76,7 +76,11 @@ class FrontConnection(asyncio.Protocol):
         self.headers: CIMultiDict[str] = CIMultiDict()  # the headers of the request being parsed
         self.reading: FrontRequest | None = None  # the request whose body is being parsed
         self.queue: collections.deque[FrontRequest] = collections.deque()  # the first is being served
+        # One task serves the connection's requests in turn (``_serve_all``), not one a request: a task costs
+        # its creation and a place in asyncio's registry of tasks, ~1 us a request.
         self.task: asyncio.Task[None] | None = None
+        self.busy = False  # a request is being served
+        self.idle: asyncio.Future[None] | None = None  # what the task waits on between requests
         self.prefix: bytes | None = b""  # every byte so far, until a first request is the front's
         self.handoff: bytearray | None = None  # re-framed bytes for aiohttp, once a request is its
         self.chunked = False  # the request being handed over has a chunked body
@@ -239,19 +243,46 @@ class FrontConnection(asyncio.Protocol):
     # -- serving --------------------------------------------------------------------------------------------
     def _next(self) -> None:
         """Serve the next request, or hand over, or answer a malformed one, once nothing is being served."""
-        if self.task is not None or self.transport is None:
+        if self.busy or self.transport is None:
             return
         if self.queue:
-            self.task = asyncio.get_running_loop().create_task(self._serve(self.queue[0]))
-        elif self.handoff is not None:
+            self.busy = True
+            if self.task is None:
+                self.task = asyncio.get_running_loop().create_task(self._serve_all())
+            else:  # waiting for it, or ending the request before it and then going on with it
+                self._wake()
+            return
+        if self.handoff is not None:
             if self.aiohttp is None:
                 self._hand_over()
+                self._wake()  # nothing more for the task to serve: it ends
             elif self.handoff:
                 self.aiohttp.data_received(bytes(self.handoff))
                 self.handoff = bytearray()
         elif self.closing and self.transport is not None:
             self.transport.write(self.broken)
             self.transport.close()
+            self._wake()
+
+    def _wake(self) -> None:
+        """The task waiting between requests looks again: at a request to serve, or at a connection that
+        will have no more."""
+        if (idle := self.idle) is not None:
+            self.idle = None
+            idle.set_result(None)
+
+    async def _serve_all(self) -> None:
+        """Serve the queued requests in turn, waiting between them, until the connection can take no more
+        (it closes, is handed over, or is lost: then the task is cancelled)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._serve(self.queue[0])
+            while not self.busy:
+                if self.transport is None or self.closing or self.handoff is not None:
+                    self.task = None
+                    return
+                self.idle = loop.create_future()
+                await self.idle
 
     async def _serve(self, request: FrontRequest) -> None:
         transport, guarded, began = self.transport, self.guarded, time.monotonic()
@@ -297,7 +328,7 @@ class FrontConnection(asyncio.Protocol):
         request.write(head(response.status, response.headers.items(), framing, keep_alive) + body)
 
     def _done(self, request: FrontRequest) -> None:
-        self.task = None
+        self.busy = False
         if self.queue and self.queue[0] is request:
             self.queue.popleft()
         transport = self.transport
@@ -325,7 +356,7 @@ class FrontConnection(asyncio.Protocol):
         """Shutdown begins: an idle connection closes now, a busy one after its answer."""
         if self.aiohttp is not None or self.transport is None:
             return
-        if self.task is None:
+        if not self.busy:
             self.transport.close()
         else:
             for request in self.queue:
@@ -333,7 +364,7 @@ class FrontConnection(asyncio.Protocol):
 
     async def shutdown(self, timeout: float) -> None:
         """Wait up to ``timeout`` for the request being served, then cancel it."""
-        if self.task is None or self.aiohttp is not None:
+        if not self.busy or self.task is None or self.aiohttp is not None:
             return
         task = self.task
         done, _ = await asyncio.wait({task}, timeout=timeout)

@@ -2,6 +2,7 @@
 must read, to a client, like one HTTP/1.1 server.
 
 - keep-alive across the hand-over: a completion, then another route, then a completion, on one connection;
+- one task serves a connection's requests in turn, and ends when the connection is handed over or closed;
 - pipelining: three requests written at once are answered in order;
 - ``Expect: 100-continue`` with a chunked body: the 100 comes before the body is sent;
 - HTTP/1.0, bytes that do not parse and a header past aiohttp's limit: answered, and the connection closed;
@@ -24,6 +25,8 @@ from support.engine_server import ServerThread
 from support.guard_server import GuardThread, guard_config, usable_guard
 from support.nothing_lost import guard_holds_nothing
 from support.wait import until
+
+from guard.wire.connections import CONNECTIONS
 
 COMPLETION = json.dumps({"model": "tiny", "prompt": "Hello", "max_tokens": 2}).encode()
 CHAT = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}).encode()
@@ -80,6 +83,36 @@ async def test_keep_alive_across_the_hand_over_to_aiohttp(guard: GuardThread,
     status, headers, body = await answer(reader)
     assert status == 200 and headers["x-guard-tenant"] == "acme" and json.loads(body)["choices"], body
     writer.close()
+
+
+def front_tasks(guard: GuardThread) -> list[asyncio.Task | None]:
+    """The task of each client connection the front serves (guard/wire/front.py ``FrontConnection.task``)."""
+    return guard.call(lambda: [c.handler.task for c in guard.app[CONNECTIONS].connections
+                               if hasattr(c.handler, "close_idle") and c.handler.aiohttp is None])
+
+
+async def test_one_task_serves_a_connections_requests_and_ends_with_it(guard: GuardThread) -> None:
+    """Requests in turn on one keep-alive connection are served by one task, which waits between them and
+    ends when the connection is handed to aiohttp or closed: none is left behind."""
+    reader, writer = await connect(guard)
+    seen = []
+    for i in range(3):
+        writer.write(post("/v1/completions", COMPLETION, f"turn-{i}"))
+        status, headers, _ = await answer(reader)
+        assert status == 200 and headers["x-request-id"] == f"turn-{i}"
+        seen.append(await until(lambda: front_tasks(guard), lambda tasks: len(tasks) == 1, 5))
+    assert seen[0][0] is not None and all(tasks == seen[0] for tasks in seen), "one task for the three"
+    task = seen[0][0]
+    writer.write(b"GET /health HTTP/1.1\r\nHost: guard\r\n\r\n")
+    assert (await answer(reader))[0] == 200
+    await until(lambda: guard.call(task.done), bool, 5)  # handed over: the task has nothing more to serve
+    writer.close()
+    reader, writer = await connect(guard)  # a client that leaves while its connection waits between requests
+    writer.write(post("/v1/completions", COMPLETION))
+    assert (await answer(reader))[0] == 200
+    (task,) = await until(lambda: front_tasks(guard), lambda tasks: len(tasks) == 1 and tasks[0] is not None, 5)
+    writer.close()
+    await until(lambda: guard.call(task.done), bool, 5)
 
 
 async def test_pipelined_requests_are_answered_in_order(guard: GuardThread) -> None:
