@@ -351,10 +351,11 @@ class WaitCorrection:
 
 
 def decisive(ticket: Judged) -> bool:
-    """Whether the ticket's predicted wait was at least ``DECISIVE_SHARE`` of its TTFT objective."""
+    """Whether the ticket's predicted wait (its median as judged, as ``WaitCorrection.predict`` keys its
+    spread: not capped by ``if_served``) was at least ``DECISIVE_SHARE`` of its TTFT objective."""
     objective = ticket.objective
-    return (objective is not None and objective.ttft_s is not None and ticket.predicted_queue is not None
-            and ticket.predicted_queue >= DECISIVE_SHARE * objective.ttft_s)
+    return (objective is not None and objective.ttft_s is not None and ticket.corrected_wait is not None
+            and ticket.corrected_wait >= DECISIVE_SHARE * objective.ttft_s)
 
 
 def queue_wait(pool: ReplicaPool, departures: Departures, ticket: Judged, ahead: Backlog) -> float | None:
@@ -427,15 +428,24 @@ def judge(pool: ReplicaPool, departures: Departures, correction: WaitCorrection,
     """Predict the ticket's TTFT and TPOT into it; refuse a sheddable one whose TTFT (median) is past its
     TTFT objective, or whose p90 TPOT is past its TPOT objective on every replica. ``ahead``: what is queued
     to be admitted before it, by its class (see the module docstring). The only time a ticket is judged:
-    once queued, it is served or leaves at its limit (``queue_limit``)."""
+    once queued, it is served or leaves at its limit (``queue_limit``): what it is told and recorded it is
+    predicted, once it passes, is its TTFT if served (``if_served``)."""
     objective = ticket.objective
     assert objective is not None
     ttft, wait = predicted_ttft(pool, departures, ticket, ahead, correction)
     ticket.predicted_ttft, ticket.predicted_ttft_p90 = ttft
     tpot = best_tpot(pool)
     ticket.predicted_tpot, ticket.predicted_tpot_p90 = tpot if tpot is not None else (None, None)
-    if objective.priority_class != SHEDDABLE:
-        return
+    if objective.priority_class == SHEDDABLE:
+        refuse_unattainable(correction, ticket, ttft, wait, tpot)
+    if_served(ticket)
+
+
+def refuse_unattainable(correction: WaitCorrection, ticket: Judged, ttft: Prediction, wait: float | None,
+                        tpot: Prediction | None) -> None:
+    """``judge``'s refusal of a sheddable ticket, on its prediction as the wait model gives it."""
+    objective = ticket.objective
+    assert objective is not None
     # Refused only where nine in ten such waits would make it late: a ticket queued on a hopeful prediction
     # leaves once it can no longer be on time (``queue_limit``) having cost only its wait, where one refused
     # on a fearful one is work lost, and the engine's room for it unused.
@@ -448,6 +458,24 @@ def judge(pool: ReplicaPool, departures: Departures, correction: WaitCorrection,
     if objective.tpot_s is not None and tpot is not None and tpot.p90 > objective.tpot_s:
         raise unattainable(f"predicted time per output token {1e3 * tpot.p90:.0f} ms (p90) on every replica",
                            f"{1e3 * objective.tpot_s:g} ms", 1.0)
+
+
+def if_served(ticket: Judged) -> None:
+    """Cap the ticket's predicted queue part, and so its TTFT, where it would leave the queue unserved: its
+    queue limit (``queue_limit``) from now. A ticket is served within it or not at all, so a served one's
+    TTFT is no later; the wait model's figures are of the waits it would have without a limit. Where it
+    matters: in bench/slo.py's S2 (L = 2), 180 of 414 served batch requests were predicted to wait past it
+    (medians 11-15 s against a 10 s objective) and had waited 8-10 s; capped, the batch lane's median
+    |error| 0.31 -> 0.17 over the same decision log. Judging (the refusal, the spreads learned) reads the
+    uncapped figures: the cap says when it would be served, not whether."""
+    if ticket.predicted_queue is None or ticket.predicted_queue_p90 is None:
+        return
+    now = time.monotonic()
+    bound = now - ticket.arrived + queue_limit(ticket, ticket.arrived, now)
+    queue = Prediction(min(ticket.predicted_queue, bound), min(ticket.predicted_queue_p90, bound))
+    engine = Prediction(ticket.predicted_engine or 0.0, ticket.predicted_engine_p90 or 0.0)
+    ticket.predicted_queue, ticket.predicted_queue_p90 = queue
+    ticket.predicted_ttft, ticket.predicted_ttft_p90 = combine(queue, engine)
 
 
 def queue_limit(ticket: Judged, arrived: float, now: float) -> float:
