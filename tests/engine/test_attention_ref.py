@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels import AttentionMetadata, TorchAttentionBackend, get_attention_backend
+from engine.kernels import AttentionMetadata, TorchAttentionBackend, get_attention_backend, torch_ref
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
@@ -128,6 +128,33 @@ def test_batched_decode_matches_per_sequence_reference(group: int, seed: int) ->
         assert batched.shape == query.shape
         assert (batched - reference).abs().max().item() < 1e-5  # two fp32 orders of one sum: as above
     assert len(meta.backend_cache) == 1  # gather indices and mask built once for the step
+
+
+@pytest.mark.parametrize("budget_rows", [1, 24, 60])
+def test_batched_decode_in_groups_matches_per_sequence_reference(monkeypatch: pytest.MonkeyPatch, budget_rows: int) -> None:
+    """Under a gather budget smaller than the batch, the decodes run in groups by context length (one
+    sequence a group at least) and still equal the per-sequence loop, every sequence in one group once."""
+    row_bytes = 2 * NUM_KV_HEADS * HEAD_DIM * 4  # K and V, float32
+    monkeypatch.setattr(torch_ref, "GATHER_BUDGET_BYTES", budget_rows * row_bytes)
+    generator = torch.Generator().manual_seed(budget_rows)
+    backend = TorchAttentionBackend()
+    seq_lens = [9, 1, 30, BLOCK_SIZE, 17, 2 * BLOCK_SIZE + 1, 25, 3]
+    free_blocks = torch.randperm(NUM_BLOCKS, generator=generator).tolist()
+    tables = [[free_blocks.pop() for _ in range(-(-n // BLOCK_SIZE))] for n in seq_lens]
+    slots = [t[(n - 1) // BLOCK_SIZE] * BLOCK_SIZE + (n - 1) % BLOCK_SIZE for t, n in zip(tables, seq_lens)]
+    meta = AttentionMetadata.from_host(slots, tables, [1] * len(seq_lens), seq_lens)
+    kv_cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=generator)
+    query = torch.randn(len(seq_lens), NUM_KV_HEADS * 2, HEAD_DIM, generator=generator)
+
+    grouped = backend.forward(query, kv_cache, meta, HEAD_DIM**-0.5)
+    reference = backend._forward_per_sequence(query, kv_cache, meta, HEAD_DIM**-0.5)
+    assert (grouped - reference).abs().max().item() < 1e-5  # two fp32 orders of one sum: as above
+    (groups,) = meta.backend_cache.values()
+    members = [g.rows.tolist() for g in groups]
+    assert sorted(seq for rows in members for seq in rows) == list(range(len(seq_lens)))
+    for rows in members:  # each group within the budget, or a single sequence
+        assert len(rows) == 1 or len(rows) * max(seq_lens[i] for i in rows) <= budget_rows
+    assert len(groups) == {1: 8, 24: 5, 60: 3}[budget_rows]
 
 
 def test_backend_selection(monkeypatch: pytest.MonkeyPatch) -> None:
