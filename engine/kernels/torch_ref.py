@@ -38,9 +38,9 @@ from engine.kernels.metadata import AttentionMetadata
 
 # A decode group's padded K and V together stay under this (one sequence at least). Gathered in one piece, a
 # large ragged batch left the cache: the decode attention of a step of SmolLM2-135M's heads (30 layers, one
-# thread, Zen 4 EPYC), 32 contexts of 100-503 tokens took 1,006 ms in one group, 199 ms under 4 MiB, 367 ms
-# in the per-sequence loop; 64 of 50-1,000, 4,233 / 822 / 1,251 ms. Under 2 MiB, 8 contexts of 100-191 split
-# and took 26 ms instead of 18; at 4 MiB no step measured was slower than in one group.
+# thread, Zen 4 EPYC, bench/decode_groups.py), 32 contexts of 100-503 tokens took 1,136 ms in one group, 255 ms
+# under 4 MiB, 337 ms in the per-sequence loop; 64 of 50-1,000, 4,277 / 866 / 1,109 ms. No step it measured
+# was slower under 4 MiB than in one group; smaller budgets split batches that fit the cache whole.
 GATHER_BUDGET_BYTES = 4 << 20
 
 
