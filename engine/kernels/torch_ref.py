@@ -23,8 +23,8 @@ per step for a 30-layer model at batch 32. The batched path gathers the sequence
 A group is sequences of similar context length whose padded K/V fits ``GATHER_BUDGET_BYTES`` (usually one
 group, the whole step): gathered in one piece, a large ragged batch of a real model's heads left the cache and
 padded its short contexts to the longest. The groups, ``slots`` and ``mask`` depend only on the step, so they
-are built once, on first use, and kept in ``meta.backend_cache`` for the remaining layers. A decode token is the last position of its context, so the
-padding mask is the causal mask. Grouped-query heads use SDPA's ``enable_gqa`` rather than copying K/V.
+are built once, on first use, and kept in ``meta.backend_cache`` for the remaining layers. A decode token is
+the last position of its context, so the padding mask is the causal mask. Grouped-query heads use SDPA's ``enable_gqa`` rather than copying K/V.
 """
 
 from __future__ import annotations
@@ -54,8 +54,10 @@ class DecodeGroup(NamedTuple):
     mask: torch.Tensor | None
 
     @classmethod
-    def of(cls, meta: AttentionMetadata, seqs: list[int] | None, lens: list[int], block_size: int) -> DecodeGroup:
+    def of(cls, meta: AttentionMetadata, seqs: list[int] | None, block_size: int) -> DecodeGroup:
+        """The group of the step's sequences ``seqs`` (None: all of them, in order)."""
         device = meta.block_tables.device
+        lens = meta.seq_lens_cpu if seqs is None else [meta.seq_lens_cpu[i] for i in seqs]
         rows = None if seqs is None else torch.tensor(seqs, device=device)
         tables, seq_lens = (meta.block_tables, meta.seq_lens) if rows is None else (
             meta.block_tables.index_select(0, rows), meta.seq_lens.index_select(0, rows))
@@ -114,14 +116,14 @@ class TorchAttentionBackend:
         if cached is None:
             lens = meta.seq_lens_cpu
             if len(lens) * meta.max_seq_len * row_bytes <= GATHER_BUDGET_BYTES:  # the usual step: no sorting
-                cached = [DecodeGroup.of(meta, None, lens, block_size)]
+                cached = [DecodeGroup.of(meta, None, block_size)]
             else:
                 members: list[list[int]] = [[]]
                 for seq in sorted(range(len(lens)), key=lens.__getitem__):  # the newest member is the longest
                     if members[-1] and (len(members[-1]) + 1) * lens[seq] * row_bytes > GATHER_BUDGET_BYTES:
                         members.append([])
                     members[-1].append(seq)
-                cached = [DecodeGroup.of(meta, seqs, [lens[i] for i in seqs], block_size) for seqs in members]
+                cached = [DecodeGroup.of(meta, seqs, block_size) for seqs in members]
             meta.backend_cache[key] = cached
         return cached
 
