@@ -11,11 +11,13 @@ whatever the cache dtype.
                v
     K_i = cat(kv_cache[0, 7], kv_cache[0, 2], kv_cache[0, 5])[:seq_len]     (only ceil(seq_len / bs) blocks)
 
-That per-sequence loop (``_forward_per_sequence``) is the readable reference and serves any step with a
-prefill chunk. A pure-decode step (every sequence has one query token) takes a batched path instead, because on
-CPU the Python loop itself dominated decode: one SDPA call per sequence per layer, about a thousand small calls
-per step for a 30-layer model at batch 32. The batched path gathers the sequences' contexts into a padded
-``[n, kv_heads, max_len, head_dim]`` tensor and makes one SDPA call per layer for each group of sequences::
+That per-sequence loop (``_forward_per_sequence``) is the readable reference and serves a step's prefill
+chunks. Its decodes (one query token each) take a batched path instead, in a pure-decode step and beside
+prefill chunks alike, because on CPU the Python loop itself dominated decode: one SDPA call per sequence per
+layer, about a thousand small calls per step for a 30-layer model at batch 32 (and a step that admitted one
+request beside 32 decodes of ``tiny`` took 13 ms in the loop, 3.6 ms batched). The batched path gathers the
+sequences' contexts into a padded ``[n, kv_heads, max_len, head_dim]`` tensor and makes one SDPA call per layer
+for each group of sequences::
 
     slots[i, p] = block_tables[i, p // bs] * bs + p % bs        p < max_len   (padding: valid slots, masked)
     mask[i, p]  = p < seq_lens[i]                                boolean, True = attend (None: no padding)
@@ -29,6 +31,8 @@ the last position of its context, so the padding mask is the causal mask. Groupe
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from itertools import accumulate
 from typing import NamedTuple
 
 import torch
@@ -45,7 +49,7 @@ GATHER_BUDGET_BYTES = 4 << 20
 
 
 class DecodeGroup(NamedTuple):
-    """Sequences whose decodes share one padded SDPA call: ``rows`` (their indices in the step; None: every
+    """Sequences whose decodes share one padded SDPA call: ``rows`` (their query rows in the step; None: every
     sequence, in order), ``slots [n, max_len]`` (slots[i, p] = block_tables[i, p // bs] * bs + p % bs, padding
     included) and ``mask [n, 1, 1, max_len]`` (True = attend; None: no padding)."""
 
@@ -55,12 +59,16 @@ class DecodeGroup(NamedTuple):
 
     @classmethod
     def of(cls, meta: AttentionMetadata, seqs: list[int] | None, block_size: int) -> DecodeGroup:
-        """The group of the step's sequences ``seqs`` (None: all of them, in order)."""
+        """The group of the step's sequences ``seqs`` (None: all of them, in order, each one query token)."""
         device = meta.block_tables.device
         lens = meta.seq_lens_cpu if seqs is None else [meta.seq_lens_cpu[i] for i in seqs]
-        rows = None if seqs is None else torch.tensor(seqs, device=device)
-        tables, seq_lens = (meta.block_tables, meta.seq_lens) if rows is None else (
-            meta.block_tables.index_select(0, rows), meta.seq_lens.index_select(0, rows))
+        rows = picked = None
+        if seqs is not None:
+            picked = torch.tensor(seqs, device=device)
+            # A sequence's query row is its first token's in the step: itself when every sequence decodes.
+            rows = picked if meta.max_query_len == 1 else meta.query_start_loc.index_select(0, picked).long()
+        tables, seq_lens = (meta.block_tables, meta.seq_lens) if picked is None else (
+            meta.block_tables.index_select(0, picked), meta.seq_lens.index_select(0, picked))
         max_len = max(lens)
         tables = tables[:, : -(-max_len // block_size)].long()
         offsets = torch.arange(block_size, device=device)
@@ -104,22 +112,33 @@ class TorchAttentionBackend:
         """
         if meta.max_query_len == 1 and query.shape[0] == meta.num_seqs:
             return self._forward_decode(query, kv_cache, meta, scale)
-        return self._forward_per_sequence(query, kv_cache, meta, scale)
+        output = torch.empty_like(query)
+        lens = meta.query_lens_cpu
+        decodes = [seq for seq, query_len in enumerate(lens) if query_len == 1]
+        if len(decodes) > 1:  # beside prefill chunks, the decodes still go batched
+            self._decode_into(output, query, kv_cache, meta, scale, decodes)
+            self._attend_each(output, query, kv_cache, meta, scale, [seq for seq, n in enumerate(lens) if n != 1])
+        else:
+            self._attend_each(output, query, kv_cache, meta, scale, range(len(lens)))
+        return output
 
     @staticmethod
-    def _decode_groups(meta: AttentionMetadata, block_size: int, row_bytes: int) -> list[DecodeGroup]:
-        """The step's decodes in groups (see ``DecodeGroup``), built once per step: sequences by context
-        length, each group as many as fit ``GATHER_BUDGET_BYTES`` padded to its longest (one at least), so
-        that a group's gathered K/V stays in cache and pads little. One group: every sequence, in order."""
+    def _decode_groups(meta: AttentionMetadata, block_size: int, row_bytes: int,
+                       decodes: list[int] | None = None) -> list[DecodeGroup]:
+        """The step's ``decodes`` (None: every sequence, each one query token) in groups (see ``DecodeGroup``),
+        built once per step: sequences by context length, each group as many as fit ``GATHER_BUDGET_BYTES``
+        padded to its longest (one at least), so that a group's gathered K/V stays in cache and pads little.
+        One group: every sequence, in order."""
         key = ("torch_decode", block_size)
         cached = meta.backend_cache.get(key)
         if cached is None:
+            seqs = range(meta.num_seqs) if decodes is None else decodes
             lens = meta.seq_lens_cpu
-            if len(lens) * meta.max_seq_len * row_bytes <= GATHER_BUDGET_BYTES:  # the usual step: no sorting
-                cached = [DecodeGroup.of(meta, None, block_size)]
+            if len(seqs) * max(lens[seq] for seq in seqs) * row_bytes <= GATHER_BUDGET_BYTES:  # no sorting
+                cached = [DecodeGroup.of(meta, decodes, block_size)]
             else:
                 members: list[list[int]] = [[]]
-                for seq in sorted(range(len(lens)), key=lens.__getitem__):  # the newest member is the longest
+                for seq in sorted(seqs, key=lens.__getitem__):  # the newest member is the longest
                     if members[-1] and (len(members[-1]) + 1) * lens[seq] * row_bytes > GATHER_BUDGET_BYTES:
                         members.append([])
                     members[-1].append(seq)
@@ -133,12 +152,19 @@ class TorchAttentionBackend:
         """One query token per sequence: one padded, masked SDPA call per group of sequences."""
         block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
         groups = self._decode_groups(meta, block_size, 2 * num_kv_heads * head_dim * kv_cache.element_size())
-        if len(groups) == 1:
+        if len(groups) == 1 and groups[0].rows is None:
             return self._attend(query, kv_cache, groups[0], scale)
         output = torch.empty_like(query)
-        for group in groups:
-            output.index_copy_(0, group.rows, self._attend(query.index_select(0, group.rows), kv_cache, group, scale))
+        self._decode_into(output, query, kv_cache, meta, scale)
         return output
+
+    def _decode_into(self, output: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor,
+                     meta: AttentionMetadata, scale: float, decodes: list[int] | None = None) -> None:
+        """Fill the ``output`` rows of the step's ``decodes`` (None: every sequence), group by group."""
+        block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
+        row_bytes = 2 * num_kv_heads * head_dim * kv_cache.element_size()
+        for group in self._decode_groups(meta, block_size, row_bytes, decodes):
+            output.index_copy_(0, group.rows, self._attend(query.index_select(0, group.rows), kv_cache, group, scale))
 
     @staticmethod
     def _attend(query: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup, scale: float) -> torch.Tensor:
@@ -162,10 +188,20 @@ class TorchAttentionBackend:
         self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
         """The reference: each sequence's context gathered through its block table, one SDPA call each."""
-        block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
         output = torch.empty_like(query)
-        start = 0
-        for seq, (query_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
+        self._attend_each(output, query, kv_cache, meta, scale, range(meta.num_seqs))
+        return output
+
+    @staticmethod
+    def _attend_each(output: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                     scale: float, seqs: Iterable[int]) -> None:
+        """Fill the ``output`` rows of the step's sequences ``seqs``, one SDPA call each."""
+        block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
+        query_lens, seq_lens = meta.query_lens_cpu, meta.seq_lens_cpu
+        starts = list(accumulate(query_lens, initial=0))
+        for seq in seqs:
+            query_len, seq_len = query_lens[seq], seq_lens[seq]
+            start = starts[seq]
             end = start + query_len
             num_blocks = -(-seq_len // block_size)
             blocks = meta.block_tables[seq, :num_blocks]
@@ -193,5 +229,3 @@ class TorchAttentionBackend:
                 enable_gqa=True,
             )[0]
             output[start:end] = attended.transpose(0, 1).to(query.dtype)
-            start = end
-        return output

@@ -157,6 +157,35 @@ def test_batched_decode_in_groups_matches_per_sequence_reference(monkeypatch: py
     assert len(groups) == {1: 8, 24: 5, 60: 3}[budget_rows]
 
 
+@pytest.mark.parametrize("budget_rows", [1, 200])
+def test_mixed_step_batches_its_decodes(monkeypatch: pytest.MonkeyPatch, budget_rows: int) -> None:
+    """In a step with prefill chunks, the decodes (one query token) still go batched, in groups under the
+    gather budget, at their own query rows, and the step equals the per-sequence loop."""
+    row_bytes = 2 * NUM_KV_HEADS * HEAD_DIM * 4
+    monkeypatch.setattr(torch_ref, "GATHER_BUDGET_BYTES", budget_rows * row_bytes)
+    generator = torch.Generator().manual_seed(budget_rows)
+    backend = TorchAttentionBackend()
+    chunks = [(9, 1), (0, 7), (30, 1), (5, 6), (BLOCK_SIZE - 1, 1), (16, 1), (2, 13), (0, 1)]  # (cached, new)
+    seq_lens = [cached + new for cached, new in chunks]
+    query_lens = [new for _, new in chunks]
+    free_blocks = torch.randperm(NUM_BLOCKS, generator=generator).tolist()
+    tables = [[free_blocks.pop() for _ in range(-(-n // BLOCK_SIZE))] for n in seq_lens]
+    slots = [t[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+             for t, (cached, new) in zip(tables, chunks) for p in range(cached, cached + new)]
+    meta = AttentionMetadata.from_host(slots, tables, query_lens, seq_lens)
+    kv_cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=generator)
+    query = torch.randn(sum(query_lens), NUM_KV_HEADS * 2, HEAD_DIM, generator=generator)
+
+    mixed = backend.forward(query, kv_cache, meta, HEAD_DIM**-0.5)
+    reference = backend._forward_per_sequence(query, kv_cache, meta, HEAD_DIM**-0.5)
+    assert (mixed - reference).abs().max().item() < 1e-5  # two fp32 orders of one sum: as above
+    (groups,) = meta.backend_cache.values()
+    starts = meta.query_start_loc.tolist()
+    decode_rows = [starts[seq] for seq, n in enumerate(query_lens) if n == 1]
+    assert sorted(row for g in groups for row in g.rows.tolist()) == decode_rows
+    assert len(groups) == {1: len(decode_rows), 200: 1}[budget_rows]
+
+
 def test_backend_selection(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     cpu = torch.device("cpu")
