@@ -32,4 +32,7 @@ def test_batch_bench_quick(tmp_path: Path) -> None:
     assert all(min(levels.values()) > 0 for levels in one["capacity_before_after"])
     assert beside["batch_tokens_per_s"] > 0 and alone["batch_tokens_per_s"] == 0, "the engine's count per tenant"
     assert alone["web_tokens_per_s"] > 0 and set(beside["why"]["cpu"]) == {"engine", "guard", "load generator"}
-    assert set(report["summary"]) == {"ttft_p50_beside_over_alone", "batch_share_of_left", "per_round"}
+    assert set(one["left_measured_tokens_per_s"]) == {"32", "64"}
+    assert all(tokens > 0 for tokens in one["left_measured_tokens_per_s"].values()), "the batch-shaped tenant's own"
+    assert set(report["summary"]) == {"ttft_p50_beside_over_alone", "batch_share_of_left",
+                                      "batch_share_of_left_measured", "per_round"}
