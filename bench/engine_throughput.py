@@ -114,10 +114,10 @@ def trace_steps(core: EngineCore) -> list[StepRecord]:
         kinds.append((len(out.token_ids) == len(out.seqs), len(out.seqs)))
         return execute(out, *args, **kwargs)
 
-    def traced_on_step(duration_s: float, num_tokens: int, has_decode: bool, bytes_moved: int) -> None:
+    def traced_on_step(duration_s: float, num_tokens: int, has_decode: bool, bytes_moved: int, num_seqs: int) -> None:
         decode_only, batch = kinds.popleft()
         steps.append(StepRecord(decode_only, batch, bytes_moved, duration_s))
-        on_step(duration_s, num_tokens, has_decode, bytes_moved)
+        on_step(duration_s, num_tokens, has_decode, bytes_moved, num_seqs)
 
     core.runner.execute = traced_execute
     core.stats.on_step = traced_on_step

@@ -277,7 +277,8 @@ class EngineCore:
         touched = self.scheduler.settle(out, result.sampled())
         self._drop_idle_ahead()
         self.last_schedule = out
-        self.stats.on_step(time.perf_counter() - started, result.num_tokens, out.has_decode, result.bytes_moved)
+        self.stats.on_step(time.perf_counter() - started, result.num_tokens, out.has_decode, result.bytes_moved,
+                           len(out.seqs))
         return self.report(touched, finished_only)
 
     def report(self, touched: Iterable[Request], finished_only: bool = False) -> list[RequestOutput]:

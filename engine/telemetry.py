@@ -32,6 +32,7 @@ class StepRecord:
     num_tokens: int  # tokens computed (prefill + decode)
     has_decode: bool
     bytes_moved: int
+    num_seqs: int  # sequences in the step
 
 
 class EngineStats:
@@ -47,10 +48,10 @@ class EngineStats:
         """Bytes copied by swap, per direction ("in" to the device, "out" to the host)."""
         return {direction: blocks * self.block_bytes for direction, blocks in self.counters.blocks_swapped.items()}
 
-    def on_step(self, duration_s: float, num_tokens: int, has_decode: bool, bytes_moved: int) -> None:
+    def on_step(self, duration_s: float, num_tokens: int, has_decode: bool, bytes_moved: int, num_seqs: int) -> None:
         self.step += 1
         now = time.monotonic()
-        self._window.append(StepRecord(now, duration_s, num_tokens, has_decode, bytes_moved))
+        self._window.append(StepRecord(now, duration_s, num_tokens, has_decode, bytes_moved, num_seqs))
         self._trim(now)
 
     def snapshot(
@@ -62,7 +63,7 @@ class EngineStats:
         steps = list(self._window)
         span = max(RATE_WINDOW_S, 1e-9) if steps else 1.0
         busy = sum(s.duration_s for s in steps)
-        decode_steps = [s.duration_s for s in steps if s.has_decode]
+        decode_steps = [s for s in steps if s.has_decode]
         bytes_per_s = sum(s.bytes_moved for s in steps) / busy if busy > 0 else 0.0
         peak = self.peak_bandwidth_bytes_per_s
         return TelemetrySnapshot(
@@ -86,7 +87,8 @@ class EngineStats:
             prompt_tokens_total=counters.prompt_tokens,
             generation_tokens_total=counters.generation_tokens,
             step_time_s=busy / len(steps) if steps else 0.0,
-            itl_s=sum(decode_steps) / len(decode_steps) if decode_steps else 0.0,
+            itl_s=sum(s.duration_s for s in decode_steps) / len(decode_steps) if decode_steps else 0.0,
+            itl_batch=sum(s.num_seqs for s in decode_steps) / len(decode_steps) if decode_steps else 0.0,
             tokens_per_s=sum(s.num_tokens for s in steps) / span,
             bytes_moved_per_s=bytes_per_s,
             peak_bandwidth_bytes_per_s=peak,

@@ -60,6 +60,8 @@ class TelemetrySnapshot(BaseModel):
     generation_tokens_total: int
     step_time_s: float
     itl_s: float
+    itl_batch: float = Field(default=0.0, description="mean sequences a step over the decode steps that itl_s "
+                             "averages: the batch size to pair itl_s with (num_running is one instant's)")
     tokens_per_s: float
     bytes_moved_per_s: float
     peak_bandwidth_bytes_per_s: float

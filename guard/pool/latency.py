@@ -28,7 +28,7 @@ mean step time and a nominal prefill rate. On top of the fit, a residual correct
 lower priority's prefill is in flight (the request then waits for that step, then its own); per band an
 exponentially weighted mean of log(actual / fitted), fast (``RESIDUAL_DECAY``: the load moves within a
 second), multiplies the fit. TPOT: the engine's decode step as a line in the batch size, fitted to the
-telemetry's (``num_running``, ``itl_s``) at every snapshot (each replica its own: heterogeneous replicas
+telemetry's (``itl_batch``, ``itl_s``) at every snapshot (``num_running`` for an engine without ``itl_batch``) (each replica its own: heterogeneous replicas
 get their own lines), corrected by the mean log ratio of the TPOT the guard's streams saw to the line's
 figure for the batch they joined (the relay, and prefill chunks between decode steps).
 
@@ -137,8 +137,11 @@ class LatencyModel:
         self._others = {p: tokens - own.get(p, 0) for p, tokens in snapshot.prefill_tokens.items()
                         if tokens > own.get(p, 0)}
         self._others_running = max(0, snapshot.num_running + snapshot.num_waiting + snapshot.num_swapped - in_flight)
-        if snapshot.itl_s > 0 and snapshot.num_running > 0:
-            self._step.add(0.0, snapshot.num_running, snapshot.itl_s)
+        # The window's own batch (itl_batch) is itl_s's pair; the instant's num_running lags it while the batch
+        # grows or shrinks, which flattened the fitted line (an engine before itl_batch sends 0).
+        batch = snapshot.itl_batch or snapshot.num_running
+        if snapshot.itl_s > 0 and batch > 0:
+            self._step.add(0.0, batch, snapshot.itl_s)
 
     def ahead(self, priority: int) -> int:
         """Prefill tokens pending at ``priority`` or before it: the guard's and the others'."""

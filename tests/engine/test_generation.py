@@ -79,6 +79,18 @@ def test_n_completions_share_the_prompt_and_follow_their_own_seeds(llm: LLM) -> 
     assert_all_blocks_back(llm.core)
 
 
+def test_telemetry_pairs_the_decode_step_with_its_batch() -> None:
+    """``itl_batch`` is the mean batch of the decode steps ``itl_s`` averages (the prefill step, with no decode,
+    counts in neither), where ``num_running`` is one instant's: 0 once everything has finished."""
+    llm = LLM("tiny", device="cpu", num_blocks=128)
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    llm.generate(["one", "two", "three"], params)  # a prefill step, then 4 decode steps of 3
+    llm.generate("four", params)  # a prefill step, then 4 decode steps of 1
+    snap = llm.telemetry()
+    assert snap.num_running == 0 and snap.itl_s > 0
+    assert snap.itl_batch == (4 * 3 + 4 * 1) / 8
+
+
 def test_telemetry_counts_per_tenant() -> None:
     llm = LLM("tiny", device="cpu", num_blocks=128)
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)

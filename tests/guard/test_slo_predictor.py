@@ -124,6 +124,18 @@ def test_heterogeneous_replicas_get_their_own_predictions() -> None:
     assert slow.predict_tpot(2).median == pytest.approx(0.006 + 0.003 * 6, rel=0.02), "2 more of the guard's"
 
 
+def test_the_decode_step_is_fitted_to_the_batch_of_the_steps_it_averages() -> None:
+    """The step line pairs ``itl_s`` with ``itl_batch`` (the mean batch of the steps it averages), not with
+    the instant's ``num_running``: a batch growing by 4 a snapshot shows each step with the batch before."""
+    paired, lagged = LatencyModel(), LatencyModel()
+    for batch in range(1, 13):  # 2 ms + 1 ms a sequence; the snapshot's instant already has 4 more running
+        reading = busy(batch + 4, itl_s=0.002 + 0.001 * batch)
+        paired.on_snapshot(reading.model_copy(update={"itl_batch": float(batch)}), 0)
+        lagged.on_snapshot(reading, 0)  # an engine without itl_batch: the instant's count, as before
+    assert paired.decode_step(20) == pytest.approx(0.002 + 0.001 * 20, rel=0.02)
+    assert lagged.decode_step(20) < 0.95 * paired.decode_step(20)  # the lag shifts the line down
+
+
 def test_a_stream_slower_than_the_decode_step_teaches_the_tpot_correction_and_its_p90() -> None:
     model = LatencyModel()
     rng = random.Random(3)
