@@ -226,7 +226,8 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict:
     engine = start_engine(workdir, ["--model", "tiny", "--device", "cpu", "--num-blocks", str(args.num_blocks)],
                           engine_cpus)
     config = {"engine": {"name": "primary", "url": engine.url}, "secret": "bench-batch",
-              "batch": {"store": str(workdir / "batches"), "max_in_flight": args.max_in_flight},
+              "batch": {"store": str(workdir / "batches"), "max_in_flight": args.max_in_flight,
+                        **({"max_slowdown": args.max_slowdown} if args.max_slowdown else {})},
               "tenants": [{"name": "web", "api_keys": [KEYS["web"]], "lane": "interactive", "max_queue": 256},
                           {"name": "bulk", "api_keys": [KEYS["bulk"]], "lane": "batch"}]}
     guard = start_guard(workdir, config, guard_cpus)
@@ -292,6 +293,7 @@ def main() -> None:
     parser.add_argument("--batch-lines", type=int, default=3000)
     parser.add_argument("--batch-max-tokens", type=int, default=64)
     parser.add_argument("--max-in-flight", type=int, default=64, help="batch.max_in_flight")
+    parser.add_argument("--max-slowdown", type=float, help="batch.max_slowdown (default: unset)")
     parser.add_argument("--num-blocks", type=int, default=256, help="the engine's KV pool")
     parser.add_argument("--calibrate", type=float, default=6.0, help="seconds of each round's capacity measurement")
     parser.add_argument("--capacity", type=float, help="generated tokens/s to offer the load against, not measured")

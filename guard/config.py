@@ -321,6 +321,11 @@ class Batch(Strict):
     max_file_bytes: int = Field(200 * 1024 * 1024, gt=0)
     max_lines: int = Field(50_000, gt=0)
     max_in_flight: int = Field(64, gt=0)  # a guard's batch lines running at once, at most (all batches)
+    # The most a guard's batch lines may lengthen a replica's decode step, as a ratio to the step without
+    # them (1.2: by 20 %), from the step the guard fits against the batch size (guard/pool/latency.py); unset,
+    # the KV budget alone paces the batch. Where a step grows with every sequence in it (a CPU engine), an
+    # interactive request's TTFT grows with it, and this is what holds it (guard/batch/pace.py).
+    max_slowdown: float | None = Field(None, gt=1.0)
     # A guard holds each batch it runs under a lease it renews every lease_ttl_s / 3; once it lapses (the
     # guard died) another guard, or this one restarted, takes the batch over.
     lease_ttl_s: PositiveSeconds = 10.0

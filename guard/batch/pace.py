@@ -15,6 +15,13 @@ refilled every block a finished client request freed, and on the shared 2-core C
 requests waited 13-74 ms (mean) in the fair queue beside a batch, against 0.4 ms alone (bench/batch.py's
 ``why``).
 
+With ``max_slowdown`` (``batch.max_slowdown``), a replica also needs the decode step its sequences would run
+at with one more line to stay within that ratio of the step without this guard's lines, as the replica's
+latency model fits the step against the batch size (guard/pool/latency.py ``decode_step``): every running
+sequence decodes in every step, so on an engine whose step grows with each sequence (a CPU's: 2.4 ms at 8,
+3.9 ms at 28, 11.5 ms at 58 on the 2-core EPYC) a batch line lengthens every interactive request's steps,
+and its TTFT, which is a few steps. On an engine whose step hardly grows (a GPU's) the bound never binds.
+
 So a line is admitted at once, without queueing: a batch line never sits in the fair queue, where it would
 send clients' requests down the queueing path behind it. The batch grows into idle blocks one admitted line
 at a time and stops growing as soon as clients' requests queue; the blocks it holds are lent (the sheddable
@@ -52,9 +59,10 @@ class OtherPeak:
 
 
 class Pacer:
-    def __init__(self, state: GuardState, max_in_flight: int) -> None:
+    def __init__(self, state: GuardState, max_in_flight: int, max_slowdown: float | None = None) -> None:
         self.state = state
         self.max_in_flight = max_in_flight
+        self.max_slowdown = max_slowdown
         self.running: set[str] = set()  # request ids of this guard's lines now in the pipeline
         self.need = 1  # blocks a line is expected to reserve: the largest of the running lines' reservations
         self.peaks: dict[str, OtherPeak] = {}  # per replica (by backend name)
@@ -74,7 +82,18 @@ class Pacer:
             largest = max(largest, reservation.blocks)
         self.need = largest or self.need
         return any(replica.usable() and replica.gate.fits(blocks := self.need + headroom[replica.backend.name], blocks)
-                   for replica in state.pool)
+                   and self.fast_enough(replica) for replica in state.pool)
+
+    def fast_enough(self, replica: Replica) -> bool:
+        """Whether one more line keeps ``replica``'s decode step within ``max_slowdown`` of the step without
+        this guard's lines (see the module); always, unset or before the replica's step is known."""
+        snapshot = replica.gate.snapshot
+        if self.max_slowdown is None or snapshot is None:
+            return True
+        reservations = replica.gate.reservations
+        mine = sum(1 for key in self.running if key in reservations)
+        without = replica.latency.decode_step(max(1, snapshot.num_running - mine))
+        return without <= 0 or replica.latency.decode_step(snapshot.num_running + 1) <= self.max_slowdown * without
 
     def headroom(self, replica: Replica, now: float) -> int:
         """Blocks other work (all but this guard's lines) reserved on ``replica`` at its recent peak beyond

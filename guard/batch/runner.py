@@ -52,7 +52,7 @@ class BatchRunner:
     def __init__(self, app: web.Application, store: BatchStore, config: Batch, metrics: BatchMetrics) -> None:
         self.app, self.store, self.config, self.metrics = app, store, config, metrics
         self.owner = uuid.uuid4().hex[:12]
-        self.pacer = Pacer(app[STATE], config.max_in_flight)
+        self.pacer = Pacer(app[STATE], config.max_in_flight, config.max_slowdown)
         self.runs: dict[str, BatchRun] = {}
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.stopping = False

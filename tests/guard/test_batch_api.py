@@ -283,3 +283,36 @@ def test_other_works_peak_is_the_most_over_its_window() -> None:
     assert [peak.see(0.0, 10), peak.see(1.0, 4), peak.see(2.0, 7)] == [10, 10, 10]
     assert peak.see(PEAK_WINDOW_S + 0.5, 3) == 7, "the 10 left the window; the 7 is the most in it"
     assert peak.see(PEAK_WINDOW_S + 2.5, 0) == 3
+
+
+class SteepSteps:
+    """A replica's latency model whose decode step grows by a tenth of its base with each sequence."""
+
+    def decode_step(self, batch: int) -> float:
+        return 1.0 + 0.1 * batch
+
+
+def test_max_slowdown_holds_the_decode_step_the_batch_adds(guard: GuardThread) -> None:
+    """With 10 sequences running, one more line is allowed beside 1 of the guard's lines (11 vs 9 without
+    them: 2.1 <= 1.2 x 1.9) and refused beside 4 (11 vs 6: 2.1 > 1.2 x 1.6); without max_slowdown, allowed."""
+    def look() -> list[bool]:
+        state = guard.state
+        (replica,) = state.pool
+        gate, latency, snapshot = replica.gate, replica.latency, replica.gate.snapshot
+        replica.latency, gate.snapshot = SteepSteps(), snapshot.model_copy(update={"num_running": 10})
+        lines = [f"batch_x:{i}" for i in range(4)]
+        for key in lines:
+            gate.record(key, "bulk", 1)
+        try:
+            seen = []
+            for running, max_slowdown in ((1, 1.2), (4, 1.2), (4, None)):
+                pacer = Pacer(state, max_in_flight=8, max_slowdown=max_slowdown)
+                pacer.running = set(lines[:running])
+                seen.append(pacer.room())
+            return seen
+        finally:
+            for key in lines:
+                gate.release(key)
+            replica.latency, gate.snapshot = latency, snapshot
+
+    assert guard.call(look) == [True, False, True]
