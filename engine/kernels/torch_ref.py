@@ -123,15 +123,17 @@ class TorchAttentionBackend:
         return output
 
     @staticmethod
-    def _decode_groups(meta: AttentionMetadata, block_size: int, row_bytes: int,
+    def _decode_groups(meta: AttentionMetadata, kv_cache: torch.Tensor,
                        decodes: list[int] | None = None) -> list[DecodeGroup]:
         """The step's ``decodes`` (None: every sequence, each one query token) in groups (see ``DecodeGroup``),
         built once per step: sequences by context length, each group as many as fit ``GATHER_BUDGET_BYTES``
         padded to its longest (one at least), so that a group's gathered K/V stays in cache and pads little.
         One group: every sequence, in order."""
+        block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
         key = ("torch_decode", block_size)
         cached = meta.backend_cache.get(key)
         if cached is None:
+            row_bytes = 2 * num_kv_heads * head_dim * kv_cache.element_size()  # a context position's K and V
             seqs = range(meta.num_seqs) if decodes is None else decodes
             lens = meta.seq_lens_cpu
             if len(seqs) * max(lens[seq] for seq in seqs) * row_bytes <= GATHER_BUDGET_BYTES:  # no sorting
@@ -142,7 +144,7 @@ class TorchAttentionBackend:
                     if members[-1] and (len(members[-1]) + 1) * lens[seq] * row_bytes > GATHER_BUDGET_BYTES:
                         members.append([])
                     members[-1].append(seq)
-                cached = [DecodeGroup.of(meta, seqs, block_size) for seqs in members]
+                cached = [DecodeGroup.of(meta, member, block_size) for member in members]
             meta.backend_cache[key] = cached
         return cached
 
@@ -150,8 +152,7 @@ class TorchAttentionBackend:
         self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
         """One query token per sequence: one padded, masked SDPA call per group of sequences."""
-        block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
-        groups = self._decode_groups(meta, block_size, 2 * num_kv_heads * head_dim * kv_cache.element_size())
+        groups = self._decode_groups(meta, kv_cache)
         if len(groups) == 1 and groups[0].rows is None:
             return self._attend(query, kv_cache, groups[0], scale)
         output = torch.empty_like(query)
@@ -161,9 +162,7 @@ class TorchAttentionBackend:
     def _decode_into(self, output: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor,
                      meta: AttentionMetadata, scale: float, decodes: list[int] | None = None) -> None:
         """Fill the ``output`` rows of the step's ``decodes`` (None: every sequence), group by group."""
-        block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
-        row_bytes = 2 * num_kv_heads * head_dim * kv_cache.element_size()
-        for group in self._decode_groups(meta, block_size, row_bytes, decodes):
+        for group in self._decode_groups(meta, kv_cache, decodes):
             output.index_copy_(0, group.rows, self._attend(query.index_select(0, group.rows), kv_cache, group, scale))
 
     @staticmethod

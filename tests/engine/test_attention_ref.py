@@ -105,6 +105,16 @@ def test_output_keeps_the_query_dtype() -> None:
     assert backend.forward(query, kv_cache, meta, scale=1.0).dtype == torch.bfloat16
 
 
+def step_meta(chunks: list[tuple[int, int]], generator: torch.Generator) -> AttentionMetadata:
+    """A step's metadata for sequences of (cached tokens, new tokens), each one's blocks drawn at random."""
+    free_blocks = torch.randperm(NUM_BLOCKS, generator=generator).tolist()
+    seq_lens = [cached + new for cached, new in chunks]
+    tables = [[free_blocks.pop() for _ in range(-(-n // BLOCK_SIZE))] for n in seq_lens]
+    slots = [t[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+             for t, (cached, new) in zip(tables, chunks) for p in range(cached, cached + new)]
+    return AttentionMetadata.from_host(slots, tables, [new for _, new in chunks], seq_lens)
+
+
 @pytest.mark.parametrize("group", [1, 3])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_batched_decode_matches_per_sequence_reference(group: int, seed: int) -> None:
@@ -114,10 +124,7 @@ def test_batched_decode_matches_per_sequence_reference(group: int, seed: int) ->
     num_layers, num_seqs = 3, 9
     # Ragged contexts, including a single token and ends exactly on a block boundary.
     seq_lens = [1, BLOCK_SIZE, 2 * BLOCK_SIZE + 1] + torch.randint(1, 40, (num_seqs - 3,), generator=generator).tolist()
-    free_blocks = torch.randperm(NUM_BLOCKS, generator=generator).tolist()
-    tables = [[free_blocks.pop() for _ in range(-(-n // BLOCK_SIZE))] for n in seq_lens]
-    slots = [t[(n - 1) // BLOCK_SIZE] * BLOCK_SIZE + (n - 1) % BLOCK_SIZE for t, n in zip(tables, seq_lens)]
-    meta = AttentionMetadata.from_host(slots, tables, [1] * num_seqs, seq_lens)
+    meta = step_meta([(n - 1, 1) for n in seq_lens], generator)
     scale = HEAD_DIM**-0.5
 
     for _ in range(num_layers):  # one metadata serves every layer, each with its own cache
@@ -139,10 +146,7 @@ def test_batched_decode_in_groups_matches_per_sequence_reference(monkeypatch: py
     generator = torch.Generator().manual_seed(budget_rows)
     backend = TorchAttentionBackend()
     seq_lens = [9, 1, 30, BLOCK_SIZE, 17, 2 * BLOCK_SIZE + 1, 25, 3]
-    free_blocks = torch.randperm(NUM_BLOCKS, generator=generator).tolist()
-    tables = [[free_blocks.pop() for _ in range(-(-n // BLOCK_SIZE))] for n in seq_lens]
-    slots = [t[(n - 1) // BLOCK_SIZE] * BLOCK_SIZE + (n - 1) % BLOCK_SIZE for t, n in zip(tables, seq_lens)]
-    meta = AttentionMetadata.from_host(slots, tables, [1] * len(seq_lens), seq_lens)
+    meta = step_meta([(n - 1, 1) for n in seq_lens], generator)
     kv_cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=generator)
     query = torch.randn(len(seq_lens), NUM_KV_HEADS * 2, HEAD_DIM, generator=generator)
 
@@ -166,13 +170,8 @@ def test_mixed_step_batches_its_decodes(monkeypatch: pytest.MonkeyPatch, budget_
     generator = torch.Generator().manual_seed(budget_rows)
     backend = TorchAttentionBackend()
     chunks = [(9, 1), (0, 7), (30, 1), (5, 6), (BLOCK_SIZE - 1, 1), (16, 1), (2, 13), (0, 1)]  # (cached, new)
-    seq_lens = [cached + new for cached, new in chunks]
     query_lens = [new for _, new in chunks]
-    free_blocks = torch.randperm(NUM_BLOCKS, generator=generator).tolist()
-    tables = [[free_blocks.pop() for _ in range(-(-n // BLOCK_SIZE))] for n in seq_lens]
-    slots = [t[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
-             for t, (cached, new) in zip(tables, chunks) for p in range(cached, cached + new)]
-    meta = AttentionMetadata.from_host(slots, tables, query_lens, seq_lens)
+    meta = step_meta(chunks, generator)
     kv_cache = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=generator)
     query = torch.randn(sum(query_lens), NUM_KV_HEADS * 2, HEAD_DIM, generator=generator)
 
