@@ -141,12 +141,8 @@ async def left_measured(engine: Service, guard: Service, args: argparse.Namespac
     the interactive requests what they cost the engine (a streamed token costs this CPU engine more than a
     batch token: docs/benchmarks/batch.md)."""
     async def web(seconds: float) -> None:
-        results: list[Result] = []
-        target = guard_target(guard.url, KEYS)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-            async def fire(result: Result) -> None:
-                await send(session, target, "web", web_body(args.web_max_tokens), result)
-            tasks = await arrivals(rate, seed, time.monotonic(), seconds, fire, results)
+            tasks = await web_arrivals(session, guard, args, rate, seed, time.monotonic(), seconds, [])
             await asyncio.wait(tasks, timeout=args.drain) if tasks else None
 
     return {str(n): (await saturate(engine, args.batch_max_tokens, args.calibrate, n, web))["bulk"]
@@ -180,10 +176,21 @@ async def stop_batch(session: aiohttp.ClientSession, guard: Service, batch_id: s
         await asyncio.sleep(0.2)
 
 
+async def web_arrivals(session: aiohttp.ClientSession, guard: Service, args: argparse.Namespace, rate: float,
+                       seed: int, start: float, seconds: float, results: list[Result]) -> list[asyncio.Task]:
+    """The interactive tenant's streamed completions through the guard, Poisson arrivals at ``rate`` from
+    ``start`` for ``seconds`` (the same ``seed``, the same times), each a task recording into ``results``."""
+    target = guard_target(guard.url, KEYS)
+
+    async def fire(result: Result) -> None:
+        await send(session, target, "web", web_body(args.web_max_tokens), result)
+
+    return await arrivals(rate, seed, start, seconds, fire, results)
+
+
 async def phase(engine: Service, guard: Service, args: argparse.Namespace, rate: float, seed: int,
                 with_batch: bool) -> dict:
     """One phase (see the module): the interactive arrivals, beside a batch or alone."""
-    target = guard_target(guard.url, KEYS)
     results: list[Result] = []
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         batch_id = await start_batch(session, guard, args) if with_batch else None
@@ -193,11 +200,7 @@ async def phase(engine: Service, guard: Service, args: argparse.Namespace, rate:
                 "load generator": (os.getpid(), False)}
         async with Probe(engine.url, guard.url, "web", pids) as probe:
             before, start = await asyncio.to_thread(tokens_total, engine), time.monotonic()
-
-            async def fire(result: Result) -> None:
-                await send(session, target, "web", web_body(args.web_max_tokens), result)
-
-            tasks = await arrivals(rate, seed, start, args.duration, fire, results)
+            tasks = await web_arrivals(session, guard, args, rate, seed, start, args.duration, results)
             await asyncio.sleep(max(0.0, start + args.duration - time.monotonic()))
             after, elapsed = await asyncio.to_thread(tokens_total, engine), time.monotonic() - start
         await asyncio.wait(tasks, timeout=args.drain) if tasks else None
