@@ -143,15 +143,21 @@ class Dispatcher:
         return sum(t.blocks for key, lane in queue.lanes.items() if key <= order for t in lane)
 
     def blocks_before(self, ticket: Ticket) -> slo.Backlog:
-        """What is queued to be admitted before the ticket, by its class: a critical one waits only for the
-        critical tickets (they go first), a standard one for those and ``blocks_ahead_of`` it, a sheddable
-        one for the sheddable tickets queued that VTC admits before it (the pace it is judged by has
-        critical work in it already), since the oldest of them queued."""
+        """What is queued to be admitted before the ticket, by its class: a critical one (on time: it is
+        being judged) waits only for the critical tickets that can still be on time (they go first, the late
+        ones yield), a standard one for every critical ticket and ``blocks_ahead_of`` it, a sheddable one for
+        the sheddable tickets queued that VTC admits before it (the pace it is judged by has critical work in
+        it already), since the oldest of them queued."""
         priority_class = ticket.priority_class
         if priority_class == slo.SHEDDABLE:
             return self._sheddable_before(ticket)
-        critical = self.blocks_queued(slo.CRITICAL)
-        return slo.Backlog(critical if priority_class == slo.CRITICAL else critical + self.blocks_ahead_of(ticket))
+        if priority_class != slo.CRITICAL:
+            return slo.Backlog(self.blocks_queued(slo.CRITICAL) + self.blocks_ahead_of(ticket))
+        if not self.fair.queued:
+            return slo.Backlog(0)
+        now = time.monotonic()
+        return slo.Backlog(sum(t.blocks for q in self.fair.tenants.values() for lane in q.lanes.values() for t in lane
+                               if t.priority_class == slo.CRITICAL and not (t.late or slo.late(t, now))))
 
     def _sheddable_before(self, ticket: Ticket) -> slo.Backlog:
         """The sheddable blocks queued that VTC admits before the ticket (``fairness.served_before``: its own
@@ -342,9 +348,24 @@ class Dispatcher:
 
     def _next_tenant(self, skip: set[str]) -> TenantQueue[Ticket] | None:
         """The priority band before fairness: the tenants whose next ticket is critical, by VTC among them,
-        go before the rest (by VTC)."""
-        critical = [q for q in self.fair.backlogged() if q.name not in skip
-                    and (head := q.head()) is not None and head.priority_class == slo.CRITICAL]
+        go before the rest (by VTC); among them, those whose next critical ticket can still be on time go
+        first (``slo.late``: a late one yields; each tenant's late heads are moved behind its on-time ones
+        here, as they come to the head)."""
+        now = time.monotonic()
+        on_time: list[TenantQueue[Ticket]] = []
+        late: list[TenantQueue[Ticket]] = []
+        for queue in self.fair.backlogged():
+            if queue.name in skip:
+                continue
+            head = queue.head()
+            while head is not None and not head.late and slo.late(head, now):
+                order = head.order
+                head.late = True
+                self.fair.move(queue, order, head.order, head)
+                head = queue.head()
+            if head is not None and head.priority_class == slo.CRITICAL:
+                (late if head.late else on_time).append(queue)
+        critical = on_time or late
         if not critical:
             return self.fair.next_tenant(skip)
         return min(critical, key=lambda q: q.counter)

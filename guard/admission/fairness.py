@@ -23,7 +23,7 @@ OUTPUT_COST = 2.0
 JAIN_WINDOW_S = 30.0  # the longest window the fairness index looks back over
 
 Item = TypeVar("Item")
-Order = int | tuple[int, int]  # what orders the work inside a tenant: lower first
+Order = int | tuple[int, ...]  # what orders the work inside a tenant: lower first
 
 
 @dataclass(slots=True)
@@ -94,6 +94,12 @@ class FairQueue(Generic[Item]):
         if self.on_backlog is not None:
             self.on_backlog(tenant.name, -1)
         return True
+
+    @staticmethod
+    def move(tenant: TenantQueue[Item], from_key: Order, to_key: Order, item: Item) -> None:
+        """Move a queued item to the back of another of its tenant's lanes (nothing is queued or unqueued)."""
+        tenant.lanes[from_key].remove(item)
+        tenant.lanes.setdefault(to_key, deque()).append(item)
 
     def next_tenant(self, skip: set[str] | frozenset[str] = frozenset()) -> TenantQueue[Item] | None:
         """The backlogged tenant with the lowest counter (ties: the first configured), ``skip`` left out."""

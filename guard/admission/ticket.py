@@ -80,15 +80,19 @@ class Ticket:
     priority_class: str = ""
     objective_name: str | None = None  # the tenant's named objective it selected (None: none)
     stream: bool = False  # its answer streams: its replica learns the stream's TPOT (guard/pool/latency.py)
+    # Queued past the point where it could be on time (guard/admission/slo.py ``late``): it yields to those
+    # of its class that still can. Set once, by the dispatcher, as it moves the ticket in its tenant's queue.
+    late: bool = False
 
     def __post_init__(self) -> None:
         if not self.priority_class:
             self.priority_class = self.lane.priority_class
 
     @property
-    def order(self) -> tuple[int, int]:
-        """Its place inside its tenant's queue (lower first): its class (critical first), then its lane's
-        priority. A request's class may differ from its lane's, so the class goes first: the critical band
-        (guard/admission/dispatch.py) sees a tenant's critical request before its standard ones. (Computed
-        when asked: most tickets are admitted without queueing and never need it.)"""
-        return slo.ORDER[self.priority_class], self.lane.priority
+    def order(self) -> tuple[int, int, int]:
+        """Its place inside its tenant's queue (lower first): its class (critical first), then whether it is
+        ``late`` (behind those of its class still on time), then its lane's priority. A request's class may
+        differ from its lane's, so the class goes first: the critical band (guard/admission/dispatch.py) sees
+        a tenant's critical request before its standard ones. (Computed when asked: most tickets are admitted
+        without queueing and never need it.)"""
+        return slo.ORDER[self.priority_class], self.late, self.lane.priority

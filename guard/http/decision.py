@@ -72,6 +72,7 @@ def slo_record(ticket: Ticket) -> dict:
             "predicted_queue_ms": _ms(ticket.predicted_queue), "predicted_engine_ms": _ms(ticket.predicted_engine),
             "predicted_tpot_ms": _ms(ticket.predicted_tpot), "predicted_tpot_p90_ms": _ms(ticket.predicted_tpot_p90),
             "observed_tpot_ms": _ms(ticket.observed_tpot),  # the stream's mean gap between tokens
+            "late_in_queue": ticket.late,  # queued past being on time, it yielded to those still on time
             "met": ticket.verdicts}
 
 

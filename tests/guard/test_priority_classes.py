@@ -220,3 +220,38 @@ async def test_a_standard_request_queues_behind_sheddable_lines_that_drain_inste
             assert dispatcher.sheddable_held == 16 * 5, "the sixteen lines still running"
         finally:
             await script.close()
+
+
+# One replica of 100 blocks (budget 85), two tenants of one critical lane: a 1 s TTFT objective, 10 s to queue.
+CRITICAL_LANE = GuardConfig.model_validate({
+    "engine": {"name": "e0", "url": "http://127.0.0.1:9000"}, "secret": "s",
+    "lanes": {"chat": {"priority": 1, "timeout": 10.0, "slo": {"ttft_ms": 1000}, "priority_class": "critical"}},
+    "tenants": [{"name": "a", "api_keys": ["sk-a"], "lane": "chat"},
+                {"name": "b", "api_keys": ["sk-b"], "lane": "chat"}]})
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_a_critical_request_that_can_no_longer_be_on_time_yields_to_those_that_still_can(
+        backend: str, clock: FakeClock, redis: RedisServer) -> None:
+    """Served first come first, a critical queue that outgrows the replicas makes every request in it late.
+    Tenant a fills the pool and queues two more that then wait past their 1 s objective; fresh requests of
+    a and of b arrive after them. As room frees, the fresh ones go first (within a's queue and across the
+    tenants' critical band), and the late ones are still served, in their order, with the room left, on
+    both backends."""
+    if backend == "redis":
+        flush(redis)
+    async with admission(backend, CRITICAL_LANE, [100], redis.url) as (dispatcher,):
+        script = Script(dispatcher, clock)
+        try:
+            filling = [await script.arrive(0, 10) for _ in range(8)]  # 80 of the 85 blocks' budget
+            late = [await script.arrive(0, 10) for _ in range(2)]
+            assert all(script.tickets[rid].state is TicketState.QUEUED for rid in late), script.decisions
+            script.tick(2.0)  # past their objective: they can no longer be on time
+            fresh = [await script.arrive(0, 10), await script.arrive(1, 10)]
+            for rid in filling[:4]:
+                await script.end(rid, 4)
+            admitted = [d[0] for d in script.decisions if d[1] == "admitted" and d[0] not in filling]
+            assert sorted(admitted[:2]) == sorted(fresh) and admitted[2:] == late, script.decisions
+            assert all(script.tickets[rid].late for rid in late) and not any(script.tickets[r].late for r in fresh)
+        finally:
+            await script.close()

@@ -464,6 +464,7 @@ async def test_live_objectives_answers_series_and_decision_record(engine: Engine
             predicted = record["slo"]
             assert predicted["predicted_ttft_p90_ms"] >= predicted["predicted_ttft_ms"], "the p90 is no lower"
             assert predicted["predicted_engine_ms"] > 0 and predicted["observed_tpot_ms"] > 0
+            assert predicted["late_in_queue"] is False, "admitted at once, it never waited past its objective"
             assert predicted["predicted_tpot_p90_ms"] is None or \
                 predicted["predicted_tpot_p90_ms"] >= predicted["predicted_tpot_ms"] > 0
             status, _, raw = await post("sk-acme", {"X-SLO-TTFT-Ms": "soon"})
