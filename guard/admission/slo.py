@@ -72,7 +72,7 @@ tenants whose next critical ticket is on time first (guard/admission/dispatch.py
 a queue that outgrows the replicas makes every ticket in it late: in bench/slo.py's S1 with the interactive
 (critical) lane offered at twice the capacity, the guard with objectives kept 8-25 % of it on time where
 B2, whose lane timeout drops a ticket at the objective, kept 49-72 %; yielding, it keeps 72-86 % (B2 49-64 %
-in the same runs), and the late ones are served with what the on-time ones leave, until their lane's
+in the same runs; at 120 s blocks 77-85 % against B2's 70-84 %), and the late ones are served with what the on-time ones leave, until their lane's
 timeout. Before anything has drained there is no pace to predict a wait from, and nothing is refused for
 its TTFT; before a replica has stepped, nothing for its TPOT.
 """
