@@ -23,7 +23,7 @@ of the capacity interactive work leaves. That capacity is also measured side by 
 (``left_measured_tokens_per_s``): the batch-shaped requests' tokens per second, straight to the engine at each
 ``--capacity-concurrency`` level, while the round's interactive arrivals run through the guard. It charges
 the interactive requests what they cost the engine, where the capacity less their tokens counts a streamed
-token as cheap as a batch token (on this CPU it is not: docs/benchmarks/batch.md).
+token as a batch token (on this CPU the two agreed within 6 %: docs/benchmarks/batch.md).
 
 With taskset and 2 cores, the engine runs alone on core 0 and the guard with this process (the load
 generator) on core 1 (``--no-pin``: all three float); pinning keeps them from taking each other's core, not
@@ -138,8 +138,7 @@ async def left_measured(engine: Service, guard: Service, args: argparse.Namespac
     """The capacity interactive work leaves, measured side by side: the batch-shaped requests' tokens/s at
     each ``--capacity-concurrency`` level, straight to the engine, while the round's interactive arrivals
     (same rate and seed) run through the guard. Unlike the capacity less the interactive tokens, it charges
-    the interactive requests what they cost the engine (a streamed token costs this CPU engine more than a
-    batch token: docs/benchmarks/batch.md)."""
+    the interactive requests what they cost the engine, whatever a streamed token costs beside a batch token."""
     async def web(seconds: float) -> None:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
             tasks = await web_arrivals(session, guard, args, rate, seed, time.monotonic(), seconds, [])

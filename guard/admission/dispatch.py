@@ -157,7 +157,7 @@ class Dispatcher:
             return slo.Backlog(0)
         now = time.monotonic()
         return slo.Backlog(sum(t.blocks for q in self.fair.tenants.values() for lane in q.lanes.values() for t in lane
-                               if t.priority_class == slo.CRITICAL and not (t.late or slo.late(t, now))))
+                               if t.priority_class == slo.CRITICAL and not slo.late(t, now)))
 
     def _sheddable_before(self, ticket: Ticket) -> slo.Backlog:
         """The sheddable blocks queued that VTC admits before the ticket (``fairness.served_before``: its own

@@ -28,9 +28,10 @@ mean step time and a nominal prefill rate. On top of the fit, a residual correct
 lower priority's prefill is in flight (the request then waits for that step, then its own); per band an
 exponentially weighted mean of log(actual / fitted), fast (``RESIDUAL_DECAY``: the load moves within a
 second), multiplies the fit. TPOT: the engine's decode step as a line in the batch size, fitted to the
-telemetry's (``itl_batch``, ``itl_s``) at every snapshot (``num_running`` for an engine without ``itl_batch``) (each replica its own: heterogeneous replicas
-get their own lines), corrected by the mean log ratio of the TPOT the guard's streams saw to the line's
-figure for the batch they joined (the relay, and prefill chunks between decode steps).
+telemetry's (``itl_batch``, ``itl_s``) at every snapshot (``num_running`` in place of ``itl_batch`` for an
+engine without it; each replica its own: heterogeneous replicas get their own lines), corrected by the
+mean log ratio of the TPOT the guard's streams saw to the line's figure for the batch they joined (the
+relay, and prefill chunks between decode steps).
 
 **The p90.** Per band (TTFT; the replica-wide figure until a band has ``MIN_SPREAD_SEEN`` observations) and
 per replica (TPOT), the 0.9 quantile of log(actual / the median predicted when the request was sent),
